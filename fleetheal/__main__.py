@@ -1,0 +1,3 @@
+from fleetheal.cli import main
+
+raise SystemExit(main())

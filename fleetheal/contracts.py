@@ -1,0 +1,56 @@
+"""Names shared by several parts of fleetheal (DESIGN.md, "Contracts between the parts").
+
+Change a name here, never by hand in several places. Generated files (alert rules, Ansible vars)
+take these values through `fleetheal generate`.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: Slurm drain reasons fleetheal owns start with this; it never undrains a node without it.
+DRAIN_REASON_PREFIX = "fleetheal:"
+
+#: Kubernetes label/taint prefix.
+K8S_PREFIX = "fleetheal.io/"
+#: Taint put on a node fleetheal isolated (effect NoSchedule; value = fault id).
+TAINT_UNHEALTHY = K8S_PREFIX + "unhealthy"
+#: Taint that keeps warm-standby nodes empty until they are promoted.
+TAINT_STANDBY = K8S_PREFIX + "standby"
+#: Pool membership label: one of POOLS.
+LABEL_POOL = K8S_PREFIX + "pool"
+POOLS = ("active", "standby", "quarantine")
+#: Failure-domain label (rack, leaf switch) the safety gate budgets by.
+LABEL_FAILURE_DOMAIN = K8S_PREFIX + "failure-domain"
+
+#: Labels every fleetheal alert carries (Alertmanager -> remediator).
+ALERT_LABELS = ("cluster", "node", "gpu", "fault_id", "class", "action", "severity")
+
+#: Gauge the agent sets to 1 while a fault is active on a GPU (gpu="node" for node-wide faults).
+#: Labels: node, gpu, fault_id, class, action, severity. The generated alert rules select on it.
+METRIC_FAULT_ACTIVE = "fleetheal_agent_fault_active"
+#: Counter of classified faults. Labels: fault_id, class.
+METRIC_FAULTS_TOTAL = "fleetheal_agent_faults_total"
+
+#: Value of the `gpu` label for faults that concern the whole node (NIC, host memory, disk).
+NODE_WIDE_GPU = "node"
+
+_REASON_SAFE = re.compile(r"[^A-Za-z0-9_.:=/-]+")
+
+
+def drain_reason(fault_id: str, incident: str, gpu: str | None = None, when: str | None = None) -> str:
+    """An owned Slurm drain reason: `fleetheal:<fault> incident=<id> [gpu=<i>] [at=<time>]`.
+
+    Only safe characters survive, so the reason can be passed to scontrol as one argument.
+    """
+    parts = [f"{DRAIN_REASON_PREFIX}{fault_id}", f"incident={incident}"]
+    if gpu is not None:
+        parts.append(f"gpu={gpu}")
+    if when is not None:
+        parts.append(f"at={when}")
+    return " ".join(_REASON_SAFE.sub("_", p) for p in parts)
+
+
+def owns_reason(reason: str | None) -> bool:
+    """True when a Slurm node reason was written by fleetheal."""
+    return bool(reason) and str(reason).startswith(DRAIN_REASON_PREFIX)
