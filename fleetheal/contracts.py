@@ -54,3 +54,17 @@ def drain_reason(fault_id: str, incident: str, gpu: str | None = None, when: str
 def owns_reason(reason: str | None) -> bool:
     """True when a Slurm node reason was written by fleetheal."""
     return bool(reason) and str(reason).startswith(DRAIN_REASON_PREFIX)
+
+#: Extra variables the remediator passes to every remediation playbook (all validated first).
+#: Playbooks assert `fleetheal_action` is what the taxonomy maps `fleetheal_fault_id` to.
+PLAYBOOK_VARS = (
+    "fleetheal_incident_id",  # str, e.g. "inc-000042"
+    "fleetheal_node",  # RFC 1123 node name known to the cluster (Slurm and Kubernetes node name)
+    "fleetheal_fault_id",  # taxonomy fault id
+    "fleetheal_fault_class",  # hardware | transient | user | unknown
+    "fleetheal_action",  # taxonomy action
+    "fleetheal_cluster",  # cluster name
+    "fleetheal_dry_run",  # bool: report "would ...", change nothing
+    "fleetheal_job_id",  # optional Slurm job id ("" when the fault is not tied to one job)
+    "fleetheal_gpu",  # optional GPU index or "node"
+)
