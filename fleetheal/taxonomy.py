@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -71,12 +71,15 @@ class DecodeRule:
     def matches(self, intrinfo: int, error_status: int) -> bool:
         if error_status != self.error_status:
             return False
-        bits = format(intrinfo & 0xFFFFFFFF, "032b")
-        return _bits_match(bits, self.intrinfo_v1) or _bits_match(bits, self.intrinfo_v2)
+        return any((intrinfo & mask) == value for mask, value in (_mask(self.intrinfo_v1), _mask(self.intrinfo_v2)))
 
 
-def _bits_match(bits: str, pattern: str) -> bool:
-    return all(p in ("-", b) for b, p in zip(bits, pattern, strict=True))
+@functools.cache
+def _mask(pattern: str) -> tuple[int, int]:
+    """A 32-character bit pattern ('-' = any bit, most significant first) as (mask, value)."""
+    mask = int("".join("0" if c == "-" else "1" for c in pattern), 2)
+    value = int(pattern.replace("-", "0"), 2)
+    return mask, value
 
 
 def _schema() -> dict[str, Any]:
@@ -161,7 +164,7 @@ class Taxonomy:
         fault = self.faults.get(fault_id)
         return fault is not None and fault.action == action
 
-    def __iter__(self) -> Iterable[Fault]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Fault]:
         return iter(self.faults.values())
 
     def __len__(self) -> int:

@@ -1,0 +1,89 @@
+"""`fleetheal classify`: classify an Xid code, a log line or a whole log file with the taxonomy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from fleetheal.cli import UsageError
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "classify",
+        help="classify an Xid, a log line or a log file",
+        description="Classify faults with the taxonomy. Exit 0 also when nothing is found.",
+        epilog='examples: fleetheal classify --xid 79 | fleetheal classify "NVRM: Xid (PCI:0000:b1:00): 79, ..." '
+        "| fleetheal classify --file /var/log/kern.log --json",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("line", nargs="?", help="one log line")
+    src.add_argument("--xid", type=int, metavar="CODE", help="an NVIDIA Xid code")
+    src.add_argument("--file", metavar="LOG", help="a log file ('-' for standard input)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of events")
+    p.set_defaults(func=run)
+
+
+def events(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from fleetheal import taxonomy
+    from fleetheal.logparse import FaultEvent, LogParser
+
+    if args.xid is not None:
+        if args.xid < 1:
+            raise UsageError(f"--xid must be a positive Xid code, got {args.xid}")
+        yield FaultEvent(taxonomy.load().for_xid(args.xid), xid=args.xid).as_dict()
+        return
+    parser = LogParser()
+    if args.line is not None:
+        for event in parser.parse_line(args.line):
+            yield event.as_dict()
+        return
+    with _open(args.file) as f:
+        for number, event in parser.parse_lines(f):
+            yield {**event.as_dict(), "line": number}
+
+
+def _open(path: str) -> TextIO:
+    if path == "-":
+        return sys.stdin
+    try:
+        # Kernel logs can carry stray bytes; never fail a whole file on one.
+        return open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the caller's with
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    found = list(events(args))
+    if args.json:
+        json.dump(found, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if not found:
+        print("no fault found")
+        return 0
+    print(_table(found))
+    return 0
+
+
+def _table(found: list[dict[str, Any]]) -> str:
+    cols = [("line", "LINE"), ("fault_id", "FAULT"), ("xid", "XID"), ("pci_bus_id", "PCI BUS"),
+            ("class", "CLASS"), ("action", "ACTION"), ("severity", "SEVERITY")]
+    cols = [(k, h) for k, h in cols if any(k in e for e in found)]
+    rows = [[h for _, h in cols]] + [["-" if e.get(k) is None else str(e[k]) for k, _ in cols] for e in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if len(found) <= 20:
+        out.append("")
+        out.extend(f"{e['fault_id']}: {e['explanation']}" for e in _unique(found))
+    return "\n".join(out)
+
+
+def _unique(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: dict[str, dict[str, Any]] = {}
+    for e in found:
+        seen.setdefault(e["fault_id"], e)
+    return list(seen.values())
