@@ -1,0 +1,590 @@
+"""A real, private Slurm cluster on one machine: the harness tests, the lab and benchmarks share.
+
+`SlurmCluster` starts Debian's Slurm 22.05 daemons — one `munged`, one `slurmctld` and N `slurmd`
+(`slurmd -N <name>`, each on its own port, all `NodeHostname=localhost NodeAddr=127.0.0.1`) — with
+every file under one state directory: `slurm.conf`, `gres.conf`, the munge key and socket, spools,
+logs, pid files and the fake GPU device files. Nothing under `/etc` is read or written: clients
+find the cluster through `SLURM_CONF`, which `env` (and every helper here) sets.
+
+Each node has `gpus_per_node` fake GPUs declared as GRES: character devices with `/dev/null`'s
+numbers and `AutoDetect=off`, so `--gres=gpu:N` schedules and sets `CUDA_VISIBLE_DEVICES`.
+Timers are short (`cred_expire=5`, `sched_interval=2`, `batch_sched_delay=0`, `SlurmdTimeout=10`,
+`MessageTimeout=5`), `ReturnToService=1` and `JobRequeue=1`; `extra_conf` appends lines such as
+`HealthCheckProgram=...` (a later key overrides an earlier one in slurm.conf).
+
+All daemons run in one PID namespace (`unshare --pid --fork --mount-proc --kill-child`), whose
+holder process is detached from the caller: killing that one PID takes every daemon down, and a
+cluster can outlive the Python process that started it (`fleetheal lab up`). `SlurmCluster.attach`
+finds a running cluster again by its state directory. Needs root (the daemons and `unshare` do).
+
+Example::
+
+    with SlurmCluster(tmp_path / "slurm", nodes=2, gpus_per_node=8) as cluster:
+        job = cluster.sbatch("#!/bin/sh\\nsleep 60\\n", "--gres=gpu:8")
+        cluster.scontrol("update", "nodename=n1", "state=drain", "reason=fleetheal:test")
+        assert cluster.node("n1").drained
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+#: Base states Slurm reports (`scontrol show node`), before any `+FLAG`.
+IDLE = "IDLE"
+
+_META_FILE = "cluster.json"
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed, or the cluster did not reach the expected state in time."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node as `scontrol show node -o` reports it."""
+
+    name: str
+    #: Base state, upper case: IDLE, ALLOCATED, MIXED, DOWN, UNKNOWN...
+    state: str
+    #: State flags after the base state: DRAIN, NOT_RESPONDING, COMPLETING, DYNAMIC_NORM...
+    flags: frozenset[str]
+    #: The reason text without Slurm's trailing `[user@time]`, or None.
+    reason: str | None
+    #: Every other key=value field, as printed.
+    fields: Mapping[str, str] = field(repr=False)
+
+    @property
+    def drained(self) -> bool:
+        """True for DRAINED and DRAINING nodes (Slurm's DRAIN flag)."""
+        return "DRAIN" in self.flags
+
+    @property
+    def responding(self) -> bool:
+        return "NOT_RESPONDING" not in self.flags and self.state != "DOWN"
+
+
+_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_.:/]*)=")
+_REASON_TAIL = re.compile(r"\s*\[[^\]@]*@[^\]]*\]\s*$")
+
+
+def parse_kv_line(line: str, to_end: str | None = None) -> dict[str, str]:
+    """Parse one `scontrol show ... -o` line into its key=value fields.
+
+    Values may contain spaces (`Comment=`, `Command=`): a value runs up to the next ` Key=`. The
+    field named `to_end` (a node's `Reason`, which Slurm prints last) runs to the end of the line,
+    because owned reasons themselves contain `key=value` words.
+    """
+    line = line.strip()
+    tail: dict[str, str] = {}
+    if to_end is not None:
+        marker = f" {to_end}="
+        idx = line.find(marker)
+        if idx >= 0:
+            tail[to_end] = line[idx + len(marker) :]
+            line = line[:idx]
+    out: dict[str, str] = {}
+    matches = list(_KEY.finditer(line))
+    for i, m in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+        out[m.group(1)] = line[m.end() : end].strip()
+    out.update(tail)
+    return out
+
+
+def parse_node_line(line: str) -> NodeInfo:
+    """One `scontrol show node -o` line -> NodeInfo."""
+    kv = parse_kv_line(line, to_end="Reason")
+    if "NodeName" not in kv:
+        raise SlurmError(f"not a node line: {line!r}")
+    base, *flags = kv.get("State", "UNKNOWN").split("+")
+    reason = kv.get("Reason")
+    if reason is not None:
+        reason = _REASON_TAIL.sub("", reason).strip() or None
+        if reason == "(null)":
+            reason = None
+    return NodeInfo(
+        name=kv["NodeName"],
+        state=base.rstrip("*~#!%$@^-").upper(),
+        flags=frozenset(f.upper() for f in flags),
+        reason=reason,
+        fields=kv,
+    )
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports free right now on all interfaces (the daemons bind 0.0.0.0)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            # state is the field after the ")" that closes comm; Z means it has exited
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _recorded_holder(state_dir: Path) -> int | None:
+    """The holder PID recorded in state_dir, if that process is alive and still our `unshare`."""
+    try:
+        pid = int(json.loads((state_dir / _META_FILE).read_text())["holder_pid"])
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmdline = fh.read()
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+    return pid if _alive(pid) and b"unshare" in cmdline and str(state_dir).encode() in cmdline else None
+
+
+class SlurmCluster:
+    """A private Slurm cluster (slurmctld + N slurmd + munged) on this machine.
+
+    Args:
+        state_dir: every file of the cluster lives here (created if missing). Reusing the directory
+            of a stopped cluster keeps slurmctld's saved state (jobs, drained nodes).
+        nodes: number of slurmd; names are `{node_prefix}1..{node_prefix}N`.
+        gpus_per_node: fake GPUs per node (GRES `gpu`); 0 for none.
+        cpus_per_node: CPUs each node declares (`SlurmdParameters=config_overrides` lets this exceed
+            the real machine).
+        extra_conf: lines appended to slurm.conf (e.g. `HealthCheckProgram=...`).
+        partition: the one partition, default, holding every node.
+        slurm_bin: directory of the Slurm daemons and clients (None: found on PATH / /usr/sbin).
+    """
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str],
+        nodes: int = 2,
+        gpus_per_node: int = 8,
+        *,
+        cpus_per_node: int = 8,
+        node_prefix: str = "n",
+        extra_conf: Sequence[str] = (),
+        cluster_name: str = "fleetheal",
+        partition: str = "gpu",
+        slurm_bin: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        if gpus_per_node < 0:
+            raise ValueError(f"gpus_per_node must be >= 0, got {gpus_per_node}")
+        self.state_dir = Path(state_dir).resolve()
+        self.node_names = [f"{node_prefix}{i}" for i in range(1, nodes + 1)]
+        self.gpus_per_node = gpus_per_node
+        self.cpus_per_node = cpus_per_node
+        self.extra_conf = list(extra_conf)
+        self.cluster_name = cluster_name
+        self.partition = partition
+        self._bin = Path(slurm_bin) if slurm_bin else None
+        self._holder: subprocess.Popen[bytes] | None = None
+        self.holder_pid: int | None = None
+
+    # ---- paths and environment -------------------------------------------------------------
+
+    @property
+    def conf_path(self) -> Path:
+        return self.state_dir / "etc" / "slurm.conf"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "log"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment a Slurm client needs to talk to this cluster (os.environ + SLURM_CONF)."""
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf_path)
+        return env
+
+    def gpu_devices(self, node: str) -> list[Path]:
+        """The fake GPU device files of one node, in index order."""
+        return [self.state_dir / "dev" / node / f"nvidia{i}" for i in range(self.gpus_per_node)]
+
+    def _tool(self, name: str) -> str:
+        if self._bin is not None:
+            return str(self._bin / name)
+        found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+        if not found:
+            raise SlurmError(f"{name} not found: install Debian's slurmctld, slurmd, slurm-client and munge")
+        return found
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def _write_files(self) -> None:
+        d = self.state_dir
+        for sub in ("etc", "log", "run", "ctld", "spool", "munge", "dev"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        # munged refuses group/other-writable dirs; clients need to traverse to the socket.
+        os.chmod(d, 0o755)  # noqa: S103 - clients must traverse to the munge socket
+        os.chmod(d / "munge", 0o755)  # noqa: S103 - same
+        key = d / "munge" / "munge.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+
+        for node in self.node_names:
+            (d / "spool" / node).mkdir(exist_ok=True)
+            (d / "dev" / node).mkdir(exist_ok=True)
+            null = os.stat("/dev/null").st_rdev
+            for dev in self.gpu_devices(node):
+                if not dev.exists():
+                    os.mknod(dev, 0o666 | 0o020000, null)  # S_IFCHR with /dev/null's major/minor
+
+        ports = _free_ports(len(self.node_names) + 1)
+        ctld_port, node_ports = ports[0], ports[1:]
+        munge_socket = d / "munge" / "munge.socket"
+        gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""
+        lines = [
+            "# Written by fleetheal.lab.slurm.SlurmCluster; regenerated at every start.",
+            f"ClusterName={self.cluster_name}",
+            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmctldPort={ctld_port}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            # cred_expire=5: a requeued job waits cred_expire + 1 s before it can start again.
+            f"AuthInfo=socket={munge_socket},cred_expire=5",
+            f"StateSaveLocation={d / 'ctld'}",
+            f"SlurmdSpoolDir={d / 'spool' / '%n'}",
+            f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
+            f"SlurmdPidFile={d / 'run' / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            # No cgroup delegation in containers: track processes through /proc.
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SwitchType=switch/none",
+            "MpiDefault=none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=sched_interval=2,batch_sched_delay=0",
+            "SlurmdParameters=config_overrides",
+            "GresTypes=gpu",
+            "ReturnToService=1",
+            "JobRequeue=1",
+            "SlurmdTimeout=10",
+            "MessageTimeout=5",
+            "InactiveLimit=0",
+            "KillWait=10",
+            "MinJobAge=300",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/none",
+            *self.extra_conf,
+        ]
+        for node, port in zip(self.node_names, node_ports, strict=True):
+            lines.append(
+                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+                f"CPUs={self.cpus_per_node} RealMemory=1000{gres} State=UNKNOWN"
+            )
+        lines.append(f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+        self.conf_path.write_text("\n".join(lines) + "\n")
+
+        gres_lines = ["AutoDetect=off"]
+        if self.gpus_per_node:
+            for node in self.node_names:
+                devs = d / "dev" / node / f"nvidia[0-{self.gpus_per_node - 1}]"
+                gres_lines.append(f"NodeName={node} Name=gpu File={devs}")
+        (d / "etc" / "gres.conf").write_text("\n".join(gres_lines) + "\n")
+        # Slurm reads cgroup.conf only with cgroup plugins; an empty one silences a warning.
+        (d / "etc" / "cgroup.conf").write_text("")
+
+    def _init_script(self) -> str:
+        d = self.state_dir
+        q = shlex.quote
+        sock = d / "munge" / "munge.socket"
+        munged = (
+            f"{q(self._tool('munged'))} -F -f --socket={q(str(sock))} --key-file={q(str(d / 'munge' / 'munge.key'))}"
+            f" --log-file={q(str(d / 'log' / 'munged.log'))} --pid-file={q(str(d / 'run' / 'munged.pid'))}"
+            f" --seed-file={q(str(d / 'munge' / 'munged.seed'))}"
+        )
+        slurmd = q(self._tool("slurmd"))
+        slurmds = "\n".join(
+            f'{slurmd} -D -N {q(n)} >>{q(str(d / "log" / f"slurmd-{n}.out"))} 2>&1 &\npids="$pids $!"'
+            for n in self.node_names
+        )
+        # PID 1 of the namespace: starts the daemons in order, forwards SIGTERM to them (a graceful
+        # stop lets slurmctld save its state), and reaps whatever re-parents to it.
+        return f"""\
+export SLURM_CONF={q(str(self.conf_path))}
+pids=""
+trap 'kill -TERM $pids 2>/dev/null; wait $pids; kill -TERM $munged_pid; wait; exit 0' TERM INT
+{munged} >>{q(str(d / "log" / "munged.out"))} 2>&1 &
+munged_pid=$!
+i=0; while [ ! -S {q(str(sock))} ]; do sleep 0.02; i=$((i+1)); [ $i -gt 500 ] && exit 3; done
+{q(self._tool("slurmctld"))} -D -i >>{q(str(d / "log" / "slurmctld.out"))} 2>&1 &
+pids="$pids $!"
+{slurmds}
+while :; do wait; sleep 1; done
+"""
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Write the config, start the daemons in their own PID namespace, wait for every node idle."""
+        other = _recorded_holder(self.state_dir)
+        if self.running() or other is not None:
+            pid = self.holder_pid if self.running() else other
+            raise SlurmError(f"a cluster is already running in {self.state_dir} (holder pid {pid}); stop it first")
+        self._write_files()
+        script = self.state_dir / "run" / "init.sh"
+        script.write_text(self._init_script())
+        log = open(self.log_dir / "init.out", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self._holder = subprocess.Popen(
+                [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # survives the caller's terminal and Ctrl-C
+                env=self.env,
+            )
+        finally:
+            log.close()
+        self.holder_pid = self._holder.pid
+        (self.state_dir / _META_FILE).write_text(
+            json.dumps({"holder_pid": self.holder_pid, "nodes": self.node_names, "gpus_per_node": self.gpus_per_node})
+        )
+        try:
+            self.wait_registered(timeout=timeout)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+        return self
+
+    @classmethod
+    def attach(cls, state_dir: str | os.PathLike[str]) -> SlurmCluster:
+        """The cluster started earlier (maybe by another process) in `state_dir`."""
+        state = Path(state_dir).resolve()
+        if _recorded_holder(state) is None:
+            raise SlurmError(f"no running cluster in {state}")
+        meta = json.loads((state / _META_FILE).read_text())
+        names: list[str] = meta["nodes"]
+        prefix = names[0].rstrip("0123456789")
+        cluster = cls(state, nodes=len(names), gpus_per_node=meta["gpus_per_node"], node_prefix=prefix)
+        cluster.holder_pid = int(meta["holder_pid"])
+        return cluster
+
+    def running(self) -> bool:
+        """True while the namespace holder process is alive."""
+        return self.holder_pid is not None and _alive(self.holder_pid)
+
+    def _ns_init_pid(self) -> int | None:
+        """PID 1 of the cluster's namespace, as this namespace sees it."""
+        if self.holder_pid is None:
+            return None
+        kids = _children(self.holder_pid)
+        return kids[0] if kids else None
+
+    def processes(self) -> dict[int, str]:
+        """Every process in the cluster's PID namespace: {pid (as we see it): command line}."""
+        init = self._ns_init_pid()
+        if init is None:
+            return {}
+        try:
+            ns = os.readlink(f"/proc/{init}/ns/pid")
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") != ns:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    out[int(entry)] = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+        return out
+
+    def stop(self, graceful: bool = True, timeout: float = 10.0) -> None:
+        """Stop every daemon; nothing of the cluster survives this call.
+
+        graceful: SIGTERM first (slurmctld saves its state), SIGKILL after `timeout`. Either way the
+        holder is killed last, and the kernel kills whatever is left in the namespace with it.
+        """
+        if self.holder_pid is None:
+            return
+        init = self._ns_init_pid()
+        if graceful and init is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while _alive(init) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.holder_pid, signal.SIGKILL)
+        if self._holder is not None:
+            self._holder.wait()
+        deadline = time.monotonic() + timeout
+        while (_alive(self.holder_pid) or (init is not None and _alive(init))) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if init is not None and _alive(init):
+            raise SlurmError(f"cluster in {self.state_dir} did not stop (namespace init pid {init})")
+        self._holder = None
+        self.holder_pid = None
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / _META_FILE).unlink()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ---- one node's slurmd -----------------------------------------------------------------
+
+    def kill_slurmd(self, node: str, sig: int = signal.SIGKILL) -> None:
+        """Kill one node's slurmd (its jobs keep running, as on a real node): the node goes
+        NOT_RESPONDING, then DOWN after SlurmdTimeout."""
+        pids = [p for p, cmd in self.processes().items() if re.search(rf"slurmd -D -N {re.escape(node)}$", cmd)]
+        if not pids:
+            raise SlurmError(f"no slurmd running for node {node}")
+        for pid in pids:
+            os.kill(pid, sig)
+
+    def start_slurmd(self, node: str) -> None:
+        """Start one node's slurmd again inside the cluster's namespace."""
+        if node not in self.node_names:
+            raise SlurmError(f"unknown node {node}; nodes are {', '.join(self.node_names)}")
+        init = self._ns_init_pid()
+        if init is None:
+            raise SlurmError("cluster is not running")
+        out = self.log_dir / f"slurmd-{node}.out"
+        with open(out, "ab") as log:
+            subprocess.Popen(
+                ["nsenter", f"--target={init}", "--pid", "--mount", "--", self._tool("slurmd"), "-D", "-N", node],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+
+    # ---- clients ---------------------------------------------------------------------------
+
+    def run(self, *argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client (`scontrol`, `squeue`, `sbatch`...) against this cluster."""
+        cmd = [self._tool(argv[0]), *argv[1:]]
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, check=False)
+        if check and proc.returncode != 0:
+            raise SlurmError(
+                f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            )
+        return proc
+
+    def scontrol(self, *args: str, check: bool = True) -> str:
+        return self.run("scontrol", *args, check=check).stdout
+
+    def squeue(self, *args: str) -> str:
+        return self.run("squeue", *args).stdout
+
+    def sbatch(self, script: str, *args: str) -> str:
+        """Submit a batch script (its text); returns the job id."""
+        jobs_dir = self.state_dir / "jobs"
+        jobs_dir.mkdir(exist_ok=True)
+        path = jobs_dir / f"job-{time.monotonic_ns()}.sh"
+        path.write_text(script)
+        out = self.run("sbatch", "--parsable", f"--chdir={jobs_dir}", *args, str(path)).stdout.strip()
+        return out.split(";", 1)[0]
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        """Every node's state and reason, from `scontrol show node -o`."""
+        out = self.scontrol("show", "node", "-o")
+        infos = [parse_node_line(line) for line in out.splitlines() if line.startswith("NodeName=")]
+        return {n.name: n for n in infos}
+
+    def node(self, name: str) -> NodeInfo:
+        out = self.scontrol("show", "node", "-o", name)
+        return parse_node_line(out.strip().splitlines()[0])
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """One job's fields from `scontrol show job -o` (JobState, NodeList, Reason, Restarts...)."""
+        return parse_kv_line(self.scontrol("show", "job", "-o", job_id).strip().splitlines()[0])
+
+    def wait_registered(self, timeout: float = 30.0) -> None:
+        """Wait until every slurmd has registered with slurmctld (state no longer UNKNOWN, responding).
+
+        A node drained in an earlier run of the same state dir stays drained: that is Slurm's saved state.
+        """
+        deadline = time.monotonic() + timeout
+        seen: dict[str, NodeInfo] = {}
+        while True:
+            if self.holder_pid is not None and not self.running():
+                raise SlurmError(f"cluster daemons exited; see {self.log_dir}")
+            with contextlib.suppress(SlurmError, subprocess.TimeoutExpired):
+                seen = self.nodes()
+                if all(n in seen and seen[n].state != "UNKNOWN" and seen[n].responding for n in self.node_names):
+                    return
+            if time.monotonic() >= deadline:
+                states = {n: f"{i.state}+{'+'.join(sorted(i.flags))}" for n, i in seen.items()}
+                raise SlurmError(f"slurmd not registered after {timeout}s: {states}; logs in {self.log_dir}")
+            time.sleep(0.05)
+
+    def wait_nodes(self, state: str = IDLE, nodes: Sequence[str] | None = None, timeout: float = 30.0) -> None:
+        """Wait until every node (or `nodes`) has base state `state` and no flags but DRAIN-less
+        steady ones; raises SlurmError with the last states seen."""
+        want = list(nodes or self.node_names)
+        deadline = time.monotonic() + timeout
+        seen: dict[str, NodeInfo] = {}
+        last_err = ""
+        while True:
+            if self.holder_pid is not None and not self.running():
+                raise SlurmError(f"cluster daemons exited; see {self.log_dir}")
+            try:
+                seen = self.nodes()
+                if all(n in seen and seen[n].state == state and not (seen[n].flags - {"DYNAMIC_NORM"}) for n in want):
+                    return
+            except (SlurmError, subprocess.TimeoutExpired) as exc:
+                last_err = str(exc)
+            if time.monotonic() >= deadline:
+                states = {n: f"{i.state}+{'+'.join(sorted(i.flags))}" for n, i in seen.items()}
+                raise SlurmError(f"nodes not {state} after {timeout}s: {states or last_err}; logs in {self.log_dir}")
+            time.sleep(0.05)
+
+    @staticmethod
+    def wait_for(what: str, check: Callable[[], object], timeout: float = 30.0, interval: float = 0.05) -> None:
+        """Poll `check()` until it returns something true; `what` names the condition in the error."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if check():
+                return
+            if time.monotonic() >= deadline:
+                raise SlurmError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(interval)
