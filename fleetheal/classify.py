@@ -51,7 +51,7 @@ def _open(path: str) -> TextIO:
         return sys.stdin
     try:
         # Kernel logs can carry stray bytes; never fail a whole file on one.
-        return open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the caller's with
+        return open(path, encoding="utf-8", errors="replace")
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
 

@@ -43,7 +43,7 @@ class FaultEvent:
 _BUS = r"[0-9A-Fa-f]{2,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?"
 _XID = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<bus>" + _BUS + r")\): (?P<code>\d+)"
-    r"(?:, pid=(?P<pid>'<unknown>'|<unknown>|\d+), name=(?P<name>[^,]*?))?"
+    r"(?:, pid=(?P<pid>'<unknown>'|<unknown>|\d+), name=(?P<name>[^,]*))?"
     r"(?:, (?P<rest>.*))?"
 )
 _SXID = re.compile(r"SXid \((?:PCI:)?(?P<bus>" + _BUS + r")\): (?P<code>\d+), (?P<sev>Non-fatal|Fatal)")

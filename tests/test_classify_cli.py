@@ -1,0 +1,76 @@
+"""`fleetheal classify` as a user runs it: a real subprocess, exit codes and output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def fleetheal(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetheal", *args], input=stdin, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_xid_json() -> None:
+    out = fleetheal("classify", "--xid", "79", "--json")
+    assert out.returncode == 0, out.stderr
+    (event,) = json.loads(out.stdout)
+    assert event["fault_id"] == "xid-79"
+    assert event["xid"] == 79
+    assert event["pci_bus_id"] is None
+    assert (event["class"], event["action"], event["severity"]) == ("hardware", "ISOLATE_AND_RELOCATE", "critical")
+    assert "checkpoint" in event["explanation"]
+
+
+def test_line_table() -> None:
+    out = fleetheal("classify", "[Mon Aug  5 03:54:13 2024] NVRM: Xid (PCI:0000:00:07): 31, pid=25, name=python3.10, MMU Fault")
+    assert out.returncode == 0, out.stderr
+    assert "xid-31" in out.stdout and "REFUSE_AND_REPORT" in out.stdout and "0000:00:07" in out.stdout
+    assert "compute-sanitizer" in out.stdout  # the explanation a researcher reads
+
+
+def test_file_json_has_line_numbers(shared: Path) -> None:
+    out = fleetheal("classify", "--file", str(shared / "fixtures" / "fault-log-lines.txt"), "--json")
+    assert out.returncode == 0, out.stderr
+    events = json.loads(out.stdout)
+    lines = (shared / "fixtures" / "fault-log-lines.txt").read_text().splitlines()
+    assert events, "the fixture has faults"
+    for e in events:
+        assert {"fault_id", "xid", "pci_bus_id", "class", "action", "severity", "explanation", "line"} <= e.keys()
+        assert not lines[e["line"] - 1].startswith("#")
+    gpu_lost = [e for e in events if e["fault_id"] == "gpu-lost"]
+    assert "GPU has fallen off the bus" in lines[gpu_lost[0]["line"] - 1]
+
+
+def test_stdin_and_nothing_found() -> None:
+    out = fleetheal("classify", "--file", "-", "--json", stdin="all quiet\nnothing here\n")
+    assert (out.returncode, json.loads(out.stdout)) == (0, [])
+    out = fleetheal("classify", "just a line")
+    assert (out.returncode, out.stdout.strip()) == (0, "no fault found")
+
+
+def test_unknown_xid_is_observed_not_an_error() -> None:
+    out = fleetheal("classify", "--xid", "4242", "--json")
+    assert out.returncode == 0
+    assert json.loads(out.stdout)[0]["action"] == "OBSERVE"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["classify", "--file", "/nonexistent/kern.log"], "cannot read /nonexistent/kern.log: No such file or directory"),
+        (["classify"], "one of the arguments line --xid --file is required"),
+        (["classify", "--xid", "abc"], "invalid int value: 'abc'"),
+        (["classify", "--xid", "0"], "--xid must be a positive Xid code, got 0"),
+        (["classify", "--xid", "79", "a line"], "not allowed with argument"),
+    ],
+)
+def test_bad_usage(args: list[str], message: str) -> None:
+    out = fleetheal(*args)
+    assert out.returncode == 2
+    assert message in out.stderr

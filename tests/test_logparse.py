@@ -1,0 +1,181 @@
+"""The log parser against the real lines in shared/fixtures, and against formats those lines don't show."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetheal.logparse import LogParser, parse_line
+
+
+def fixture_lines(path: Path) -> list[str]:
+    return [line.split("\t")[0] for line in path.read_text().splitlines() if line and not line.startswith("#")]
+
+
+# (start of the fixture line, fault id or None for a context line, xid, pci bus id, pid, process)
+XID_EXPECTED = [
+    ("[Fri Aug 30 11:43:09 2024] NVRM: Xid (PCI:0000:cb:00): 13,", "xid-13", 13, "0000:cb:00", None, None),
+    ("[Fri Aug 30 11:43:14 2024] NVRM: Xid (PCI:0000:cb:00): 109", "xid-109", 109, "0000:cb:00", 1797828, "pt_main_thread"),
+    ("Jan 18 11:38:05 localhost kernel:", "xid-3", 3, "0000:01:00", None, None),
+    ("May 13 17:18:57 hyperion", "xid-69", 69, "0000:08:00", None, None),
+    ("Dec 23 23:30:56 rescue", "xid-32", 32, "0000:01:00", None, None),
+    ("Dec 23 23:32:27 rescue", "xid-62", 62, "0000:01:00", None, None),
+    ("[...] NVRM: Xid (0000:03:00): 14", "xid-14", 14, "0000:03:00", None, None),
+    ("NVRM: Xid (PCI:0000:b1:00): 79", "xid-79", 79, "0000:b1:00", None, None),
+    ("[2397166.923949]", "xid-64", 64, "0000:0f:00", None, None),
+    ("[Mon Aug  5 03:54:13 2024]", "xid-31", 31, "0000:00:07", 2512125, "python3.10"),
+    ("kernel: NVRM: Xid (PCI:0000:ed:00): 45", "xid-45", 45, "0000:ed:00", 1818992, "python3"),
+    ("Dec  2 11:38:47 worker4", "xid-48", 48, "0000:07:00", None, None),
+    ("[Sun Feb 23 16:24:24 2025]", "xid-119", 119, "0000:9b:00", 2024380, "nvidia-smi"),
+    ("[1231741.378609]", "xid-43", 43, "0009:01:00", 3188489, "trigger_xid"),
+    ("[6781741.548779]", "xid-79", 79, "0000:91:00", None, None),
+    ("[Sat Oct 12 18:35:32 2024]", "xid-45", 45, "0000:61:00", 1496200, "distprovers-gpu"),
+    ("kwi 15 07:56:59 testowy kernel: NVRM: Xid", "xid-38", 38, "0000:07:00", 326, "modprobe"),
+    ("[74889.644138]", "xid-79", 79, "0000:02:00", None, None),
+    ("NVRM: Xid (PCI:0000:9b:00): 119, pid=28232", "xid-119", 119, "0000:9b:00", 28232, "cache_mgr_main"),
+    # NVIDIA's decode: NETIR_LINK_EVT with intrinfo bits 6-11 = 100110 -> immediate action IGNORE.
+    ("NVRM: Xid (PCI:0000:00:00): 149", "xid-149-observe", 149, "0000:00:00", None, None),
+    ("[Wed Jun 24 15:44:20 2026]", "xid-13", 13, "0000:70:00", None, None),
+]
+
+FAULT_EXPECTED = [
+    ("[ 1843.308145] NVRM: The NVIDIA GPU", None, None),
+    ("May 18 19:02:39 kernel: NVRM: GPU 0000:2b:00.0", "gpu-lost", "0000:2b:00.0"),
+    ("[186965.348898] nvidia-nvswitch2", "nvswitch-sxid-nonfatal", "0000:85:00.0"),
+    ("[11219.196524] {1}[Hardware Error]", None, None),
+    ("[11219.196715] EDAC skx MC3", "host-mce-memory", None),
+    ("[Sun Feb 23 16:24:18 2025] NVRM: GPU4 GSP RPC buffer", None, None),
+    ("[Feb 27 2025 15:10:02]", "nvswitch-sxid-nonfatal", "00000000:86:00.0"),
+    ("Jul 09 10:42:47 pool0-0082", "nvlink-link-failure", None),
+    ("[6781753.400584] nvidia-nvswitch1", "nvswitch-sxid-fatal", "0000:06:00.0"),
+    ("Mar 21 20:18:56 pc kernel", "gpu-lost", "0000:01:00.0"),
+    ("kwi 15 07:56:59 testowy kernel: NVRM: GPU at", None, None),
+    ("[80746] [rank0]", "nccl-timeout", None),
+    ("[rank1]:[E626", "nccl-timeout", None),
+    ("[E ProcessGroupNCCL.cpp:458]", "nccl-timeout", None),
+    ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 22.00 MiB", "cuda-oom", None),
+    ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 10.73 GiB", "cuda-oom", None),
+    ("CUDA kernel errors might be", None, None),
+    ("frame #3:", None, None),
+    ("RuntimeError: CUDA error: uncorrectable ECC", "cuda-ecc-uncorrectable", None),
+    ("[E ProcessGroupNCCL.cpp:916]", "cuda-ecc-uncorrectable", None),
+    ("Sep 19 16:18:02 bubz", None, None),
+    ("[  +0.000004] pcieport 0000:00:03.0", "pcie-aer-fatal", "0000:00:03.0"),
+    ("[74785.660366] pcieport 0000:00:02.0: AER: Corrected", "pcie-aer-corrected", "0000:00:02.0"),
+    ("[74889.542044] pcieport", "pcie-aer-fatal", "0000:00:02.0"),
+    ("[1084456.074566]", "gpu-lost", "0000:09:00.0"),
+    ("pcieport 0000:00:01.2: AER: Uncorrectable (Non-Fatal)", "pcie-aer-nonfatal", "0000:63:00.0"),
+    ("[Wed Jul 31 23:14:18 2024] NVRM: GPU Board Serial", None, None),
+]
+
+
+def _find(lines: list[str], start: str) -> str:
+    found = [line for line in lines if line.startswith(start)]
+    assert len(found) == 1, f"{start!r} matches {len(found)} fixture lines"
+    return found[0]
+
+
+def test_every_xid_fixture_line(shared: Path) -> None:
+    lines = fixture_lines(shared / "fixtures" / "xid-log-lines.txt")
+    assert len(lines) == len(XID_EXPECTED), "a fixture line has no expectation here"
+    for start, fault_id, xid, bus, pid, process in XID_EXPECTED:
+        events = parse_line(_find(lines, start))
+        assert len(events) == 1, start
+        e = events[0]
+        assert (e.fault.id, e.xid, e.pci_bus_id, e.pid, e.process) == (fault_id, xid, bus, pid, process), start
+
+
+def test_every_fault_fixture_line(shared: Path) -> None:
+    lines = fixture_lines(shared / "fixtures" / "fault-log-lines.txt")
+    assert len(lines) == len(FAULT_EXPECTED), "a fixture line has no expectation here"
+    for start, fault_id, bus in FAULT_EXPECTED:
+        events = parse_line(_find(lines, start))
+        if fault_id is None:
+            assert events == [], f"context line gave {events}"
+        else:
+            assert [(e.fault.id, e.pci_bus_id) for e in events] == [(fault_id, bus)], start
+
+
+def test_sympathetic_xid_names_its_cause() -> None:
+    (e,) = parse_line("kernel: NVRM: Xid (PCI:0000:ed:00): 45, pid=1, name=python3, Ch 0000000c caused by previous Xid 145")
+    assert e.fault.action == "OBSERVE"
+    assert "caused by Xid 145" in e.detail
+
+
+# Formats the fixtures don't show: the same record behind other prefixes, other codes and bus ids.
+@pytest.mark.parametrize(
+    "line",
+    [
+        "6,1234,567890123,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python, GPU has fallen off the bus.",
+        "kern  :warn  : 2026-11-29T18:00:00,123456+00:00 NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python, GPU has fallen off the bus.",
+        "2026-11-29T18:00:00.123456+00:00 gpu-node-17 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python, GPU has fallen off the bus.",
+        "<4>[ 5.000000] NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python, GPU has fallen off the bus.",
+    ],
+)
+def test_prefixes_do_not_matter(line: str) -> None:
+    (e,) = parse_line(line)
+    assert (e.fault.id, e.xid, e.pci_bus_id, e.pid, e.process) == ("xid-79", 79, "0000:3b:00", 4242, "python")
+
+
+@pytest.mark.parametrize(
+    ("line", "fault_id", "xid"),
+    [
+        ("NVRM: Xid (PCI:0000:4e:00): 94, pid=77, name=train, Ch 00000010, Contained: CE User Channel", "xid-94", 94),
+        ("NVRM: Xid (PCI:0000:4e:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB", "xid-95", 95),
+        ("NVRM: Xid (PCI:0000:4e:00): 171, Uncorrectable DRAM error", "xid-171", 171),
+        ("NVRM: Xid (PCI:0000:4e:00): 201, a code from a future driver", "unknown", 201),
+        ("NVRM: Xid (PCI:0000:4e:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
+         "xid-154-node-reboot", 154),
+        ("NVRM: Xid (PCI:0000:4e:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+         "xid-154-gpu-reset", 154),
+        ("NVRM: Xid (PCI:0000:4e:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 03 (0xffffffff 0x99999999)", "xid-145-observe", 145),
+        ("NVRM: Xid (PCI:0000:4e:00): 150, MSE_WATCHDOG Fatal (0x00000000 0x00000000)", "xid-150-reset-gpu", 150),
+    ],
+)
+def test_other_xid_codes(line: str, fault_id: str, xid: int) -> None:
+    (e,) = parse_line(line)
+    assert (e.fault.id, e.xid, e.pci_bus_id) == (fault_id, xid, "0000:4e:00")
+
+
+@pytest.mark.parametrize(
+    ("line", "fault_id"),
+    [
+        ("[  12.3] NVRM: GPU at PCI:0000:41:00: GPU has fallen off the bus.", "gpu-lost"),
+        ("RuntimeError: CUDA error: an illegal memory access was encountered", "cuda-illegal-address"),
+        ("RuntimeError: CUDA error: out of memory", "cuda-oom"),
+        ("[E ProcessGroupNCCL.cpp:1234] NCCL watchdog thread terminated with exception: NCCL timeout", "nccl-timeout"),
+        ("NVRM: _kgspRpcRecvPoll: Timeout after 6s of waiting for RPC response from GPU1 GSP!", "gsp-rpc-timeout"),
+        ("EDAC MC1: 1 UE memory read error on CPU_SrcID#0_MC#1_Chan#0_DIMM#0", "host-memory-ue"),
+        ("EDAC MC1: 3 CE memory read error on CPU_SrcID#0_MC#1_Chan#0_DIMM#0", "host-memory-ce"),
+        ("mce: Uncorrected hardware memory error in user-access at 3b0d2c1000", "host-memory-ue"),
+        ("OSError: [Errno 28] No space left on device: '/ckpt/step_1000.pt'", "disk-full"),
+        ("mlx5_core 0000:5e:00.0 ibp94s0: Link down", "nic-down"),
+        ("igb 0000:01:00.0 eno1: igb: eno1 NIC Link is Down", "nic-down"),
+        ("step 1200 | loss nan | lr 3.0e-04", "nan-loss"),
+        ("pcieport 0000:80:01.0: AER: Multiple Uncorrected (Fatal) error received: 0000:81:00.0", "pcie-aer-fatal"),
+    ],
+)
+def test_other_fault_formats(line: str, fault_id: str) -> None:
+    assert [e.fault.id for e in parse_line(line)] == [fault_id]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "Nov 29 18:00:00 node1 systemd[1]: Started Session 42 of user root.",
+        "2026-11-29T18:00:00Z step=1234 loss=2.3456 lr=3e-4",
+        "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",
+        "NVRM: Xid (garbled",
+        "mlx5_core 0000:5e:00.0 ibp94s0: Link up",
+        "\x00\xff binary junk NVRM: Xid (PCI:zz:yy): ab",
+    ],
+)
+def test_non_faults_yield_nothing(line: str) -> None:
+    assert parse_line(line) == []
+
+
+def test_parse_lines_numbers_from_one() -> None:
+    lines = ["boot", "NVRM: Xid (PCI:0000:b1:00): 79, GPU has fallen off the bus.", "done"]
+    assert [(n, e.fault.id) for n, e in LogParser().parse_lines(lines)] == [(2, "xid-79")]
