@@ -147,6 +147,32 @@ def register(sub: Any) -> None:
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a generated file is stale")
     p.add_argument("--root", type=Path, default=None, help="repository root (default: this checkout)")
     p.set_defaults(func=run)
+    t = sub.add_parser("taxonomy", help="check the taxonomy file")
+    tsub = t.add_subparsers(dest="taxonomy_command", metavar="COMMAND", required=True)
+    c = tsub.add_parser("check", help="validate policies/faults.yaml; with --catalog, list NVIDIA codes it lacks")
+    c.add_argument("--catalog", metavar="CSV", help="NVIDIA's Xid catalog as CSV (shared/reference/xid-catalog.csv)")
+    c.set_defaults(func=check_taxonomy)
+
+
+def check_taxonomy(args: argparse.Namespace) -> int:
+    doc = taxonomy.raw()
+    problems = taxonomy.check_schema(doc)
+    try:
+        tx = taxonomy.Taxonomy(doc)
+    except taxonomy.TaxonomyError as exc:
+        problems.append(str(exc))
+        tx = None
+    if args.catalog and tx is not None:
+        try:
+            problems += taxonomy.catalog_gaps(tx, args.catalog)
+        except OSError as exc:
+            raise UsageError(f"cannot read {args.catalog}: {exc.strerror}") from exc
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if not problems and tx is not None:
+        xids, rows = len(tx.known_xids()), len(tx.decode_rules)
+        print(f"taxonomy OK: {len(tx)} faults, {xids} Xid codes, {rows} NVLink5 decode rows")
+    return 1 if problems else 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -59,3 +59,13 @@ def test_promtool_checks_and_unit_tests_the_rules(repo: Path) -> None:
                            capture_output=True, text=True, timeout=60, cwd=repo / "tests" / "promtool")
     assert tests.returncode == 0, tests.stdout + tests.stderr
     assert "SUCCESS" in tests.stdout + tests.stderr
+
+
+def test_taxonomy_check_cli(shared: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "fleetheal", "taxonomy", "check", "--catalog",
+                          str(shared / "reference" / "xid-catalog.csv")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("taxonomy OK: ")
+    out = subprocess.run([sys.executable, "-m", "fleetheal", "taxonomy", "check", "--catalog", "/nonexistent.csv"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot read /nonexistent.csv" in out.stderr
