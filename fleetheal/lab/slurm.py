@@ -37,11 +37,14 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from fleetheal.scontrol import NodeInfo, parse_kv_line, parse_node_line
+
+__all__ = ["IDLE", "NodeInfo", "SlurmCluster", "SlurmError", "parse_kv_line", "parse_node_line"]
 
 #: Base states Slurm reports (`scontrol show node`), before any `+FLAG`.
 IDLE = "IDLE"
@@ -51,78 +54,6 @@ _META_FILE = "cluster.json"
 
 class SlurmError(RuntimeError):
     """A Slurm command failed, or the cluster did not reach the expected state in time."""
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """One node as `scontrol show node -o` reports it."""
-
-    name: str
-    #: Base state, upper case: IDLE, ALLOCATED, MIXED, DOWN, UNKNOWN...
-    state: str
-    #: State flags after the base state: DRAIN, NOT_RESPONDING, COMPLETING, DYNAMIC_NORM...
-    flags: frozenset[str]
-    #: The reason text without Slurm's trailing `[user@time]`, or None.
-    reason: str | None
-    #: Every other key=value field, as printed.
-    fields: Mapping[str, str] = field(repr=False)
-
-    @property
-    def drained(self) -> bool:
-        """True for DRAINED and DRAINING nodes (Slurm's DRAIN flag)."""
-        return "DRAIN" in self.flags
-
-    @property
-    def responding(self) -> bool:
-        return "NOT_RESPONDING" not in self.flags and self.state != "DOWN"
-
-
-_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_.:/]*)=")
-_REASON_TAIL = re.compile(r"\s*\[[^\]@]*@[^\]]*\]\s*$")
-
-
-def parse_kv_line(line: str, to_end: str | None = None) -> dict[str, str]:
-    """Parse one `scontrol show ... -o` line into its key=value fields.
-
-    Values may contain spaces (`Comment=`, `Command=`): a value runs up to the next ` Key=`. The
-    field named `to_end` (a node's `Reason`, which Slurm prints last) runs to the end of the line,
-    because owned reasons themselves contain `key=value` words.
-    """
-    line = line.strip()
-    tail: dict[str, str] = {}
-    if to_end is not None:
-        marker = f" {to_end}="
-        idx = line.find(marker)
-        if idx >= 0:
-            tail[to_end] = line[idx + len(marker) :]
-            line = line[:idx]
-    out: dict[str, str] = {}
-    matches = list(_KEY.finditer(line))
-    for i, m in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-        out[m.group(1)] = line[m.end() : end].strip()
-    out.update(tail)
-    return out
-
-
-def parse_node_line(line: str) -> NodeInfo:
-    """One `scontrol show node -o` line -> NodeInfo."""
-    kv = parse_kv_line(line, to_end="Reason")
-    if "NodeName" not in kv:
-        raise SlurmError(f"not a node line: {line!r}")
-    base, *flags = kv.get("State", "UNKNOWN").split("+")
-    reason = kv.get("Reason")
-    if reason is not None:
-        reason = _REASON_TAIL.sub("", reason).strip() or None
-        if reason == "(null)":
-            reason = None
-    return NodeInfo(
-        name=kv["NodeName"],
-        state=base.rstrip("*~#!%$@^-").upper(),
-        flags=frozenset(f.upper() for f in flags),
-        reason=reason,
-        fields=kv,
-    )
 
 
 def _free_ports(count: int) -> list[int]:

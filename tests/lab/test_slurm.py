@@ -41,7 +41,7 @@ def test_parse_node_line_states_and_missing_reason():
     assert not node.responding
     assert not node.drained
     assert parse_node_line("NodeName=n1 State=MIXED Reason=(null)").reason is None
-    with pytest.raises(SlurmError):
+    with pytest.raises(ValueError, match="not a node line"):
         parse_node_line("JobId=3 JobName=x")
 
 
