@@ -4,7 +4,6 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SHARED ?= ../shared
-STAMP := $(VENV)/.fleetheal-installed
 PYTEST_ARGS ?=
 
 .PHONY: help setup demo test lint unit generate bench clean
@@ -16,10 +15,8 @@ help:
 	@echo "make bench     benchmarks -> benchmarks/results/latest.{json,md}"
 	@echo "make generate  regenerate alert rules, Ansible vars and docs from policies/faults.yaml"
 
-$(STAMP): requirements.txt pyproject.toml scripts/bootstrap.sh
-	@VENV=$(VENV) scripts/bootstrap.sh
-
-setup: $(STAMP)
+# Idempotent and about a second when nothing is missing, so every target can run it.
+setup:
 	@VENV=$(VENV) scripts/bootstrap.sh
 
 demo: setup
