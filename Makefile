@@ -28,6 +28,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/yamllint -s .
+	$(VENV)/bin/ansible-lint --profile production --offline -q
 	$(PY) -m fleetheal generate --check
 
 unit: setup
