@@ -17,6 +17,7 @@ from fleetheal import __version__
 COMMANDS = (
     "fleetheal.classify",
     "fleetheal.generate",
+    "fleetheal.agent.cli",
 )
 
 

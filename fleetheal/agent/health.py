@@ -1,0 +1,265 @@
+"""Classification, debounce and health state: pure logic, no I/O, no threads, no clock of its own.
+
+`classify_sample` turns one GPU poll (and the previous one) into detections; `HealthTracker` turns
+detections into active faults with debounce and reports each change, from which the service updates
+metrics and takes the fast path. Fault ids, classes and actions come only from the taxonomy.
+
+Two kinds of detection:
+- *events* (an Xid, a kernel log line, a NaN loss, a counter that grew): the fault is active at once,
+  repeats within `dedup_s` fold into one occurrence, and it clears `event_hold_s` after the last one;
+- *conditions* (a polled state: GPU lost, remap pending, too hot, a hang): raised after
+  `debounce_polls` consecutive polls, cleared after `clear_polls` clean ones from the same source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fleetheal.agent.backends import (
+    REASON_HW_POWER_BRAKE_SLOWDOWN,
+    REASON_HW_THERMAL_SLOWDOWN,
+    RECOVERY_ACTION_FAULTS,
+    GpuSample,
+)
+from fleetheal.contracts import NODE_WIDE_GPU
+from fleetheal.taxonomy import Fault, Taxonomy
+
+HEALTHY, DEGRADED, UNHEALTHY = 0, 1, 2
+HEALTH_NAMES = {HEALTHY: "healthy", DEGRADED: "degraded", UNHEALTHY: "unhealthy"}
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    """Something a source saw: a taxonomy fault id on a GPU ("0".."N") or the node ("node")."""
+
+    fault_id: str
+    gpu: str
+    source: str
+    detail: str = ""
+    #: True for a polled condition (debounced), False for an event.
+    condition: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    nvlink_crc_errors_per_poll: float = 100.0
+    nvlink_replay_errors_per_poll: float = 1.0
+    nvlink_recovery_errors_per_poll: float = 1.0
+    pcie_replays_per_minute: float = 60.0
+    power_cap_ratio: float = 1.0
+
+
+def classify_sample(
+    sample: GpuSample,
+    previous: GpuSample | None,
+    thresholds: Thresholds,
+    interval_s: float,
+    source: str,
+) -> list[Detection]:
+    """Faults one GPU poll shows. Growth-based faults need `previous` (the last poll, `interval_s` ago)."""
+    v = sample.values
+    gpu = str(sample.index)
+    out: list[Detection] = []
+
+    def cond(fault_id: str, detail: str) -> None:
+        out.append(Detection(fault_id, gpu, source, detail, condition=True))
+
+    def event(fault_id: str, detail: str) -> None:
+        out.append(Detection(fault_id, gpu, source, detail, condition=False))
+
+    if v.get("ecc_uncorrected_volatile", 0) > 0:
+        cond("ecc-dbe-volatile", f"volatile uncorrected ECC count {v['ecc_uncorrected_volatile']:.0f}")
+    if v.get("remapped_rows_failure", 0) > 0:
+        cond("row-remap-failure", "row remapping failure reported")
+    if v.get("remapped_rows_pending", 0) > 0:
+        cond("row-remap-pending", "row remapping pending a GPU reset")
+    if v.get("retired_pages_pending", 0) > 0:
+        cond("retired-pages-pending", "page retirement pending a GPU reset")
+    temp = v.get("temperature_c")
+    reasons = int(v.get("clock_event_reasons", 0))
+    shutdown = v.get("temperature_shutdown_c")
+    slowdown = v.get("temperature_slowdown_c")
+    if temp is not None and shutdown is not None and temp >= shutdown:
+        cond("thermal-shutdown", f"temperature {temp:.0f} C >= shutdown threshold {shutdown:.0f} C")
+    elif (temp is not None and slowdown is not None and temp >= slowdown) or reasons & REASON_HW_THERMAL_SLOWDOWN:
+        cond("thermal-slowdown", f"temperature {temp} C, slowdown threshold {slowdown} C, reasons 0x{reasons:x}")
+    if reasons & REASON_HW_POWER_BRAKE_SLOWDOWN:
+        cond("power-brake", f"clock event reasons 0x{reasons:x} include HwPowerBrakeSlowdown")
+    power, limit = v.get("power_w"), v.get("power_limit_w")
+    if power is not None and limit and power >= limit * thresholds.power_cap_ratio:
+        cond("power-cap-violation", f"power {power:.0f} W >= {thresholds.power_cap_ratio:g} x limit {limit:.0f} W")
+    recovery = RECOVERY_ACTION_FAULTS.get(int(v.get("recovery_action", 0)))
+    if recovery:
+        cond(recovery, f"NVML recovery action {int(v['recovery_action'])}")
+
+    if previous is not None:
+        p = previous.values
+
+        def grew(*keys: str) -> float:
+            if not all(k in v and k in p for k in keys):
+                return 0.0
+            return sum(v[k] - p[k] for k in keys)
+
+        if grew("ecc_uncorrected_aggregate") > 0:
+            event("ecc-dbe-aggregate", f"lifetime uncorrected ECC count grew to {v['ecc_uncorrected_aggregate']:.0f}")
+        crc = grew("nvlink_crc_flit_errors", "nvlink_crc_data_errors")
+        if crc >= thresholds.nvlink_crc_errors_per_poll:
+            event("nvlink-crc-errors", f"{crc:.0f} NVLink CRC errors in one poll")
+        replay = grew("nvlink_replay_errors")
+        if replay >= thresholds.nvlink_replay_errors_per_poll:
+            event("nvlink-replay-errors", f"{replay:.0f} NVLink replays in one poll")
+        recov = grew("nvlink_recovery_errors")
+        if recov >= thresholds.nvlink_recovery_errors_per_poll:
+            event("nvlink-recovery-errors", f"{recov:.0f} NVLink recoveries in one poll")
+        per_min = grew("pcie_replays") * 60.0 / max(interval_s, 1e-3)
+        if per_min >= thresholds.pcie_replays_per_minute:
+            event("pcie-replay-growth", f"PCIe replays at {per_min:.0f}/min")
+    return out
+
+
+@dataclass(slots=True)
+class ActiveFault:
+    fault: Fault
+    gpu: str
+    source: str
+    detail: str
+    condition: bool
+    first_seen: float
+    last_seen: float
+    occurrences: int = 1
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.gpu, self.fault.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A fault became active ("raised"), occurred again after the dedup window ("repeated"), or "cleared"."""
+
+    kind: str
+    fault: ActiveFault
+
+
+@dataclass(slots=True)
+class _Streak:
+    hits: int = 0
+    misses: int = 0
+    detail: str = ""
+
+
+@dataclass
+class HealthTracker:
+    """Active faults per GPU and node, with debounce. Callers serialise access (one lock in the service)."""
+
+    taxonomy: Taxonomy
+    debounce_polls: int = 2
+    clear_polls: int = 3
+    event_hold_s: float = 600.0
+    dedup_s: float = 30.0
+    _active: dict[tuple[str, str], ActiveFault] = field(default_factory=dict)
+    #: (source, gpu, fault id) -> streak of polls for condition faults.
+    _streaks: dict[tuple[str, str, str], _Streak] = field(default_factory=dict)
+
+    def event(self, det: Detection, now: float) -> list[Change]:
+        """An event detection: raise at once, fold repeats inside the dedup window."""
+        fault = self.taxonomy.get(det.fault_id)
+        key = (det.gpu, fault.id)
+        current = self._active.get(key)
+        if current is None:
+            af = ActiveFault(fault, det.gpu, det.source, det.detail, False, now, now)
+            self._active[key] = af
+            return [Change("raised", af)]
+        repeated = now - current.last_seen >= self.dedup_s
+        current.last_seen = now
+        if repeated:
+            current.occurrences += 1
+            current.detail = det.detail or current.detail
+            return [Change("repeated", current)]
+        return []
+
+    def poll(
+        self, source: str, detections: Iterable[Detection], now: float, debounce: int | None = None
+    ) -> list[Change]:
+        """One poll's condition detections from `source`; conditions of that source not seen again count
+        toward clearing. `debounce` overrides debounce_polls (the one-shot check uses 1)."""
+        need = self.debounce_polls if debounce is None else debounce
+        changes: list[Change] = []
+        seen: set[tuple[str, str, str]] = set()
+        for det in detections:
+            if not det.condition:
+                changes += self.event(det, now)
+                continue
+            fault = self.taxonomy.get(det.fault_id)
+            skey = (source, det.gpu, fault.id)
+            seen.add(skey)
+            streak = self._streaks.setdefault(skey, _Streak())
+            streak.hits += 1
+            streak.misses = 0
+            streak.detail = det.detail
+            key = (det.gpu, fault.id)
+            current = self._active.get(key)
+            if current is not None:
+                current.last_seen = now
+                if not current.condition:  # an event fault now confirmed by a condition: keep it while it holds
+                    current.condition = True
+                    current.source = source
+            elif streak.hits >= need:
+                af = ActiveFault(fault, det.gpu, source, det.detail, True, now, now)
+                self._active[key] = af
+                changes.append(Change("raised", af))
+        for skey in list(self._streaks):
+            if skey[0] != source or skey in seen:
+                continue
+            streak = self._streaks[skey]
+            streak.hits = 0
+            streak.misses += 1
+            key = (skey[1], skey[2])
+            current = self._active.get(key)
+            if current is None or not current.condition or current.source != source:
+                if current is None:
+                    del self._streaks[skey]
+                continue
+            if streak.misses >= self.clear_polls:
+                del self._streaks[skey]
+                del self._active[key]
+                changes.append(Change("cleared", current))
+        return changes
+
+    def expire(self, now: float) -> list[Change]:
+        """Clear event faults whose last occurrence is older than event_hold_s."""
+        changes = []
+        for key, af in list(self._active.items()):
+            if not af.condition and now - af.last_seen >= self.event_hold_s:
+                del self._active[key]
+                changes.append(Change("cleared", af))
+        return changes
+
+    def clear_source(self, source: str, gpu: str | None = None) -> list[Change]:
+        """Forget every fault from `source` (e.g. a training job that ended)."""
+        changes = []
+        for key, af in list(self._active.items()):
+            if af.source == source and (gpu is None or af.gpu == gpu):
+                del self._active[key]
+                changes.append(Change("cleared", af))
+        for skey in [k for k in self._streaks if k[0] == source and (gpu is None or k[1] == gpu)]:
+            del self._streaks[skey]
+        return changes
+
+    def active(self) -> list[ActiveFault]:
+        return sorted(self._active.values(), key=lambda a: (a.gpu, a.fault.id))
+
+    def severity_of(self, fault: Fault) -> int:
+        """UNHEALTHY for faults whose action is destructive (the node must not run jobs), else DEGRADED."""
+        action = self.taxonomy.actions.get(fault.action)
+        return UNHEALTHY if action is not None and action.destructive else DEGRADED
+
+    def health(self, gpu: str | None = None) -> int:
+        """Health of one GPU ("node": node-wide faults only), or of the whole node when gpu is None."""
+        states = [self.severity_of(a.fault) for a in self._active.values() if gpu is None or a.gpu == gpu]
+        return max(states, default=HEALTHY)
+
+
+def gpu_label(index: int | None) -> str:
+    return NODE_WIDE_GPU if index is None else str(index)

@@ -1,0 +1,230 @@
+"""Training signals: parse reports from `fleetheal.agent.client` and judge them. Pure logic.
+
+A report is one JSON object per datagram (protocol version 1)::
+
+    {"v": 1, "job": "4242", "rank": 3, "step": 1200, "step_time": 0.41, "loss": 2.31, "gpu": 3}
+
+`job` (string), `rank` and `step` (integers >= 0) are required; `step_time` (seconds), `loss` (a number,
+or the strings "nan"/"inf"/"-inf") and `gpu` (the physical GPU index on this node) are optional; a
+report with `"event": "end"` says the rank finished and forgets it. Anything else is malformed and
+counted, never fatal.
+
+Judgements, per job and rank: NaN/Inf loss (`nan-loss`), a loss far above its running mean
+(`loss-spike`), a rank whose step time is far above its peers' median (`straggler`), and a hang: no step
+progress on every rank for `hang_timeout_s` (`job-hang`). In a collective hang every rank stops, but the
+rank that stopped first (lowest last step, then earliest last progress) is the one that broke — a dead
+NIC or GPU freezes its peers within seconds — so it alone is named as the suspect (`hang_suspect`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fleetheal.agent.health import Detection, gpu_label
+
+SOURCE = "training"
+_JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class MalformedReport(ValueError):
+    """A report that is not valid protocol-1 JSON; the message says which field is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    job: str
+    rank: int
+    step: int
+    step_time: float | None = None
+    loss: float | None = None
+    gpu: int | None = None
+    end: bool = False
+
+
+def parse_report(data: bytes) -> Report:
+    """One datagram -> Report; MalformedReport otherwise."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedReport(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise MalformedReport("not a JSON object")
+    if doc.get("v", 1) != 1:
+        raise MalformedReport(f"unsupported protocol version {doc.get('v')!r}")
+    job = doc.get("job")
+    if isinstance(job, int) and not isinstance(job, bool):
+        job = str(job)
+    if not isinstance(job, str) or not _JOB.match(job):
+        raise MalformedReport(f"job must be 1-64 characters [A-Za-z0-9_.:-], got {job!r}")
+
+    def integer(name: str, required: bool) -> int | None:
+        value = doc.get(name)
+        if value is None and not required:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MalformedReport(f"{name} must be an integer >= 0, got {value!r}")
+        return value
+
+    def number(name: str) -> float | None:
+        value = doc.get(name)
+        if value is None:
+            return None
+        if isinstance(value, str) and value.lower() in ("nan", "inf", "+inf", "-inf", "infinity", "-infinity"):
+            return float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise MalformedReport(f"{name} must be a number, got {value!r}")
+        return float(value)
+
+    rank = integer("rank", True)
+    step = integer("step", True)
+    assert rank is not None and step is not None
+    step_time = number("step_time")
+    if step_time is not None and not (math.isfinite(step_time) and step_time >= 0):
+        raise MalformedReport(f"step_time must be a finite number >= 0, got {step_time!r}")
+    return Report(job, rank, step, step_time, number("loss"), integer("gpu", False), doc.get("event") == "end")
+
+
+@dataclass(frozen=True, slots=True)
+class RankProgress:
+    """What is known of one rank's progress (also what the metrics export, for cross-node comparison)."""
+
+    rank: int
+    step: int
+    last_progress: float
+    gpu: int | None = None
+    node: str | None = None
+
+
+def hang_suspect(progress: Iterable[RankProgress], now: float, timeout_s: float) -> RankProgress | None:
+    """The rank to blame when every rank has made no progress for `timeout_s`, else None.
+
+    The suspect is the rank that stopped first: the lowest last step (it never finished the step its
+    peers are waiting in), then the earliest last progress. Works on one node's ranks or, fed from the
+    `fleetheal_agent_training_*` metrics of every node, on a whole job.
+    """
+    ranks = list(progress)
+    if not ranks or any(now - r.last_progress < timeout_s for r in ranks):
+        return None
+    return min(ranks, key=lambda r: (r.step, r.last_progress, r.rank))
+
+
+@dataclass(slots=True)
+class _Rank:
+    step: int
+    last_progress: float
+    last_report: float
+    gpu: int | None
+    step_time: float | None = None
+    loss_mean: float | None = None
+    loss_n: int = 0
+
+
+@dataclass
+class TrainingMonitor:
+    """Per-job state of the ranks that report on this node."""
+
+    hang_timeout_s: float = 300.0
+    straggler_factor: float = 1.5
+    straggler_min_ranks: int = 3
+    loss_spike_factor: float = 3.0
+    loss_spike_warmup: int = 20
+    job_expiry_s: float = 3600.0
+    #: Smoothing of the running loss mean (exponential moving average weight of a new value).
+    loss_alpha: float = 0.1
+    jobs: dict[str, dict[int, _Rank]] = field(default_factory=dict)
+
+    def ingest(self, report: Report, now: float) -> list[Detection]:
+        """Record one report; returns the event detections it causes (NaN loss, loss spike)."""
+        ranks = self.jobs.setdefault(report.job, {})
+        if report.end:
+            ranks.pop(report.rank, None)
+            if not ranks:
+                del self.jobs[report.job]
+            return []
+        r = ranks.get(report.rank)
+        if r is None:
+            r = ranks[report.rank] = _Rank(report.step, now, now, report.gpu)
+        if report.step > r.step:
+            r.step = report.step
+            r.last_progress = now
+        r.last_report = now
+        if report.gpu is not None:
+            r.gpu = report.gpu
+        if report.step_time is not None:
+            r.step_time = report.step_time
+        out: list[Detection] = []
+        gpu = gpu_label(r.gpu)
+        where = f"job {report.job} rank {report.rank} step {report.step}"
+        if report.loss is not None:
+            if not math.isfinite(report.loss):
+                out.append(Detection("nan-loss", gpu, SOURCE, f"{where}: loss {report.loss}"))
+            elif (
+                r.loss_mean is not None
+                and r.loss_n >= self.loss_spike_warmup
+                and r.loss_mean > 0
+                and report.loss > self.loss_spike_factor * r.loss_mean
+            ):
+                out.append(
+                    Detection("loss-spike", gpu, SOURCE, f"{where}: loss {report.loss:.4g} vs mean {r.loss_mean:.4g}")
+                )
+            else:  # a spike does not drag the mean up
+                r.loss_mean = (
+                    report.loss
+                    if r.loss_mean is None
+                    else (1 - self.loss_alpha) * r.loss_mean + self.loss_alpha * report.loss
+                )
+                r.loss_n += 1
+        return out
+
+    def progress(self, job: str) -> list[RankProgress]:
+        return [
+            RankProgress(rank, r.step, r.last_progress, r.gpu) for rank, r in sorted(self.jobs.get(job, {}).items())
+        ]
+
+    def check(self, now: float) -> tuple[list[Detection], dict[str, RankProgress]]:
+        """Condition detections now (hangs, stragglers) and the hang suspect of each hung job.
+
+        Jobs not heard from for job_expiry_s are forgotten first.
+        """
+        for job in [
+            j for j, ranks in self.jobs.items() if all(now - r.last_report >= self.job_expiry_s for r in ranks.values())
+        ]:
+            del self.jobs[job]
+        out: list[Detection] = []
+        suspects: dict[str, RankProgress] = {}
+        for job, ranks in self.jobs.items():
+            suspect = hang_suspect(self.progress(job), now, self.hang_timeout_s)
+            if suspect is not None:
+                suspects[job] = suspect
+                out.append(
+                    Detection(
+                        "job-hang",
+                        gpu_label(suspect.gpu),
+                        SOURCE,
+                        f"job {job}: no progress on {len(ranks)} rank(s) for {now - suspect.last_progress:.0f}s; "
+                        f"suspect rank {suspect.rank} (stopped first, at step {suspect.step})",
+                        condition=True,
+                    )
+                )
+                continue  # a hung job has no meaningful step times
+            times = {rank: r.step_time for rank, r in ranks.items() if r.step_time is not None}
+            if len(times) >= self.straggler_min_ranks:
+                for rank, t in times.items():
+                    peers = [v for k, v in times.items() if k != rank]
+                    median = statistics.median(peers)
+                    if median > 0 and t > self.straggler_factor * median:
+                        out.append(
+                            Detection(
+                                "straggler",
+                                gpu_label(ranks[rank].gpu),
+                                SOURCE,
+                                f"job {job} rank {rank}: step time {t:.3g}s vs peers' median {median:.3g}s",
+                                condition=True,
+                            )
+                        )
+        return out, suspects
