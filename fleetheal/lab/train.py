@@ -1,0 +1,335 @@
+"""The lab's training job: plain Python (standard library only), one rank per Slurm node.
+
+It stands in for a data-parallel training run, so that the lab can show what fleetheal does to a job:
+it advances "steps" at a fixed pace with a deterministic loss curve, checkpoints to the shared lab dir
+every few seconds, resumes from its checkpoint after a requeue, and treats SIGUSR1 (fleetheal's grace
+signal, `scancel --batch --signal=USR1`) and SIGTERM (Slurm's requeue or cancel) as "checkpoint now".
+
+Layout: the batch script (see `batch_script`) runs rank 0, the coordinator, on the first node; it
+starts one worker per other node with `srun --relative=1`. The coordinator owns the step counter and
+the checkpoint; workers follow the coordinator's progress file, as lockstep data-parallel ranks would.
+Every rank reports step, step time and loss to its own node's fleetheal agent through the agent's
+training client (`fleetheal.agent.client.TrainingReporter`) when it is installed.
+
+Output: one log across restarts (sbatch `--open-mode=append`); each start after the first prints one
+line naming Slurm's restart count (`SLURM_RESTART_COUNT` in the batch environment; prolog and epilog
+see it as `SLURM_JOB_RESTART_COUNT`), the incident from the job's comment (the remediator writes
+`incident=<id>` there when it requeues) and the checkpoint step it resumed from. Machine-readable
+events go to `events.jsonl` in the run directory (start, checkpoint, signal, end), which the lab's
+status, demo and tests read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+CHECKPOINT = "checkpoint.json"
+PROGRESS = "progress.json"
+EVENTS = "events.jsonl"
+_INCIDENT = re.compile(r"incident=([A-Za-z0-9_.:-]+)")
+
+
+def loss_at(step: int) -> float:
+    """Deterministic loss curve, so a resumed run continues the same curve."""
+    return round(2.5 * math.exp(-step / 400.0) + 0.1 + 0.02 * math.sin(step / 7.0), 5)
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, path)
+
+
+def read_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        doc: dict[str, Any] = json.loads((run_dir / CHECKPOINT).read_text())
+        return doc
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event the job wrote, in order (malformed lines are skipped)."""
+    out = []
+    try:
+        text = (run_dir / EVENTS).read_text()
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def ettr(events: list[dict[str, Any]], now: float | None = None) -> float | None:
+    """Effective training time ratio: time the kept steps took at full pace / wall time since the first start.
+
+    Steps redone after a restart and time spent pending, checkpointing or waiting count as lost.
+    """
+    starts = [e for e in events if e.get("event") == "start"]
+    if not starts:
+        return None
+    first = float(starts[0]["time"])
+    step_time = float(starts[0]["step_time"])
+    progress = [e for e in events if "step" in e and e.get("event") in ("checkpoint", "signal", "end", "progress")]
+    if not progress:
+        return None
+    last = progress[-1]
+    end = float(now if now is not None else last["time"])
+    base = int(starts[0].get("resumed_from", 0))
+    productive = (int(last["step"]) - base) * step_time
+    return min(1.0, productive / (end - first)) if end > first else None
+
+
+def _incident_from_comment(job_id: str) -> str | None:
+    """The incident the remediator named in the job's comment, if any."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"\bComment=(.*?)(?= [A-Z][A-Za-z]+=|$)", out)
+    if not m:
+        return None
+    found = _INCIDENT.findall(m.group(1))
+    return found[-1] if found else None
+
+
+def _reporter(rank: int, socket_path: str | None) -> Any:
+    try:
+        from fleetheal.agent.client import TrainingReporter
+    except ImportError:  # the agent's client is optional: the job trains without it
+        return None
+    return TrainingReporter(rank=rank, socket_path=socket_path, min_interval_s=0.5)
+
+
+def _socket_for(template: str | None) -> str | None:
+    if not template:
+        return None
+    return template.format(node=os.environ.get("SLURMD_NODENAME", "unknown"))
+
+
+class Coordinator:
+    """Rank 0: steps, checkpoints, signals, restart lines."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.run_dir = Path(args.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.steps = args.steps
+        self.step_time = args.step_time
+        self.ckpt_every = args.checkpoint_every
+        self.grace_wait = args.grace_wait
+        self.socket_template = args.socket_template
+        self.job = os.environ.get("SLURM_JOB_ID", "local")
+        # Slurm names it SLURM_RESTART_COUNT in the batch environment, SLURM_JOB_RESTART_COUNT in prolog/epilog.
+        count = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("SLURM_JOB_RESTART_COUNT") or "0"
+        self.restarts = int(count) if count.isdigit() else 0
+        self.nodes = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURMD_NODENAME", "local"))
+        self.signal: int | None = None
+        self.step = 0
+        self.workers: subprocess.Popen[bytes] | None = None
+
+    def log(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        print(f"[{stamp}] {text}", flush=True)
+
+    def event(self, name: str, **fields: Any) -> None:
+        doc = {"event": name, "time": time.time(), "job": self.job, "restart": self.restarts, **fields}
+        with open(self.run_dir / EVENTS, "a") as fh:
+            fh.write(json.dumps(doc) + "\n")
+
+    def checkpoint(self, why: str) -> None:
+        doc = {
+            "step": self.step,
+            "loss": loss_at(self.step),
+            "saved_at": time.time(),
+            "job": self.job,
+            "restart": self.restarts,
+            "why": why,
+        }
+        _write_json(self.run_dir / CHECKPOINT, doc)
+        self.event("checkpoint", step=self.step, why=why)
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal is None:
+            self.signal = signum
+
+    def start_workers(self) -> None:
+        nnodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
+        if nnodes < 2 or "SLURM_JOB_ID" not in os.environ:
+            return
+        cmd = [
+            "srun", "--nodes", str(nnodes - 1), "--ntasks", str(nnodes - 1), "--ntasks-per-node=1",
+            "--relative=1", "--kill-on-bad-exit=0", "--overlap",
+            sys.executable, "-m", "fleetheal.lab.train", "worker", "--run-dir", str(self.run_dir),
+        ]  # fmt: skip
+        if self.socket_template:
+            cmd += ["--socket-template", self.socket_template]
+        self.workers = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def stop_workers(self) -> None:
+        if self.workers is None or self.workers.poll() is not None:
+            return
+        self.workers.terminate()
+        try:
+            self.workers.wait(5)
+        except subprocess.TimeoutExpired:
+            self.workers.kill()
+            self.workers.wait()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGUSR1, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+        ckpt = read_checkpoint(self.run_dir)
+        resumed_from = int(ckpt["step"]) if ckpt else 0
+        self.step = resumed_from
+        host = os.environ.get("SLURMD_NODENAME", "local")
+        if self.restarts > 0 or ckpt is not None:
+            incident = _incident_from_comment(self.job) if self.job != "local" else None
+            self.log(
+                f"=== restart {self.restarts} of job {self.job} on {self.nodes} "
+                f"(SLURM_RESTART_COUNT={self.restarts}): incident={incident or 'none'}; "
+                f"resumed from checkpoint step {resumed_from}"
+                + (f" saved by restart {ckpt['restart']} ({ckpt['why']})" if ckpt else " (no checkpoint found)")
+            )
+        else:
+            incident = None
+            self.log(
+                f"=== job {self.job} starts on {self.nodes}: {self.steps} steps, checkpoint every {self.ckpt_every}s"
+            )
+        self.event(
+            "start", step=self.step, resumed_from=resumed_from, incident=incident, nodes=self.nodes, host=host,
+            step_time=self.step_time, checkpoint_every=self.ckpt_every,
+        )  # fmt: skip
+        _write_json(self.run_dir / PROGRESS, {"step": self.step, "time": time.time(), "job": self.job})
+        self.start_workers()
+        reporter = _reporter(0, _socket_for(self.socket_template))
+        last_ckpt = time.monotonic()
+        last_log = 0.0
+        while self.step < self.steps and self.signal is None:
+            t0 = time.monotonic()
+            time.sleep(self.step_time)
+            self.step += 1
+            loss = loss_at(self.step)
+            _write_json(self.run_dir / PROGRESS, {"step": self.step, "time": time.time(), "job": self.job})
+            if reporter is not None:
+                reporter.report(self.step, step_time=time.monotonic() - t0, loss=loss)
+            if time.monotonic() - last_ckpt >= self.ckpt_every:
+                self.checkpoint("periodic")
+                last_ckpt = time.monotonic()
+            if time.monotonic() - last_log >= 10:
+                self.log(f"step {self.step} loss {loss}")
+                last_log = time.monotonic()
+        if self.signal is not None:
+            name = signal.Signals(self.signal).name
+            self.checkpoint(f"grace signal {name}")
+            self.log(f"{name}: checkpointed at step {self.step}")
+            self.event("signal", signal=name, step=self.step)
+            if self.signal == signal.SIGUSR1:
+                # The grace signal comes before a requeue: stay (idle) until Slurm's SIGTERM ends this run,
+                # so the job is still RUNNING when the remediator requeues it.
+                self.signal = None
+                deadline = time.monotonic() + self.grace_wait
+                while self.signal is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if self.signal is None:
+                    self.log(f"no requeue within {self.grace_wait:.0f}s of the grace signal; exiting")
+            self.stop_workers()
+            return 0
+        self.checkpoint("finished")
+        self.event("end", step=self.step)
+        self.log(f"=== training finished at step {self.step}, loss {loss_at(self.step)}")
+        self.stop_workers()
+        if reporter is not None and hasattr(reporter, "end"):
+            reporter.end()
+        return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """A rank on another node: follows the coordinator's steps and reports them to its node's agent."""
+    run_dir = Path(args.run_dir)
+    rank = int(os.environ.get("SLURM_PROCID", "0")) + 1
+    reporter = _reporter(rank, _socket_for(args.socket_template))
+    stop = False
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    last = -1
+    last_t = time.monotonic()
+    while not stop:
+        time.sleep(0.1)
+        try:
+            step = int(json.loads((run_dir / PROGRESS).read_text())["step"])
+        except (FileNotFoundError, ValueError, KeyError):
+            continue
+        if step != last and reporter is not None:
+            now = time.monotonic()
+            reporter.report(step, step_time=(now - last_t) / max(1, step - last) if last >= 0 else None,
+                            loss=loss_at(step))  # fmt: skip
+            last_t = now
+        last = step
+    return 0
+
+
+def batch_script(
+    python: str,
+    run_dir: Path,
+    *,
+    steps: int,
+    step_time: float,
+    checkpoint_every: float,
+    socket_template: str | None = None,
+    grace_wait: float = 60.0,
+    pythonpath: str | None = None,
+) -> str:
+    """The sbatch script that runs the job (the researcher's `train.sh`)."""
+    extra = f" --socket-template {socket_template}" if socket_template else ""
+    env = f"export PYTHONPATH={pythonpath}\n" if pythonpath else ""
+    return (
+        "#!/bin/bash\n"
+        "# fleetheal lab training job: rank 0 here, one rank per other node through srun.\n"
+        f"{env}"
+        f"exec {python} -m fleetheal.lab.train coordinator --run-dir {run_dir} --steps {steps} "
+        f"--step-time {step_time} --checkpoint-every {checkpoint_every} --grace-wait {grace_wait}{extra}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fleetheal.lab.train", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="role", required=True)
+    coord = sub.add_parser("coordinator", help="rank 0 (the batch script runs it)")
+    coord.add_argument("--run-dir", required=True)
+    coord.add_argument("--steps", type=int, default=100_000)
+    coord.add_argument("--step-time", type=float, default=0.1, help="seconds per step")
+    coord.add_argument("--checkpoint-every", type=float, default=3.0, help="seconds between checkpoints")
+    coord.add_argument("--grace-wait", type=float, default=60.0, help="after SIGUSR1, wait this long for the requeue")
+    coord.add_argument("--socket-template", help="agent training socket, {node} replaced by SLURMD_NODENAME")
+    worker = sub.add_parser("worker", help="ranks 1.. (started by the coordinator through srun)")
+    worker.add_argument("--run-dir", required=True)
+    worker.add_argument("--socket-template")
+    args = parser.parse_args(argv)
+    if args.role == "coordinator":
+        return Coordinator(args).run()
+    return run_worker(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
