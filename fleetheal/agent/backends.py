@@ -20,7 +20,6 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Protocol
 
 #: Counter names a sample may carry (the agent's raw-counter metrics and thresholds use these names).
@@ -160,7 +159,7 @@ class NvmlBackend:
 
     name = "nvml"
 
-    def __init__(self, nvml: ModuleType | None = None, event_types: int | None = None) -> None:
+    def __init__(self, nvml: Any = None, event_types: int | None = None) -> None:
         self._nvml_module = nvml
         self._event_types = event_types
         self._handles: list[Any] = []
@@ -168,6 +167,8 @@ class NvmlBackend:
         self._thresholds: dict[int, dict[str, float]] = {}
         self._event_set: Any = None
         self._handle_index: dict[int, int] = {}
+        #: GPUs NVML counts but cannot open: index -> the error.
+        self._broken: dict[int, str] = {}
         self._lock = threading.Lock()
 
     @property
@@ -201,19 +202,24 @@ class NvmlBackend:
     def _enumerate(self) -> None:
         nv = self.nvml
         count = nv.nvmlDeviceGetCount()
-        handles, infos = [], []
+        handles: list[Any] = []
+        infos: list[GpuInfo] = []
         for i in range(count):
+            h = None
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 pci = nv.nvmlDeviceGetPciInfo_v3(h)
                 bus = f"{pci.domain:08X}:{pci.bus:02X}:{pci.device:02X}.0"
                 info = GpuInfo(i, _text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetName(h)), bus)
-            except nv.NVMLError:
-                # A GPU NVML counts but cannot open is missing for our purposes: the count check sees it.
-                continue
+            except nv.NVMLError as exc:
+                # NVML counts it but cannot describe it: keep it, so every poll reports it lost.
+                info = GpuInfo(i, "", "", "")
+                self._broken[i] = str(exc)
             handles.append(h)
             infos.append(info)
             self._thresholds[i] = {}
+            if i in self._broken:
+                continue
             for key, const in (
                 ("temperature_slowdown_c", "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN"),
                 ("temperature_shutdown_c", "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN"),
@@ -239,6 +245,8 @@ class NvmlBackend:
             self._event_set = None
             return
         for info, h in zip(self._infos, self._handles, strict=True):
+            if h is None or info.index in self._broken:
+                continue
             try:
                 supported = nv.nvmlDeviceGetSupportedEventTypes(h)
                 nv.nvmlDeviceRegisterEvents(h, wanted & supported, self._event_set)
@@ -256,6 +264,8 @@ class NvmlBackend:
 
     def sample(self, index: int) -> GpuSample:
         nv = self.nvml
+        if index in self._broken:
+            raise GpuLost(index, f"NVML cannot open the GPU: {self._broken[index]}")
         h = self._handles[[g.index for g in self._infos].index(index)]
         s = GpuSample(index, dict(self._thresholds.get(index, {})))
 

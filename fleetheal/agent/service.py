@@ -378,6 +378,7 @@ class Agent:
             changes += self.tracker.poll(TRAINING, training_detections, now, debounce=1)
             changes += self.tracker.expire(now)
             self._apply(changes, now)
+            self._write_health()  # no-op unless it changed; also covers the first poll
         self._export_suspects(suspects)
         self.metrics.polls.inc()
         self.metrics.poll_seconds.observe(time.perf_counter() - started)
@@ -551,12 +552,13 @@ def run_check(
     cfg: AgentConfig,
     backend: GpuBackend | None = None,
     drainer: SlurmDrainer | None = None,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     taxonomy: Taxonomy | None = None,
 ) -> int:
     """Check the GPUs once: 0 healthy, 1 unhealthy (reason printed, node drained when configured),
     2 cannot check (no NVML). Sees current state only: polled conditions and pending events, not
     counter growth over time and not the kernel log."""
+    out = out or sys.stdout
     tx = taxonomy or load()
     backend = backend or make_backend(cfg)
     try:
@@ -590,7 +592,10 @@ def run_check(
     tracker = HealthTracker(tx, debounce_polls=1)
     tracker.poll(backend.name, detections, time.time(), debounce=1)
     active = tracker.active()
-    blocking = [a for a in active if a.fault.action in cfg.fastpath.drain_actions]
+    # An Xid names the root cause better than its consequence (Xid 79 before gpu-lost).
+    blocking = sorted(
+        (a for a in active if a.fault.action in cfg.fastpath.drain_actions), key=lambda a: (a.fault.xid is None, a.gpu)
+    )
     for a in active:
         mark = "FAIL" if a in blocking else "warn"
         print(

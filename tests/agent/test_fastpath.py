@@ -1,0 +1,126 @@
+"""Fast path: the owned-reason rules of SlurmDrainer and KubeNodeTainter.
+
+The Slurm side runs against a real slurmctld in test_integration.py; here `FakeScontrol` (a test double
+of the scontrol binary, answering `show node -o` and `update` like Slurm 22.05) checks every branch,
+and `FakeKubeApiServer` (the lab's Kubernetes API test double) stands in for the API server.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from fleetheal.agent.fastpath import (
+    ALREADY,
+    DONE,
+    KEPT_FOREIGN,
+    LABEL_FAULT,
+    WOULD,
+    FastPathError,
+    KubeNodeTainter,
+    SlurmDrainer,
+)
+from fleetheal.contracts import TAINT_UNHEALTHY, drain_reason
+
+
+class FakeScontrol:
+    """Test double of `scontrol` for one node: keeps its state and reason, records updates."""
+
+    def __init__(self, state: str = "IDLE", reason: str | None = None, fail: bool = False) -> None:
+        self.state, self.reason, self.fail = state, reason, fail
+        self.updates: list[list[str]] = []
+
+    def __call__(self, argv, **kwargs):
+        assert kwargs["env"] is not None
+        if self.fail:
+            return subprocess.CompletedProcess(argv, 1, "", "slurm_load_node error: Unable to contact slurm controller")
+        if argv[1:3] == ["show", "node"]:
+            line = f"NodeName=n1 Arch=x86_64 State={self.state} Partitions=gpu"
+            if self.reason:
+                line += f" Reason={self.reason} [root@2026-11-29T10:00:00]"
+            return subprocess.CompletedProcess(argv, 0, line + "\n", "")
+        if argv[1] == "update":
+            self.updates.append(argv[1:])
+            self.state += "+DRAIN"
+            self.reason = argv[-1].removeprefix("reason=")
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        raise AssertionError(argv)
+
+
+REASON = drain_reason("xid-79", "agent-n1-1", "3", "2026-11-29T10:00:00Z")
+
+
+def test_drains_an_undrained_node_with_the_owned_reason():
+    fake = FakeScontrol()
+    result, why = SlurmDrainer("n1", run=fake, slurm_conf="/x/slurm.conf").drain(REASON)
+    assert result == DONE
+    assert fake.updates == [["update", "nodename=n1", "state=drain", f"reason={REASON}"]]
+    assert "drained n1" in why
+
+
+def test_keeps_someone_elses_drain_and_its_reason():
+    fake = FakeScontrol("IDLE+DRAIN", "disk replaced, burn-in pending")
+    result, why = SlurmDrainer("n1", run=fake).drain(REASON)
+    assert result == KEPT_FOREIGN
+    assert fake.updates == []
+    assert fake.reason == "disk replaced, burn-in pending"
+    assert "their reason is kept" in why
+
+
+def test_already_drained_by_fleetheal():
+    fake = FakeScontrol("MIXED+DRAIN", "fleetheal:xid-48 incident=i")
+    assert SlurmDrainer("n1", run=fake).drain(REASON)[0] == ALREADY
+    assert fake.updates == []
+
+
+def test_observe_mode_says_would_drain():
+    fake = FakeScontrol()
+    result, why = SlurmDrainer("n1", run=fake, dry_run=True).drain(REASON)
+    assert result == WOULD
+    assert why.startswith("would drain n1")
+    assert fake.updates == []
+
+
+def test_refuses_unowned_reasons_and_reports_scontrol_failures():
+    with pytest.raises(ValueError, match="does not own"):
+        SlurmDrainer("n1", run=FakeScontrol()).drain("maintenance")
+    with pytest.raises(FastPathError, match="Unable to contact slurm controller"):
+        SlurmDrainer("n1", run=FakeScontrol(fail=True)).drain(REASON)
+    with pytest.raises(FastPathError, match="No such file"):
+        SlurmDrainer("n1", scontrol="/nonexistent/scontrol").drain(REASON)
+
+
+@pytest.fixture
+def kube(tmp_path):
+    from fleetheal.lab.kube import FakeKubeApiServer
+
+    token = tmp_path / "token"
+    token.write_text("node-n1-token\n")
+    with FakeKubeApiServer(token="node-n1-token") as api:
+        api.add("nodes", {"metadata": {"name": "n1"}, "spec": {"taints": [{"key": "other", "effect": "NoSchedule"}]}})
+        yield api, str(token)
+
+
+def test_taints_and_labels_its_own_node_once(kube):
+    api, token = kube
+    t = KubeNodeTainter("n1", api.url, token)
+    assert t.taint("xid-79")[0] == DONE
+    node = api.get("nodes", "n1")
+    assert {"key": TAINT_UNHEALTHY, "value": "xid-79", "effect": "NoSchedule"} in node["spec"]["taints"]
+    assert {"key": "other", "effect": "NoSchedule"} in node["spec"]["taints"]  # others' taints kept
+    assert node["metadata"]["labels"][LABEL_FAULT] == "xid-79"
+    assert t.taint("xid-48")[0] == ALREADY
+    assert api.get("nodes", "n1")["metadata"]["labels"][LABEL_FAULT] == "xid-79"
+
+
+def test_taint_dry_run_and_errors(kube, tmp_path):
+    api, token = kube
+    assert KubeNodeTainter("n1", api.url, token, dry_run=True).taint("xid-79")[0] == WOULD
+    assert "taints" not in str(api.get("nodes", "n1")["metadata"].get("labels", {}))
+    bad = tmp_path / "bad"
+    bad.write_text("wrong")
+    with pytest.raises(FastPathError, match="401"):
+        KubeNodeTainter("n1", api.url, str(bad)).taint("xid-79")
+    with pytest.raises(FastPathError, match="404"):
+        KubeNodeTainter("n9", api.url, token).taint("xid-79")

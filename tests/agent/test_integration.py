@@ -1,0 +1,214 @@
+"""The agent against a real slurmctld + slurmd (Debian's Slurm 22.05), with the simulated GPU backend.
+
+The agent runs as its own process (`python -m fleetheal agent run`), exactly as systemd starts it; faults
+go in through `fleetheal.agent.simulated.inject`, the kernel log file and the training socket, and the
+outcome is read where an operator would read it: `scontrol show node` and the /metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetheal.agent.simulated import inject, pci_bus_id
+from fleetheal.lab.slurm import SlurmCluster
+
+pytestmark = pytest.mark.slurm
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _need_slurm() -> None:
+    missing = [t for t in ("slurmctld", "slurmd", "scontrol", "munged", "unshare") if not shutil.which(t)]
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"SKIPPED LOUDLY: needs root and Debian's Slurm packages (missing: {missing or 'root'})")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """Scrape /metrics into {'name{labels}': value} (labels sorted as prometheus_client prints them)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def _series(metrics: dict[str, float], name: str, **labels: str) -> float | None:
+    for key, value in metrics.items():
+        if key.startswith(name + "{") and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+        if key == name and not labels:
+            return value
+    return None
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    _need_slurm()
+    c = SlurmCluster(tmp_path / "slurm", nodes=2, gpus_per_node=8)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop(graceful=False)
+
+
+@pytest.fixture
+def agent(cluster, tmp_path):
+    port = _free_port()
+    cfg = {
+        "node": "n1",
+        "poll_interval_s": 0.5,
+        "health_file": str(tmp_path / "health"),
+        "backend": {"kind": "simulated", "simulated": {"gpus": 8, "state_file": str(tmp_path / "sim.json")}},
+        "metrics": {"listen": "127.0.0.1", "port": port},
+        "kernel_log": {"path": str(tmp_path / "kern.log")},
+        "training": {"socket": str(tmp_path / "training.sock")},
+        "fastpath": {"slurm": {"slurm_conf": str(cluster.conf_path)}},
+    }
+    (tmp_path / "kern.log").write_text("")
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(tmp_path / "agent.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetheal", "agent", "run", "--config", str(path)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        cluster.wait_for("agent metrics endpoint", lambda: _can_scrape(port), timeout=20)
+        yield {"proc": proc, "port": port, "tmp": tmp_path, "log": tmp_path / "agent.log"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _can_scrape(port: int) -> bool:
+    try:
+        _metrics(port)
+        return True
+    except OSError:
+        return False
+
+
+def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
+    port, tmp = agent["port"], agent["tmp"]
+    state = tmp / "sim.json"
+
+    # Xid 31 (an application's MMU fault): visible in the metrics, and the node keeps running jobs.
+    inject(state, "xid-31", gpu=1)
+    cluster.wait_for(
+        "xid-31 in metrics",
+        lambda: _series(_metrics(port), "fleetheal_agent_fault_active", fault_id="xid-31", gpu="1") == 1,
+        timeout=10,
+    )
+    time.sleep(1.0)  # the fast path would have acted by now
+    assert not cluster.node("n1").drained
+    m = _metrics(port)
+    assert _series(m, "fleetheal_agent_faults_total", fault_id="xid-31") == 1
+    assert _series(m, "fleetheal_agent_fastpath_actions_total", action="drain") is None
+
+    # Xid 79 on GPU 3: n1 (and only n1) drained with an owned reason naming the fault and GPU.
+    inject(state, "xid-79", gpu=3)
+    cluster.wait_for("n1 drained", lambda: cluster.node("n1").drained, timeout=10)
+    reason = cluster.node("n1").reason
+    assert reason is not None
+    assert reason.startswith("fleetheal:xid-79 incident=agent-n1-")
+    assert " gpu=3 at=" in reason
+    assert not cluster.node("n2").drained
+    m = _metrics(port)
+    assert _series(m, "fleetheal_agent_fault_active", fault_id="xid-79", gpu="3", action="ISOLATE_AND_RELOCATE") == 1
+    assert _series(m, "fleetheal_agent_faults_total", fault_id="xid-79", **{"class": "hardware"}) == 1
+    assert _series(m, "fleetheal_agent_fastpath_actions_total", action="drain", result="done") == 1
+    assert _series(m, "fleetheal_agent_health_state", gpu="node") == 2
+    assert (tmp / "health").read_text().strip() in ("xid-79", "gpu-lost")
+
+    # A garbled kernel line and a malformed training report are counted; the agent keeps going.
+    with open(tmp / "kern.log", "ab") as fh:
+        fh.write(b"\xff\xfe\x00 NVRM: Xid (PCI:0000:1a:00): ##garbled##\n")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.sendto(b'{"job": "1", "rank": "zero"', str(tmp / "training.sock"))
+    cluster.wait_for(
+        "read errors counted",
+        lambda: (
+            (_series(_metrics(port), "fleetheal_agent_read_errors_total", source="kernel_log") or 0) >= 1
+            and (_series(_metrics(port), "fleetheal_agent_read_errors_total", source="training") or 0) >= 1
+        ),
+        timeout=10,
+    )
+    # ... and still works: a valid kernel Xid line and a valid report after the bad ones are processed.
+    bus = pci_bus_id(5)[4:-2].lower()
+    with open(tmp / "kern.log", "a") as fh:
+        fh.write(f"NVRM: Xid (PCI:{bus}): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error\n")
+    s.sendto(b'{"v": 1, "job": "42", "rank": 0, "step": 7, "loss": 1.5}', str(tmp / "training.sock"))
+    cluster.wait_for(
+        "valid input after bad input",
+        lambda: (
+            _series(_metrics(port), "fleetheal_agent_fault_active", fault_id="xid-48", gpu="5") == 1
+            and _series(_metrics(port), "fleetheal_agent_training_step", job="42") == 7
+        ),
+        timeout=10,
+    )
+    assert agent["proc"].poll() is None, agent["log"].read_text()[-2000:]
+
+
+def test_check_as_slurm_health_check_program_drains_only_its_node(tmp_path):
+    """slurmd runs `fleetheal agent check` as HealthCheckProgram on every node; an injected Xid 79 on n2
+    drains n2 by itself, and an operator's drain of n1 keeps its reason."""
+    _need_slurm()
+    state_dir = tmp_path / "sim"
+    state_dir.mkdir()
+    cfg = tmp_path / "agent.yaml"
+    hc = tmp_path / "healthcheck.sh"
+    slurm_dir = tmp_path / "slurm"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "backend": {"kind": "simulated", "simulated": {"gpus": 4}},
+                "fastpath": {"slurm": {"slurm_conf": str(slurm_dir / "etc" / "slurm.conf")}},
+            }
+        )
+    )
+    hc.write_text(
+        "#!/bin/sh\n"
+        f'export FLEETHEAL_AGENT_BACKEND__SIMULATED__STATE_FILE="{state_dir}/$SLURMD_NODENAME.json"\n'
+        f'cd {REPO} && exec {sys.executable} -m fleetheal agent check --config {cfg} >>"{tmp_path}/hc-$SLURMD_NODENAME.log" 2>&1\n'
+    )
+    hc.chmod(0o755)
+    extra = [f"HealthCheckProgram={hc}", "HealthCheckInterval=2", "HealthCheckNodeState=ANY"]
+    with SlurmCluster(slurm_dir, nodes=2, gpus_per_node=4, extra_conf=extra) as c:
+        c.scontrol("update", "nodename=n1", "state=drain", "reason=operator: cable reseat")
+        inject(state_dir / "n1.json", "xid-79", gpu=0)
+        inject(state_dir / "n2.json", "xid-79", gpu=2)
+        c.wait_for("n2 drained by the health check", lambda: c.node("n2").drained, timeout=30)
+        assert (c.node("n2").reason or "").startswith("fleetheal:xid-79 incident=check-n2-")
+        c.wait_for(
+            "n1 checked",
+            lambda: (tmp_path / "hc-n1.log").exists() and "FAIL" in (tmp_path / "hc-n1.log").read_text(),
+            timeout=30,
+        )
+        assert c.node("n1").reason == "operator: cable reseat"
+        assert "their reason is kept" in (tmp_path / "hc-n1.log").read_text()

@@ -1,0 +1,193 @@
+"""The agent's wiring, in process: detections -> state -> metrics, fast path and health file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleetheal.agent.config import load_config
+from fleetheal.agent.fastpath import SlurmDrainer
+from fleetheal.agent.service import OK, UNHEALTHY_EXIT, Agent, run_check
+from fleetheal.agent.simulated import SimulatedGpuBackend, inject, pci_bus_id
+
+from .test_fastpath import FakeScontrol
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def setup(tmp_path):
+    def make(mode="act", **env):
+        base = {
+            "FLEETHEAL_AGENT_NODE": "n1",
+            "FLEETHEAL_AGENT_MODE": mode,
+            "FLEETHEAL_AGENT_METRICS__PORT": "0",
+            "FLEETHEAL_AGENT_KERNEL_LOG__ENABLED": "false",
+            "FLEETHEAL_AGENT_TRAINING__ENABLED": "false",
+            "FLEETHEAL_AGENT_BACKEND__KIND": "simulated",
+            "FLEETHEAL_AGENT_BACKEND__SIMULATED__STATE_FILE": str(tmp_path / "sim.json"),
+            "FLEETHEAL_AGENT_HEALTH_FILE": str(tmp_path / "health"),
+            "FLEETHEAL_AGENT_TRAINING__HANG_TIMEOUT_S": "60",
+        }
+        base.update(env)
+        cfg = load_config(None, env=base)
+        clock = Clock()
+        fake = FakeScontrol()
+        backend = SimulatedGpuBackend(cfg.backend.simulated.state_file, 8, clock=clock, poll_slice_s=0.005)
+        drainer = SlurmDrainer("n1", run=fake, dry_run=cfg.observe_only)
+        agent = Agent(cfg, backend, drainer=drainer, clock=clock)
+        agent.open_backend()
+        return agent, fake, clock
+
+    return make
+
+
+def _value(agent, name, **labels):
+    return agent.metrics.registry.get_sample_value(name, labels)
+
+
+def _drain_queue(agent):
+    while not agent.actions.empty():
+        item = agent.actions.get_nowait()
+        if item is not None:
+            agent._act(item)
+
+
+XID79 = {"node": "n1", "gpu": "3", "fault_id": "xid-79", "class": "hardware", "action": "ISOLATE_AND_RELOCATE"}
+XID79["severity"] = "critical"
+
+
+def test_xid_79_event_drains_with_an_owned_reason_and_sets_metrics(setup, tmp_path):
+    agent, fake, clock = setup()
+    agent.poll_once()
+    assert (tmp_path / "health").read_text() == "ok\n"
+    inject(agent.backend.state_file, "xid-79", gpu=3, at=clock.t)
+    for ev in agent.backend.wait_events(0.2):
+        agent.detect(agent._event_detection(ev))
+    _drain_queue(agent)
+    ((_, node, state, reason),) = fake.updates
+    assert (node, state) == ("nodename=n1", "state=drain")
+    assert reason.startswith("reason=fleetheal:xid-79 incident=agent-n1-")
+    assert " gpu=3 at=2027-01-15T08:00:00Z" in reason
+    assert _value(agent, "fleetheal_agent_fault_active", **XID79) == 1
+    assert _value(agent, "fleetheal_agent_faults_total", fault_id="xid-79", **{"class": "hardware"}) == 1
+    assert (
+        _value(agent, "fleetheal_agent_last_fault_timestamp_seconds", fault_id="xid-79", **{"class": "hardware"})
+        == clock.t
+    )
+    assert _value(agent, "fleetheal_agent_health_state", node="n1", gpu="3") == 2
+    assert _value(agent, "fleetheal_agent_health_state", node="n1", gpu="node") == 2
+    assert _value(agent, "fleetheal_agent_fastpath_actions_total", action="drain", result="done") == 1
+    assert (tmp_path / "health").read_text() == "xid-79\n"
+
+    # The GPU is lost too: the polled condition joins after debounce, and the node is already ours.
+    agent.poll_once()
+    agent.poll_once()
+    assert ("3", "gpu-lost") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
+    _drain_queue(agent)
+    assert _value(agent, "fleetheal_agent_fastpath_actions_total", action="drain", result="already") == 1
+    assert len(fake.updates) == 1
+
+
+def test_xid_31_is_reported_and_drains_nothing(setup, tmp_path):
+    agent, fake, clock = setup()
+    inject(agent.backend.state_file, "xid-31", gpu=1, at=clock.t)
+    for ev in agent.backend.wait_events(0.2):
+        agent.detect(agent._event_detection(ev))
+    _drain_queue(agent)
+    assert fake.updates == []
+    labels = {"node": "n1", "gpu": "1", "fault_id": "xid-31", "class": "user", "action": "REFUSE_AND_REPORT"}
+    assert _value(agent, "fleetheal_agent_fault_active", severity="warning", **labels) == 1
+    assert _value(agent, "fleetheal_agent_health_state", node="n1", gpu="1") == 1
+    assert (tmp_path / "health").read_text() == "ok\n"
+
+
+def test_observe_mode_would_drain(setup):
+    agent, fake, _clock = setup(mode="observe")
+    agent.detect(agent._event_detection(type("E", (), {"fault_id": None, "xid": 48, "gpu": 0, "detail": ""})()))
+    _drain_queue(agent)
+    assert fake.updates == []
+    assert _value(agent, "fleetheal_agent_fastpath_actions_total", action="drain", result="would") == 1
+
+
+def test_faults_clear_and_the_gauge_goes_to_zero(setup):
+    agent, _, clock = setup(FLEETHEAL_AGENT_HEALTH__EVENT_HOLD_S="10")
+    inject(agent.backend.state_file, "row-remap-pending", gpu=2, at=clock.t)
+    agent.poll_once()
+    agent.poll_once()
+    labels = {"node": "n1", "gpu": "2", "fault_id": "row-remap-pending", "class": "hardware", "action": "RESET_GPU"}
+    assert _value(agent, "fleetheal_agent_fault_active", severity="warning", **labels) == 1
+    from fleetheal.agent.simulated import clear
+
+    clear(agent.backend.state_file)
+    for _ in range(3):
+        clock.t += 1
+        agent.poll_once()
+    assert _value(agent, "fleetheal_agent_fault_active", severity="warning", **labels) == 0
+    assert _value(agent, "fleetheal_agent_health_state", node="n1", gpu="2") == 0
+
+
+def test_kernel_lines_map_to_gpus_and_garbage_is_counted(setup):
+    agent, _fake, _ = setup()
+    bus = pci_bus_id(5).removeprefix("0000")  # the kernel writes 0000:1D:00, NVML 00000000:1D:00.0
+    agent.kernel_line(
+        f"[ 12.3] NVRM: Xid (PCI:{bus[:-2].lower()}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+    )
+    assert ("5", "xid-79") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
+    agent.kernel_line("NVRM: Xid (PCI:0000:1d:00): garbage, not a code")
+    agent.kernel_line("systemd[1]: Started Session 4.")
+    assert _value(agent, "fleetheal_agent_read_errors_total", source="kernel_log") == 1
+    agent.kernel_line("NVRM: Xid (PCI:0000:99:00): 48, pid=1, name=x, DBE")  # a bus no GPU has
+    assert ("00000000:99:00.0", "xid-48") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
+
+
+def test_training_reports_hang_suspect_and_malformed(setup):
+    agent, fake, clock = setup()
+    agent.training_report(b"{broken")
+    agent.training_report(json.dumps({"job": "77", "rank": 0, "step": "x"}).encode())
+    assert _value(agent, "fleetheal_agent_read_errors_total", source="training") == 2
+    for rank in range(4):
+        agent.training_report(
+            json.dumps({"job": "77", "rank": rank, "step": 10 if rank != 1 else 9, "gpu": rank}).encode()
+        )
+    assert _value(agent, "fleetheal_agent_training_step", node="n1", job="77", rank="1") == 9
+    clock.t += 61
+    agent.poll_once()
+    assert _value(agent, "fleetheal_agent_training_hang_suspect", node="n1", job="77", rank="1") == 1
+    (hang,) = [a for a in agent.tracker.active() if a.fault.id == "job-hang"]
+    assert hang.gpu == "1"
+    _drain_queue(agent)
+    assert fake.updates == []  # job-hang is RESTART_IN_PLACE: the remediator's, not the fast path's
+
+
+def test_gpu_count_low(setup):
+    agent, _, clock = setup(FLEETHEAL_AGENT_BACKEND__EXPECTED_GPUS="8")
+    inject(agent.backend.state_file, "gpu-count-low", gpu=7, at=clock.t)
+    agent.poll_once()
+    agent.poll_once()
+    assert ("node", "gpu-count-low") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
+    assert _value(agent, "fleetheal_agent_gpu_count", node="n1") == 7
+
+
+def test_check_healthy_then_unhealthy_and_drains(setup, capsys):
+    agent, fake, _clock = setup()
+    cfg = agent.cfg
+    assert run_check(cfg, SimulatedGpuBackend(cfg.backend.simulated.state_file, 8), SlurmDrainer("n1", run=fake)) == OK
+    assert "healthy: n1, 8 GPUs" in capsys.readouterr().out
+    inject(cfg.backend.simulated.state_file, "xid-31", gpu=2)
+    assert run_check(cfg, SimulatedGpuBackend(cfg.backend.simulated.state_file, 8), SlurmDrainer("n1", run=fake)) == OK
+    assert "warn xid-31 gpu=2" in capsys.readouterr().out
+    inject(cfg.backend.simulated.state_file, "xid-79", gpu=3)
+    code = run_check(cfg, SimulatedGpuBackend(cfg.backend.simulated.state_file, 8), SlurmDrainer("n1", run=fake))
+    out = capsys.readouterr().out
+    assert code == UNHEALTHY_EXIT
+    assert "FAIL xid-79 gpu=3" in out
+    assert "unhealthy: n1" in out
+    assert fake.updates and fake.updates[0][-1].startswith("reason=fleetheal:")

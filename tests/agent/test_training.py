@@ -1,0 +1,121 @@
+"""Training reports: parsing, NaN/spike/straggler judgements and the collective-hang suspect."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleetheal.agent.training import MalformedReport, RankProgress, TrainingMonitor, hang_suspect, parse_report
+
+
+def _b(**doc):
+    return json.dumps(doc).encode()
+
+
+def test_parse_a_full_report():
+    r = parse_report(_b(v=1, job="4242", rank=3, step=1200, step_time=0.41, loss=2.31, gpu=3))
+    assert (r.job, r.rank, r.step, r.step_time, r.loss, r.gpu, r.end) == ("4242", 3, 1200, 0.41, 2.31, 3, False)
+    assert parse_report(_b(job=7, rank=0, step=0)).job == "7"
+    assert str(parse_report(_b(job="j", rank=0, step=1, loss="nan")).loss) == "nan"
+    assert parse_report(_b(job="j", rank=0, step=0, event="end")).end
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"{not json", "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (_b(v=2, job="j", rank=0, step=0), "unsupported protocol version"),
+        (_b(rank=0, step=0), "job must be"),
+        (_b(job="a b", rank=0, step=0), "job must be"),
+        (_b(job="j", rank=-1, step=0), "rank must be an integer"),
+        (_b(job="j", rank=0, step="12"), "step must be an integer"),
+        (_b(job="j", rank=0, step=True), "step must be an integer"),
+        (_b(job="j", rank=0, step=1, loss="lots"), "loss must be a number"),
+        (_b(job="j", rank=0, step=1, step_time=-1), "step_time must be"),
+    ],
+)
+def test_malformed_reports(data, why):
+    with pytest.raises(MalformedReport, match=why):
+        parse_report(data)
+
+
+def test_hang_suspect_is_the_rank_that_stopped_first():
+    # Rank 5's NIC died during step 101: it never finished it; its peers finished step 101's
+    # forward pass bookkeeping a moment later and then froze in the all-reduce, waiting on rank 5.
+    ranks = [RankProgress(r, 101, 1000.0 + r * 0.01) for r in range(8) if r != 5]
+    ranks.append(RankProgress(5, 100, 999.0))
+    assert hang_suspect(ranks, now=1400.0, timeout_s=300).rank == 5
+    # Same step everywhere: the earliest to stop is blamed, not the ones that waited on it.
+    same = [RankProgress(r, 50, 2000.0 + (0 if r == 6 else 3)) for r in range(8)]
+    assert hang_suspect(same, now=2400.0, timeout_s=300).rank == 6
+
+
+def test_no_suspect_while_any_rank_progresses():
+    ranks = [RankProgress(0, 10, 0.0), RankProgress(1, 10, 350.0)]
+    assert hang_suspect(ranks, now=400.0, timeout_s=300) is None
+    assert hang_suspect([], now=400.0, timeout_s=300) is None
+
+
+def _report(job, rank, step, **kw):
+    return parse_report(_b(job=job, rank=rank, step=step, **kw))
+
+
+def test_monitor_names_the_hang_suspect_on_its_gpu():
+    m = TrainingMonitor(hang_timeout_s=60)
+    t = 0.0
+    for step in range(1, 11):
+        t += 1
+        for rank in range(4):
+            if rank == 2 and step > 7:
+                continue  # rank 2 (GPU 6) stops at step 7; the others reach step 8 and wait
+            if rank != 2 and step > 8:
+                continue
+            m.ingest(_report("job1", rank, step, gpu=rank + 4), t)
+    dets, suspects = m.check(t + 30)
+    assert dets == []
+    dets, suspects = m.check(t + 61)
+    (det,) = dets
+    assert (det.fault_id, det.gpu, det.condition) == ("job-hang", "6", True)
+    assert "suspect rank 2" in det.detail
+    assert suspects["job1"].rank == 2
+
+
+def test_heartbeats_without_progress_still_hang():
+    m = TrainingMonitor(hang_timeout_s=10)
+    m.ingest(_report("j", 0, 5), 0.0)
+    for t in range(1, 20):
+        m.ingest(_report("j", 0, 5), float(t))  # same step again and again
+    dets, _ = m.check(20.0)
+    assert [d.fault_id for d in dets] == ["job-hang"]
+
+
+def test_nan_and_loss_spike():
+    m = TrainingMonitor(loss_spike_factor=3.0, loss_spike_warmup=5)
+    assert [d.fault_id for d in m.ingest(_report("j", 0, 1, loss="inf"), 0.0)] == ["nan-loss"]
+    for step in range(2, 12):
+        assert m.ingest(_report("j", 0, step, loss=2.0), float(step)) == []
+    (det,) = m.ingest(_report("j", 0, 12, loss=9.0), 12.0)
+    assert det.fault_id == "loss-spike"
+    assert not det.condition
+    assert m.ingest(_report("j", 0, 13, loss=2.1), 13.0) == []  # the spike did not move the mean
+
+
+def test_straggler_against_peers_median():
+    m = TrainingMonitor(straggler_factor=1.5, straggler_min_ranks=3)
+    for rank, step_time in enumerate([1.0, 1.02, 0.98, 2.0]):
+        m.ingest(_report("j", rank, 10, step_time=step_time, gpu=rank), 0.0)
+    dets, _ = m.check(1.0)
+    assert [(d.fault_id, d.gpu) for d in dets] == [("straggler", "3")]
+
+
+def test_end_and_expiry_forget_jobs():
+    m = TrainingMonitor(hang_timeout_s=10, job_expiry_s=100)
+    m.ingest(_report("a", 0, 1), 0.0)
+    m.ingest(parse_report(_b(job="a", rank=0, step=0, event="end")), 1.0)
+    assert m.jobs == {}
+    m.ingest(_report("b", 0, 1), 0.0)
+    m.check(150.0)
+    assert m.jobs == {}
