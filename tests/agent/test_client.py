@@ -78,3 +78,31 @@ def test_client_uses_only_the_standard_library():
     modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert modules <= {"__future__", "json", "math", "os", "socket", "time", "collections"}
+
+
+def test_the_example_training_script_reports_a_nan(server):
+    import subprocess
+    import sys
+
+    path, s = server
+    script = Path(__file__).resolve().parents[2] / "agent" / "examples" / "train_with_fleetheal.py"
+    env = {"FLEETHEAL_TRAINING_SOCKET": path, "SLURM_JOB_ID": "123", "SLURM_PROCID": "4", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "5", "--step-time", "0", "--nan-at", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "dropped" in done.stdout
+    reports = []
+    s.settimeout(0.5)
+    try:
+        while True:
+            reports.append(parse_report(s.recv(4096)))
+    except TimeoutError:
+        pass
+    assert {(r.job, r.rank) for r in reports} == {("123", 4)}
+    assert any(r.step == 3 and r.loss is not None and r.loss != r.loss for r in reports)
+    assert reports[-1].end
