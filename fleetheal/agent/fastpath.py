@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import ssl
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetheal.contracts import K8S_PREFIX, TAINT_UNHEALTHY, owns_reason
 from fleetheal.scontrol import NodeInfo, parse_node_line
+
+if TYPE_CHECKING:
+    import ssl
 
 #: Label the agent puts on its Node next to the taint: the fault id that isolated it.
 LABEL_FAULT = K8S_PREFIX + "fault"
@@ -123,9 +123,13 @@ class KubeNodeTainter:
         self.dry_run = dry_run
         self._ctx: ssl.SSLContext | None = None
         if self.api_url.startswith("https://"):
+            import ssl  # only agents with a Kubernetes API pay for ssl and urllib
+
             self._ctx = ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
 
     def _request(self, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        import urllib.request
+
         with open(self.token_file) as fh:  # re-read: projected tokens rotate
             token = fh.read().strip()
         req = urllib.request.Request(  # noqa: S310 - the URL is the configured API server
@@ -143,6 +147,8 @@ class KubeNodeTainter:
             return doc
 
     def taint(self, fault_id: str) -> tuple[str, str]:
+        import urllib.error
+
         for _ in range(3):
             try:
                 node = self._request("GET")
