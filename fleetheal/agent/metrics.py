@@ -6,6 +6,8 @@ own registry so tests can build several agents in one process.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.process_collector import ProcessCollector
 
@@ -162,3 +164,11 @@ class AgentMetrics:
             ("node", "job", "rank"),
             registry=r,
         )
+
+    def gpu_children(self, node: str, gpu: str) -> dict[str, Any]:
+        """Sample key -> the labelled gauge child it is exported to, for one GPU (built once per GPU)."""
+        out: dict[str, Any] = {key: gauge.labels(node, gpu) for key, gauge in self.gpu.items()}
+        out.update({key: self.ecc.labels(node, gpu, kind, counter) for key, (kind, counter) in ECC.items()})
+        out.update({key: self.remapped.labels(node, gpu, kind) for key, kind in REMAPPED.items()})
+        out.update({key: self.nvlink.labels(node, gpu, counter) for key, counter in NVLINK.items()})
+        return out

@@ -171,6 +171,8 @@ class Agent:
         self._previous: dict[int, GpuSample] = {}
         self._bus_to_gpu: dict[str, int] = {}
         self._gpu_labels: set[str] = set()
+        self._children: dict[int, dict[str, Any]] = {}
+        self._exported: dict[int, dict[str, float]] = {}
         self._training_series: set[tuple[str, str]] = set()
         self._suspects: set[tuple[str, str]] = set()
         self._health_written: str | None = None
@@ -419,24 +421,20 @@ class Agent:
         return out
 
     def _export_sample(self, s: GpuSample) -> None:
-        from fleetheal.agent.metrics import ECC, NVLINK, REMAPPED
-
-        m, node, gpu, v = self.metrics, self.node, str(s.index), s.values
-        for key, gauge in m.gpu.items():
-            if key in v:
-                gauge.labels(node, gpu).set(v[key])
-        for key, (kind, counter) in ECC.items():
-            if key in v:
-                m.ecc.labels(node, gpu, kind, counter).set(v[key])
-        for key, kind in REMAPPED.items():
-            if key in v:
-                m.remapped.labels(node, gpu, kind).set(v[key])
-        for key, counter in NVLINK.items():
-            if key in v:
-                m.nvlink.labels(node, gpu, counter).set(v[key])
-        if gpu not in self._gpu_labels:
+        """Raw counters to their gauges; only values that changed are written (most never do)."""
+        gpu = str(s.index)
+        children = self._children.get(s.index)
+        if children is None:
+            children = self._children[s.index] = self.metrics.gpu_children(self.node, gpu)
             self._gpu_labels.add(gpu)
-            m.health.labels(node, gpu).set(self.tracker.health(gpu))
+            self.metrics.health.labels(self.node, gpu).set(self.tracker.health(gpu))
+        last = self._exported.setdefault(s.index, {})
+        for key, value in s.values.items():
+            if last.get(key) != value:
+                child = children.get(key)
+                if child is not None:
+                    child.set(value)
+                last[key] = value
 
     def _export_suspects(self, suspects: dict[str, Any]) -> None:
         current = {(job, str(s.rank)) for job, s in suspects.items()}
