@@ -217,7 +217,7 @@ class Coordinator:
         _write_json(self.run_dir / PROGRESS, {"step": self.step, "time": time.time(), "job": self.job})
         self.start_workers()
         reporter = _reporter(0, _socket_for(self.socket_template))
-        last_ckpt = time.monotonic()
+        last_ckpt = last_progress = time.monotonic()
         last_log = 0.0
         while self.step < self.steps and self.signal is None:
             t0 = time.monotonic()
@@ -227,6 +227,9 @@ class Coordinator:
             _write_json(self.run_dir / PROGRESS, {"step": self.step, "time": time.time(), "job": self.job})
             if reporter is not None:
                 reporter.report(self.step, step_time=time.monotonic() - t0, loss=loss)
+            if time.monotonic() - last_progress >= 1.0:
+                self.event("progress", step=self.step, loss=loss)
+                last_progress = time.monotonic()
             if time.monotonic() - last_ckpt >= self.ckpt_every:
                 self.checkpoint("periodic")
                 last_ckpt = time.monotonic()
@@ -243,9 +246,12 @@ class Coordinator:
                 # so the job is still RUNNING when the remediator requeues it.
                 self.signal = None
                 deadline = time.monotonic() + self.grace_wait
-                while self.signal is None and time.monotonic() < deadline:
+                while self.signal != signal.SIGTERM and time.monotonic() < deadline:
+                    if self.signal == signal.SIGUSR1:  # another grace signal: already checkpointed
+                        self.log(f"SIGUSR1 again: checkpoint at step {self.step} already saved")
+                        self.signal = None
                     time.sleep(0.05)
-                if self.signal is None:
+                if self.signal != signal.SIGTERM:
                     self.log(f"no requeue within {self.grace_wait:.0f}s of the grace signal; exiting")
             self.stop_workers()
             return 0

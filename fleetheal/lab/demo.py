@@ -1,0 +1,497 @@
+"""`fleetheal lab demo`: the self-healing loop, live, on the local lab (and the scenarios the lab's
+integration tests run).
+
+Three scenarios on one 2-node training job:
+
+1. Xid 79 (a GPU falls off the bus; hardware): the agent drains its node and taints its Node, the alert
+   reaches the remediator, the isolate-and-relocate playbook gives the job its grace signal, requeues
+   it, cordons and drains the Kubernetes node and promotes a warm-standby node; the job runs again on
+   healthy nodes and resumes from its checkpoint.
+2. Xid 31 (an MMU fault: the job's own bug): no drain, no requeue; the cause goes to the job's comment
+   and log.
+3. NCCL timeout (transient): the job is restarted in place, on the same nodes, from its checkpoint.
+
+Each scenario is watched from the outside (Slurm, the Kubernetes API, the job's own events, the
+remediator's incidents): every milestone is printed when it is first seen, with its time since the
+fault was injected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetheal.contracts import LABEL_POOL, TAINT_UNHEALTHY, owns_reason
+from fleetheal.lab.lab import Lab, LabError
+from fleetheal.lab.train import ettr, read_events
+
+#: Seconds between checkpoints of the demo's training job, and its step time.
+CHECKPOINT_EVERY = 3.0
+STEP_TIME = 0.1
+
+
+def _expand(nodelist: str) -> list[str]:
+    """`n[1-2,4]` / `n3` -> node names (the forms this lab's Slurm prints)."""
+    m = re.fullmatch(r"([A-Za-z]+)\[([0-9,\-]+)\]", nodelist)
+    if not m:
+        return [n for n in nodelist.split(",") if n]
+    out = []
+    for part in m.group(2).split(","):
+        lo, _, hi = part.partition("-")
+        out += [f"{m.group(1)}{i}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+@dataclass
+class Outcome:
+    """What one scenario did, as observed."""
+
+    name: str
+    fault: str
+    node: str
+    gpu: int | None
+    action: str
+    milestones: dict[str, float] = field(default_factory=dict)  # name -> seconds after injection
+    details: dict[str, Any] = field(default_factory=dict)
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    ok: bool = False
+    error: str = ""
+
+
+class Watcher:
+    """Polls the lab and prints each milestone when first seen (live progress)."""
+
+    def __init__(self, lab: Lab, job: str, run_dir: Path, out: Callable[[str], None]) -> None:
+        self.lab = lab
+        self.job = job
+        self.run_dir = run_dir
+        self.out = out
+        self.cluster = lab.slurm()
+
+    def job_info(self) -> dict[str, str]:
+        return self.cluster.job(self.job)
+
+    def job_nodes(self) -> list[str]:
+        return _expand(self.job_info().get("NodeList", ""))
+
+    def wait_running(self, timeout: float = 60) -> None:
+        self.progress_wait("the job to run", lambda: self.job_info().get("JobState") == "RUNNING", timeout)
+
+    def wait_steps(self, steps: int, timeout: float = 60) -> int:
+        def check() -> int | None:
+            ev = [e for e in read_events(self.run_dir) if e.get("event") == "progress"]
+            return int(ev[-1]["step"]) if ev and int(ev[-1]["step"]) >= steps else None
+
+        self.progress_wait(f"the job to pass step {steps}", check, timeout)
+        return int(check() or 0)
+
+    def progress_wait(self, what: str, check: Callable[[], object], timeout: float) -> None:
+        t0 = time.monotonic()
+        last = -1
+        while True:
+            with contextlib.suppress(Exception):
+                if check():
+                    return
+            waited = time.monotonic() - t0
+            if waited > timeout:
+                raise LabError(f"timed out after {timeout:g}s waiting for {what}")
+            if int(waited) // 5 != last and waited >= 5:
+                last = int(waited) // 5
+                self.out(f"      ... waiting for {what} ({waited:.0f}s)")
+            time.sleep(0.25)
+
+    def run(
+        self,
+        outcome: Outcome,
+        checks: list[tuple[str, str, Callable[[], str | None]]],
+        done: Callable[[], bool],
+        timeout: float,
+    ) -> None:
+        """Inject the fault, then poll `checks` (key, label, probe -> detail or None) until `done()`."""
+        t0 = time.time()
+        ident = self.lab.inject(outcome.node, outcome.fault, outcome.gpu)
+        where = f"GPU {outcome.gpu}" if outcome.gpu is not None else "node-wide"
+        self.out(f"  +  0.0s  injected {outcome.fault} on {outcome.node} {where} ({ident})")
+        last_note = time.monotonic()
+        while True:
+            now = time.time() - t0
+            for key, label, probe in checks:
+                if key in outcome.milestones:
+                    continue
+                try:
+                    detail = probe()
+                except Exception:
+                    detail = None
+                if detail is not None:
+                    outcome.milestones[key] = now
+                    self.out(f"  + {now:5.1f}s  {label}: {detail}")
+            if done():
+                return
+            if now > timeout:
+                missing = [label for key, label, _ in checks if key not in outcome.milestones]
+                raise LabError(f"{outcome.name}: timed out after {timeout:g}s; not seen: {', '.join(missing)}")
+            if time.monotonic() - last_note > 10:
+                last_note = time.monotonic()
+                info = self.job_info()
+                self.out(
+                    f"      ... {now:.0f}s: job {self.job} {info.get('JobState')} on {info.get('NodeList')}, "
+                    f"restarts {info.get('Restarts')}"
+                )
+            time.sleep(0.2)
+
+
+def _starts(run_dir: Path) -> list[dict[str, Any]]:
+    return [e for e in read_events(run_dir) if e.get("event") == "start"]
+
+
+def continuity(run_dir: Path) -> list[dict[str, Any]]:
+    """For each restart: the last step reached before it, the step it resumed from, and steps lost."""
+    out = []
+    last_step = 0
+    events = read_events(run_dir)
+    for e in events:
+        if e.get("event") == "start" and int(e.get("restart", 0)) > 0:
+            resumed = int(e["resumed_from"])
+            out.append({"restart": int(e["restart"]), "last_step": last_step, "resumed_from": resumed,
+                        "lost": last_step - resumed, "incident": e.get("incident")})  # fmt: skip
+        if "step" in e and e.get("event") in ("progress", "checkpoint", "signal", "end"):
+            last_step = max(last_step, int(e["step"])) if e.get("event") != "start" else last_step
+    return out
+
+
+def _incident_for(lab: Lab, node: str, fault: str, after: float) -> dict[str, Any] | None:
+    for inc in lab.incidents():
+        if (
+            inc.get("node") == node
+            and inc.get("fault_id") == fault
+            and float(inc.get("received_at") or after) >= after - 1
+        ):
+            return inc
+    return None
+
+
+def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
+    nodes = w.job_nodes()
+    node = nodes[-1]
+    before = w.job_info()
+    restarts0 = int(before.get("Restarts", "0"))
+    starts0 = len(_starts(w.run_dir))
+    standby = [n for n in lab.standby_nodes if owns_reason(lab.slurm().node(n).reason)]
+    o = Outcome("GPU fell off the bus", "xid-79", node, 3, "ISOLATE_AND_RELOCATE")
+    t_inject = time.time()
+
+    def detected() -> str | None:
+        h = (lab.node_dir(node) / "health").read_text().strip()
+        return f"agent on {node} reports {h}" if h not in ("ok", "") else None
+
+    def drained() -> str | None:
+        n = lab.slurm().node(node)
+        return f"Slurm {node} {n.state}+DRAIN, reason '{n.reason}'" if n.drained and owns_reason(n.reason) else None
+
+    def tainted() -> str | None:
+        spec = lab.k8s_nodes()[node].get("spec") or {}
+        t = [x for x in spec.get("taints") or [] if x["key"] == TAINT_UNHEALTHY]
+        return f"Node {node} tainted {t[0]['key']}={t[0].get('value')}:NoSchedule" if t else None
+
+    def incident() -> str | None:
+        inc = _incident_for(lab, node, "xid-79", t_inject)
+        if inc is None:
+            return None
+        o.details["incident"] = inc["id"]
+        return f"{inc['id']} opened by the alert, gate {inc.get('decision') or 'pending'}"
+
+    def grace() -> str | None:
+        sig = [e for e in read_events(w.run_dir) if e.get("event") == "signal" and float(e["time"]) > t_inject]
+        return f"job {w.job} got {sig[0]['signal']}, checkpointed at step {sig[0]['step']}" if sig else None
+
+    def requeued() -> str | None:
+        info = w.job_info()
+        if int(info.get("Restarts", "0")) > restarts0:
+            return f"job {w.job} requeued (restart count {info['Restarts']}), {info.get('JobState')}"
+        return None
+
+    def cordoned() -> str | None:
+        k = lab.k8s_nodes()[node]
+        pool = (k["metadata"].get("labels") or {}).get(LABEL_POOL)
+        return (
+            f"Node {node} unschedulable, pods evicted, pool={pool}"
+            if (k.get("spec") or {}).get("unschedulable")
+            else None
+        )
+
+    def promoted() -> str | None:
+        for s in standby:
+            n = lab.slurm().node(s)
+            k = lab.k8s_nodes()[s]
+            if not n.drained and (k["metadata"].get("labels") or {}).get(LABEL_POOL) == "active":
+                o.details["promoted"] = s
+                return f"standby {s} resumed in Slurm, Node {s} pool=active"
+        return None
+
+    def running_again() -> str | None:
+        info = w.job_info()
+        if info.get("JobState") == "RUNNING" and int(info.get("Restarts", "0")) > restarts0:
+            o.details["new_nodes"] = _expand(info["NodeList"])
+            return f"job {w.job} RUNNING on {info['NodeList']}"
+        return None
+
+    def resumed() -> str | None:
+        st = _starts(w.run_dir)
+        if len(st) > starts0:
+            o.details["resumed_from"] = int(st[-1]["resumed_from"])
+            o.details["log_incident"] = st[-1].get("incident")
+            return f"resumed from checkpoint step {st[-1]['resumed_from']} (incident {st[-1].get('incident')})"
+        return None
+
+    def finished() -> bool:
+        inc = _incident_for(lab, node, "xid-79", t_inject)
+        return (
+            bool(inc and inc.get("state") in ("done", "failed"))
+            and "resumed" in o.milestones
+            and "promoted" in o.milestones
+        )
+
+    checks = [
+        ("detected", "detected", detected),
+        ("drained", "drained (agent fast path)", drained),
+        ("tainted", "Kubernetes node tainted (agent)", tainted),
+        ("incident", "incident", incident),
+        ("grace", "grace signal", grace),
+        ("requeued", "requeued", requeued),
+        ("cordoned", "Kubernetes node cordoned and drained", cordoned),
+        ("promoted", "standby promoted", promoted),
+        ("running", "job running again", running_again),
+        ("resumed", "resumed", resumed),
+    ]
+    w.run(o, checks, finished, timeout=180)
+    o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []
+    o.ok = o.incidents[0].get("state") == "done" if o.incidents else False
+    return o
+
+
+def scenario_xid31(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
+    node = w.job_nodes()[0]
+    restarts0 = int(w.job_info().get("Restarts", "0"))
+    o = Outcome("user error (MMU fault)", "xid-31", node, 0, "REFUSE_AND_REPORT")
+    t_inject = time.time()
+    log = w.run_dir / "train.log"
+
+    def detected() -> str | None:
+        inc = _incident_for(lab, node, "xid-31", t_inject)
+        if inc is None:
+            return None
+        o.details["incident"] = inc["id"]
+        return f"{inc['id']} opened by the alert ({inc.get('fault_class', 'user')})"
+
+    def told() -> str | None:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if "xid-31" in ln and "not requeued" in ln]
+        if lines:
+            o.details["cause"] = lines[-1]
+            return f"cause written to the job log: {lines[-1]}"
+        return None
+
+    def finished() -> bool:
+        inc = _incident_for(lab, node, "xid-31", t_inject)
+        return bool(inc and inc.get("state") in ("done", "failed")) and "told" in o.milestones
+
+    w.run(o, [("incident", "incident", detected), ("told", "user told", told)], finished, timeout=120)
+    n = lab.slurm().node(node)
+    info = w.job_info()
+    o.details["node_drained"] = n.drained
+    o.details["restarts"] = int(info.get("Restarts", "0")) - restarts0
+    o.details["job_state"] = info.get("JobState")
+    out(f"  result: {node} {n.state}{'+DRAIN' if n.drained else ''} (not drained), job {w.job} {info.get('JobState')} "
+        f"with {o.details['restarts']} new restarts")  # fmt: skip
+    o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []
+    o.ok = not n.drained and o.details["restarts"] == 0 and bool(o.incidents) and o.incidents[0].get("state") == "done"
+    return o
+
+
+def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
+    nodes = w.job_nodes()
+    node = nodes[0]
+    info0 = w.job_info()
+    restarts0 = int(info0.get("Restarts", "0"))
+    starts0 = len(_starts(w.run_dir))
+    o = Outcome("NCCL timeout (transient)", "nccl-timeout", node, None, "RESTART_IN_PLACE")
+    t_inject = time.time()
+
+    def incident() -> str | None:
+        inc = _incident_for(lab, node, "nccl-timeout", t_inject)
+        if inc is None:
+            return None
+        o.details["incident"] = inc["id"]
+        return f"{inc['id']} opened by the alert"
+
+    def grace() -> str | None:
+        sig = [e for e in read_events(w.run_dir) if e.get("event") == "signal" and float(e["time"]) > t_inject]
+        return f"job {w.job} got {sig[0]['signal']}, checkpointed at step {sig[0]['step']}" if sig else None
+
+    def running_again() -> str | None:
+        info = w.job_info()
+        if info.get("JobState") == "RUNNING" and int(info.get("Restarts", "0")) > restarts0:
+            o.details["new_nodes"] = _expand(info["NodeList"])
+            return f"job {w.job} RUNNING again on {info['NodeList']} (restart count {info['Restarts']})"
+        return None
+
+    def resumed() -> str | None:
+        st = _starts(w.run_dir)
+        if len(st) > starts0:
+            o.details["resumed_from"] = int(st[-1]["resumed_from"])
+            return f"resumed from checkpoint step {st[-1]['resumed_from']} (incident {st[-1].get('incident')})"
+        return None
+
+    def finished() -> bool:
+        inc = _incident_for(lab, node, "nccl-timeout", t_inject)
+        return bool(inc and inc.get("state") in ("done", "failed")) and "resumed" in o.milestones
+
+    checks = [
+        ("incident", "incident", incident),
+        ("grace", "grace signal", grace),
+        ("running", "restarted in place", running_again),
+        ("resumed", "resumed", resumed),
+    ]
+    w.run(o, checks, finished, timeout=150)
+    o.details["same_nodes"] = sorted(o.details.get("new_nodes", [])) == sorted(nodes)
+    o.details["node_drained"] = lab.slurm().node(node).drained
+    o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []
+    o.ok = bool(o.incidents) and o.incidents[0].get("state") == "done" and o.details["same_nodes"]
+    return o
+
+
+def print_incident(inc: dict[str, Any], out: Callable[[str], None]) -> None:
+    """The remediator's timeline of one incident: its steps and the playbook tasks that changed something."""
+    out(f"  remediator timeline of {inc.get('id')} ({inc.get('fault_id')} on {inc.get('node')} -> {inc.get('action')}, "
+        f"{inc.get('state')}):")  # fmt: skip
+    t0: float | None = None
+    for ev in inc.get("timeline") or []:
+        ts = float(ev.get("ts") or 0)
+        if t0 is None:
+            t0 = ts
+        kind, what = ev.get("kind"), ev.get("what")
+        if kind == "step" or (kind == "event" and what in ("task_changed", "task_failed", "playbook_start")):
+            label = (
+                what if kind == "step" else str(ev.get("detail", "")).split("|")[-1].replace("(localhost)", "").strip()
+            )
+            result = ev.get("result") or ("changed" if what == "task_changed" else "")
+            detail = ev.get("detail", "") if kind == "step" else ""
+            out(f"    +{ts - t0:6.1f}s  {label} {result} {('- ' + detail) if detail else ''}".rstrip())
+    out(f"    outcome: {inc.get('outcome') or '-'}")
+
+
+def print_status(lab: Lab, out: Callable[[str], None] = print) -> None:
+    out(f"lab {lab.dir}")
+    out(f"  {'NODE':5} {'POOL':10} {'SLURM':18} {'K8S':26} {'AGENT':12} REASON")
+    for n in lab.status():
+        k8s = ("cordoned" if n.k8s_unschedulable else "schedulable") + (
+            f" +{len(n.k8s_taints)} taint" if n.k8s_taints else ""
+        )
+        out(f"  {n.name:5} {n.pool:10} {n.slurm_state:18} {k8s:26} {n.health:12} {n.reason or ''}")
+    jobs = lab.slurm().squeue("-h", "-o", "%i %j %T %N restarts=%r").strip()
+    out("  jobs: " + (jobs.replace("\n", "\n        ") if jobs else "none"))
+    try:
+        incs = [i for i in lab.incidents() if i.get("state") not in ("done", "failed")]
+    except LabError as exc:
+        out(f"  incidents: unavailable ({exc})")
+        return
+    out(f"  open incidents: {len(incs)}")
+    for i in incs:
+        out(f"    {i.get('id')} {i.get('state')} {i.get('node')} {i.get('fault_id')} -> {i.get('action')}")
+
+
+def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Outcome], Watcher]:
+    """Submit the training job and run the three scenarios on it; returns what each did."""
+    job, run_dir = lab.submit_training(step_time=STEP_TIME, checkpoint_every=CHECKPOINT_EVERY)
+    w = Watcher(lab, job, run_dir, out)
+    out(f"\n== training job {job}: 2 nodes, checkpoint every {CHECKPOINT_EVERY:g}s, log {run_dir / 'train.log'}")
+    w.wait_running()
+    out(f"  running on {w.job_info()['NodeList']}")
+    w.wait_steps(60)
+    outcomes = []
+    for title, fn in (
+        ("1. Xid 79 on a GPU of the job: hardware -> isolate, relocate, replace", scenario_xid79),
+        ("2. Xid 31: the job's own bug -> no relocation, the user is told why", scenario_xid31),
+        ("3. NCCL timeout: transient -> restart in place", scenario_nccl),
+    ):
+        out(f"\n== {title}")
+        w.wait_running()
+        w.wait_steps(_last_step(run_dir) + 20)
+        try:
+            o = fn(lab, w, out)
+        except LabError as exc:
+            o = Outcome(title, "?", "?", None, "?", error=str(exc))
+            out(f"  FAILED: {exc}")
+        outcomes.append(o)
+        for inc in o.incidents:
+            print_incident(inc, out)
+        if o.fault == "xid-79" and o.milestones:
+            value = ettr(read_events(run_dir), time.time())
+            o.details["ettr"] = value
+            out(f"  effective training time ratio of the run so far: {value:.2f}" if value is not None else "")
+    return outcomes, w
+
+
+def _last_step(run_dir: Path) -> int:
+    ev = [e for e in read_events(run_dir) if e.get("event") == "progress"]
+    return int(ev[-1]["step"]) if ev else 0
+
+
+def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> None:
+    out("\n== summary")
+    out(f"  {'FAULT':13} {'NODE':5} {'ACTION':21} {'INCIDENT':11} {'RUNNING AGAIN':14} {'RESULT':7} NOTE")
+    for o in outcomes:
+        again = o.milestones.get("running")
+        note = ""
+        if o.fault == "xid-79":
+            moved = ",".join(o.details.get("new_nodes", []))
+            note = f"moved to {moved}, standby {o.details.get('promoted', '-')} promoted"
+        elif o.fault == "xid-31":
+            note = "not drained, not requeued, cause in the job log"
+        elif o.fault == "nccl-timeout":
+            note = "same nodes" if o.details.get("same_nodes") else "moved"
+        again_text = f"{again:.1f}s" if again is not None else "-"
+        result = "ok" if o.ok else "FAILED"
+        out(f"  {o.fault:13} {o.node:5} {o.action:21} {o.details.get('incident', '-'):11} "
+            f"{again_text:14} {result:7} {note or o.error}")  # fmt: skip
+    for c in continuity(w.run_dir):
+        out(f"  restart {c['restart']}: last step {c['last_step']}, resumed from {c['resumed_from']} "
+            f"({c['lost']} steps lost), incident {c['incident']}")  # fmt: skip
+    value = ettr(read_events(w.run_dir), time.time())
+    if value is not None:
+        out(f"  ETTR of the whole run: {value:.2f}")
+
+
+def run_demo(lab_dir: str | None = None, keep: bool = False) -> int:
+    out = print
+    t0 = time.monotonic()
+    lab = Lab(lab_dir)
+    out(f"fleetheal lab demo: bringing the lab up in {lab.dir}")
+    try:
+        lab.up()
+        out(f"  ready in {time.monotonic() - t0:.1f}s")
+        print_status(lab, out)
+        outcomes, w = run_scenarios(lab, out)
+        summary(outcomes, w, out)
+        out(f"\n== the job's log (one file across restarts): {w.run_dir / 'train.log'}")
+        for line in (w.run_dir / "train.log").read_text(errors="replace").splitlines():
+            if "===" in line or "SIGUSR1" in line or "not requeued" in line:
+                out("  " + line)
+        with contextlib.suppress(Exception):
+            lab.slurm().run("scancel", w.job, check=False)
+        code = 0 if outcomes and all(o.ok for o in outcomes) else 1
+    except (LabError, KeyboardInterrupt) as exc:
+        out(f"fleetheal lab demo: {exc or 'interrupted'}; logs in {lab.dir / 'logs'}")
+        code = 1
+    finally:
+        if not keep:
+            out("\n== taking the lab down")
+            lab.down()
+    out(f"demo finished in {time.monotonic() - t0:.0f}s")
+    sys.stdout.flush()
+    return code

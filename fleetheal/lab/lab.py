@@ -1,0 +1,622 @@
+"""The local lab: every fleetheal part running for real on loopback, under one state directory.
+
+`Lab(lab_dir).up(nodes=4, standby=2, gpus=8)` starts, each as its own process recorded by PID in
+`lab.json`:
+
+- a private Slurm cluster (`SlurmCluster`: munged, slurmctld, one slurmd per node, fake GPUs as GRES);
+  the standby nodes are drained with the owned reason `fleetheal:standby`, as the playbooks expect;
+- the Kubernetes side: `FakeKubeApiServer` (a test double until a real kube-apiserver is built) with a
+  Node per Slurm node, labelled `fleetheal.io/pool=active|standby` (standby nodes also carry the
+  standby taint), a Slinky-like slurmd pod per node under a PodDisruptionBudget and an agent
+  DaemonSet pod per node; a kubeconfig and a bearer token for it;
+- one agent per node (`fleetheal agent run`) on the simulated GPU backend, with its own metrics port,
+  training socket and fault-injection file, draining its own Slurm node and tainting its own Node;
+- real Prometheus and Alertmanager (`fleetheal.lab.monitoring.Monitoring`) with the generated alert
+  rules, scraping every agent and routing to the remediator's webhook with a bearer token;
+- the remediator (`fleetheal remediator serve`) running the real playbooks through ansible-runner, with
+  the kubeconfig pointed at the fake API server.
+
+`down()` stops all of it by PID (and checks each PID is still the process it started). State lives
+under the lab dir (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab); `up()` starts from an empty one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_STANDBY
+from fleetheal.lab.slurm import SlurmCluster, SlurmError
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
+CLUSTER = "lab"
+STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
+#: Playbook variables the lab sets for every remediation run (lab-speed timers, its kubeconfig).
+#: The remediator passes only the contract variables, so the lab adds these with `-e` (see _playbook_wrapper).
+LAB_PLAYBOOK_VARS = {
+    "fleetheal_grace_seconds": 3,
+    "fleetheal_slurm_retry_delay_s": 1,
+    "fleetheal_k8s_drain_timeout_s": 30,
+    # The playbooks' guard asserts the safety gate's facts, which the remediator does not pass yet
+    # (fleetheal.contracts.PLAYBOOK_VARS lacks them); its gate has decided before any run starts.
+    "fleetheal_paused": False,
+    "fleetheal_budget_remaining": 1,
+}
+
+
+#: `fleetheal remediator ...` / `fleetheal incidents ...`, through the lab's shim so that they work whether
+#: or not fleetheal.cli.COMMANDS lists the remediator's module yet.
+REMEDIATOR_CLI = (sys.executable, "-m", "fleetheal.lab.cli", "fleetheal.remediator.cli")
+
+
+class LabError(RuntimeError):
+    """The lab could not do what was asked; the message says why and where the logs are."""
+
+
+def lab_dir_default() -> Path:
+    return Path(os.environ.get("FLEETHEAL_LAB_DIR", DEFAULT_LAB_DIR))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def stop_process(pid: int, marker: str, timeout: float = 10.0) -> bool:
+    """SIGTERM the process group led by `pid` (if its command line still contains `marker`), then SIGKILL."""
+    if not _alive(pid) or marker not in _cmdline(pid):
+        return False
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            if not _alive(pid):
+                return True
+            time.sleep(0.05)
+    return True
+
+
+def _http(method: str, url: str, body: Any = None, token: str | None = None, ctype: str = "application/json") -> Any:
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode())  # noqa: S310
+    req.add_header("Content-Type", ctype)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback URLs the lab started
+        return json.loads(resp.read() or b"null")
+
+
+def _wait(what: str, check: Callable[[], object], timeout: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+            if check():
+                return
+        time.sleep(0.1)
+    tail = ""
+    if log is not None and log.exists():
+        tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    raise LabError(f"timed out after {timeout:g}s waiting for {what}{tail}")
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    pool: str
+    slurm_state: str
+    reason: str | None
+    k8s_unschedulable: bool
+    k8s_taints: tuple[str, ...]
+    health: str
+
+
+class Lab:
+    """One lab under `lab_dir`. `up()` / `down()` / `status()` / `inject()` / `submit_training()`."""
+
+    def __init__(self, lab_dir: str | os.PathLike[str] | None = None, log: Callable[[str], None] | None = None) -> None:
+        self.dir = Path(lab_dir or lab_dir_default()).resolve()
+        self.meta_path = self.dir / "lab.json"
+        self.log = log or (lambda text: print(text, flush=True))
+        self.meta: dict[str, Any] = {}
+        if self.meta_path.exists():
+            self.meta = json.loads(self.meta_path.read_text())
+
+    # ---- paths --------------------------------------------------------------------------------
+
+    def node_dir(self, node: str) -> Path:
+        return self.dir / "nodes" / node
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.dir / "kube" / "kubeconfig"
+
+    @property
+    def remediator_config(self) -> Path:
+        return self.dir / "remediator" / "remediator.yaml"
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self.meta.get("nodes", []))
+
+    @property
+    def standby_nodes(self) -> list[str]:
+        return list(self.meta.get("standby", []))
+
+    @property
+    def kube_url(self) -> str:
+        return str(self.meta["kube"]["url"])
+
+    @property
+    def kube_token(self) -> str:
+        return (self.dir / "kube" / "token").read_text().strip()
+
+    def slurm(self) -> SlurmCluster:
+        return SlurmCluster.attach(self.dir / "slurm")
+
+    def _save(self) -> None:
+        tmp = self.meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
+        os.replace(tmp, self.meta_path)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+        log = self.dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env or dict(os.environ),
+                start_new_session=True,  # its own process group: `down` stops it and its children
+                cwd=self.dir,
+            )
+        self.meta.setdefault("processes", {})[name] = {"pid": proc.pid, "log": str(log)}
+        self._save()
+        return proc.pid
+
+    def running(self) -> bool:
+        procs = self.meta.get("processes", {})
+        return any(_alive(p["pid"]) and str(self.dir) in _cmdline(p["pid"]) for p in procs.values()) or (
+            (self.dir / "slurm" / "cluster.json").exists()
+        )
+
+    # ---- up -----------------------------------------------------------------------------------
+
+    def up(self, nodes: int = 4, standby: int = 2, gpus: int = 8) -> None:
+        if nodes < 2:
+            raise LabError(f"--nodes must be at least 2 (the training job uses 2), got {nodes}")
+        if standby < 0 or gpus < 1:
+            raise LabError("--standby must be >= 0 and --gpus >= 1")
+        if self.dir.exists() and self.running():
+            raise LabError(f"a lab is already running in {self.dir}; run `fleetheal lab down` first")
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        names = [f"n{i}" for i in range(1, nodes + standby + 1)]
+        self.meta = {
+            "nodes": names,
+            "active": names[:nodes],
+            "standby": names[nodes:],
+            "gpus": gpus,
+            "started": time.time(),
+            "processes": {},
+        }
+        self._save()
+        try:
+            self._up_slurm(names, gpus)
+            self._up_kube()
+            self._up_agents(gpus)
+            self._up_remediator()
+            self._up_monitoring()
+        except BaseException:
+            self.log("lab up failed; stopping what was started")
+            self.down(quiet=True)
+            raise
+        self.meta["ready"] = time.time()
+        self._save()
+
+    def _up_slurm(self, names: list[str], gpus: int) -> None:
+        t0 = time.monotonic()
+        cluster = SlurmCluster(self.dir / "slurm", nodes=len(names), gpus_per_node=gpus).start()
+        if self.standby_nodes:
+            cluster.scontrol(
+                "update", f"nodename={','.join(self.standby_nodes)}", "state=drain", f"reason={STANDBY_REASON}"
+            )
+        self.log(
+            f"  slurm       slurmctld + {len(names)} slurmd ({gpus} fake GPUs each), "
+            f"{len(self.standby_nodes)} standby drained '{STANDBY_REASON}'  [{time.monotonic() - t0:.1f}s]"
+        )
+
+    def _up_kube(self) -> None:
+        t0 = time.monotonic()
+        kdir = self.dir / "kube"
+        kdir.mkdir()
+        token = secrets.token_hex(16)
+        fd = os.open(kdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token)
+        ready = kdir / "ready.json"
+        self._spawn(
+            "kube-apiserver-double",
+            [sys.executable, "-m", "fleetheal.lab.kube", "--state", str(kdir / "state.json"), "--token", token,
+             "--kubeconfig", str(self.kubeconfig), "--ready-file", str(ready)],
+        )  # fmt: skip
+        _wait("the fake Kubernetes API server", ready.exists, 20, self.dir / "logs" / "kube-apiserver-double.log")
+        url = json.loads(ready.read_text())["url"]
+        self.meta["kube"] = {"url": url}
+        self._save()
+        from fleetheal.lab.kube import node_object, pod_object
+
+        for i, name in enumerate(self.nodes):
+            pool = "standby" if name in self.standby_nodes else "active"
+            taints = [{"key": TAINT_STANDBY, "effect": "NoSchedule"}] if pool == "standby" else []
+            labels = {LABEL_POOL: pool, LABEL_FAILURE_DOMAIN: f"rack-{'ab'[i % 2]}"}
+            _http("POST", f"{url}/api/v1/nodes", node_object(name, labels, taints, self.meta["gpus"]), token)
+        ns = f"{url}/api/v1/namespaces"
+        _http("POST", ns, {"metadata": {"name": "slurm"}}, token)
+        _http("POST", ns, {"metadata": {"name": "fleetheal"}}, token)
+        for name in self.nodes:
+            slurmd = pod_object(
+                f"slurm-worker-{name}", name, {"app.kubernetes.io/name": "slurmd"}, "StatefulSet", "slurm-worker"
+            )
+            agent = pod_object(
+                f"fleetheal-agent-{name}",
+                name,
+                {"app.kubernetes.io/name": "fleetheal-agent"},
+                "DaemonSet",
+                "fleetheal-agent",
+            )
+            _http("POST", f"{ns}/slurm/pods", slurmd, token)
+            _http("POST", f"{ns}/fleetheal/pods", agent, token)
+        pdb = {
+            "metadata": {"name": "slurm-worker"},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
+        }
+        _http("POST", f"{url}/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb, token)
+        self.log(
+            f"  kubernetes  FakeKubeApiServer (test double) at {url}: {len(self.nodes)} Nodes, "
+            f"slurmd pods under a PodDisruptionBudget  [{time.monotonic() - t0:.1f}s]"
+        )
+
+    def _agent_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.dir / "slurm" / "etc" / "slurm.conf")
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def _up_agents(self, gpus: int) -> None:
+        t0 = time.monotonic()
+        ports = {}
+        for name in self.nodes:
+            nd = self.node_dir(name)
+            nd.mkdir(parents=True)
+            (nd / "kmsg").touch()
+            port = _free_port()
+            ports[name] = port
+            cfg = {
+                "node": name,
+                "mode": "act",
+                "poll_interval_s": 0.5,
+                "health_file": str(nd / "health"),
+                "log_level": "info",
+                "backend": {
+                    "kind": "simulated",
+                    "expected_gpus": gpus,
+                    "simulated": {"gpus": gpus, "state_file": str(nd / "sim-gpus.json")},
+                },
+                "metrics": {"listen": "127.0.0.1", "port": port},
+                "kernel_log": {"enabled": True, "path": str(nd / "kmsg"), "from_start": False},
+                "training": {"enabled": True, "socket": str(nd / "training.sock")},
+                "fastpath": {
+                    "slurm": {"enabled": True, "slurm_conf": str(self.dir / "slurm" / "etc" / "slurm.conf")},
+                    "kubernetes": {
+                        "enabled": True,
+                        "api_url": self.kube_url,
+                        "token_file": str(self.dir / "kube" / "token"),
+                        "ca_file": None,
+                    },
+                },
+            }
+            (nd / "agent.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+            argv = [sys.executable, "-m", "fleetheal", "agent", "run", "--config", str(nd / "agent.yaml")]
+            self._spawn(f"agent-{name}", argv, self._agent_env())
+        self.meta["agents"] = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
+        self._save()
+        for name, port in ports.items():
+            _wait(
+                f"agent {name} metrics on 127.0.0.1:{port}",
+                functools.partial(_port_open, port),
+                30,
+                self.dir / "logs" / f"agent-{name}.log",
+            )
+        self.log(
+            f"  agents      {len(ports)} x `fleetheal agent run` (simulated GPUs), metrics on 127.0.0.1  "
+            f"[{time.monotonic() - t0:.1f}s]"
+        )
+
+    def _playbook_wrapper(self) -> Path:
+        """An `ansible-playbook` first on the remediator's PATH that adds the lab's variables with -e.
+
+        The remediator passes playbooks only the contract variables (fleetheal.contracts.PLAYBOOK_VARS);
+        the lab needs a few site settings on top (its kubeconfig, a short grace period, a report dir), and
+        play `vars_files` outrank inventory variables, so extra vars are the one place they can go.
+        """
+        bindir = self.dir / "bin"
+        bindir.mkdir(exist_ok=True)
+        overrides = {
+            **LAB_PLAYBOOK_VARS,
+            "fleetheal_kubeconfig": str(self.kubeconfig),
+            "fleetheal_report_dir": str(self.dir / "remediator" / "reports"),
+        }
+        (bindir / "lab-playbook-vars.json").write_text(json.dumps(overrides, indent=2) + "\n")
+        real = Path(sys.executable).parent / "ansible-playbook"
+        wrapper = bindir / "ansible-playbook"
+        wrapper.write_text(f'#!/bin/sh\nexec {real} "$@" -e @{bindir / "lab-playbook-vars.json"}\n')
+        wrapper.chmod(0o755)
+        return bindir
+
+    def _up_remediator(self) -> None:
+        t0 = time.monotonic()
+        rdir = self.dir / "remediator"
+        (rdir / "reports").mkdir(parents=True)
+        token = secrets.token_hex(20)
+        fd = os.open(rdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token)
+        port = _free_port()
+        inventory = rdir / "inventory"
+        inventory.write_text(
+            f"[fleetheal_control]\nlocalhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"
+        )
+        cfg = {
+            "cluster": {
+                "name": CLUSTER,
+                "nodes": {n: f"rack-{'ab'[i % 2]}" for i, n in enumerate(self.nodes)},
+            },
+            "listen": {"host": "127.0.0.1", "port": port},
+            "auth": {"token_file": str(rdir / "token")},
+            "store": {"path": str(rdir / "remediator.sqlite"), "synchronous": "NORMAL"},
+            "runner": {
+                "playbook_dir": str(REPO / "playbooks"),
+                "run_dir": str(rdir / "runs"),
+                "inventory": str(inventory),
+                "timeout_s": 300,
+                "retries": 1,
+                "backoff_s": 2.0,
+                "max_concurrent": 2,
+                "envvars": {"K8S_AUTH_KUBECONFIG": str(self.kubeconfig)},
+            },
+            "gate": {
+                "pause_file": str(rdir / "PAUSE"),
+                "budget": {"max_isolated": 2, "max_isolated_fraction": 0.5, "max_isolated_per_domain": 2,
+                           "max_isolated_fraction_per_domain": 0.5},
+            },
+        }  # fmt: skip
+        self.remediator_config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        bindir = self._playbook_wrapper()
+        env = self._agent_env()
+        env["PATH"] = f"{bindir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        self._spawn(
+            "remediator",
+            [*REMEDIATOR_CLI, "remediator", "serve", "--config", str(self.remediator_config)],
+            env,
+        )
+        url = f"http://127.0.0.1:{port}"
+        self.meta["remediator"] = {"url": url, "webhook": f"{url}/webhook"}
+        self._save()
+        _wait(
+            f"the remediator on {url}",
+            lambda: _port_open(port),
+            30,
+            self.dir / "logs" / "remediator.log",
+        )
+        self.log(
+            f"  remediator  `fleetheal remediator serve` at {url}, playbooks from {REPO / 'playbooks'}  "
+            f"[{time.monotonic() - t0:.1f}s]"
+        )
+
+    def _up_monitoring(self) -> None:
+        t0 = time.monotonic()
+        mon = _lab_monitoring()(
+            self.dir / "monitoring",
+            scrape_targets=list(self.meta["agents"].values()),
+            rules_files=[REPO / "policies" / "alert-rules.yml"],
+            webhook_url=self.meta["remediator"]["webhook"],
+            webhook_token=(self.dir / "remediator" / "token").read_text().strip(),
+            cluster=CLUSTER,
+        )
+        mon.start()
+        self.meta["monitoring"] = {"prometheus": mon.prometheus_url, "alertmanager": mon.alertmanager_url}
+        self._save()
+        self.log(
+            f"  monitoring  Prometheus {mon.prometheus_url} (generated alert rules), "
+            f"Alertmanager {mon.alertmanager_url} -> remediator  [{time.monotonic() - t0:.1f}s]"
+        )
+
+    # ---- down ---------------------------------------------------------------------------------
+
+    def down(self, quiet: bool = False) -> list[str]:
+        """Stop everything this lab started, by PID. Returns what was stopped."""
+        stopped: list[str] = []
+        procs = self.meta.get("processes", {})
+        # The remediator first (no new playbooks), Prometheus/Alertmanager, agents, the API double.
+        order = sorted(procs, key=lambda n: (n != "remediator", n.startswith("kube")))
+        for name in order:
+            if stop_process(int(procs[name]["pid"]), str(self.dir)):
+                stopped.append(name)
+        mon_dir = self.dir / "monitoring"
+        if mon_dir.exists():
+            from fleetheal.lab.monitoring import stop_recorded
+
+            pids = list(mon_dir.glob("*.pid"))
+            stop_recorded(mon_dir)
+            stopped += [p.stem for p in pids]
+        slurm_dir = self.dir / "slurm"
+        with contextlib.suppress(SlurmError):
+            SlurmCluster.attach(slurm_dir).stop()
+            stopped.append("slurm")
+        if not quiet:
+            self.log(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+        return stopped
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    def inject(self, node: str, fault: str, gpu: int | None = None) -> str:
+        from fleetheal.agent.simulated import inject
+
+        if node not in self.nodes:
+            raise LabError(f"unknown node {node}; the lab's nodes are {', '.join(self.nodes)}")
+        inj = inject(self.node_dir(node) / "sim-gpus.json", fault, gpu)
+        return inj.id
+
+    def submit_training(
+        self,
+        name: str = "train",
+        nodes: int = 2,
+        steps: int = 100_000,
+        step_time: float = 0.1,
+        checkpoint_every: float = 3.0,
+    ) -> tuple[str, Path]:
+        """Submit the lab's training job; returns (job id, run dir). Its log is `<run dir>/train.log`."""
+        from fleetheal.lab.train import batch_script
+
+        run_dir = self.dir / "jobs" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        script = batch_script(
+            sys.executable,
+            run_dir,
+            steps=steps,
+            step_time=step_time,
+            checkpoint_every=checkpoint_every,
+            socket_template=str(self.dir / "nodes" / "{node}" / "training.sock"),
+            pythonpath=str(REPO),
+        )
+        gpus = self.meta["gpus"]
+        job = self.slurm().sbatch(
+            script, f"--nodes={nodes}", f"--gres=gpu:{gpus}", "--requeue", "--open-mode=append",
+            f"--output={run_dir / 'train.log'}", f"--job-name={name}", "--exclusive",
+        )  # fmt: skip
+        return job, run_dir
+
+    def k8s_nodes(self) -> dict[str, dict[str, Any]]:
+        items = _http("GET", f"{self.kube_url}/api/v1/nodes", token=self.kube_token)["items"]
+        return {n["metadata"]["name"]: n for n in items}
+
+    def status(self) -> list[NodeStatus]:
+        cluster = self.slurm()
+        snodes = cluster.nodes()
+        knodes = self.k8s_nodes()
+        out = []
+        for name in self.nodes:
+            s = snodes.get(name)
+            k = knodes.get(name, {})
+            health_file = self.node_dir(name) / "health"
+            out.append(
+                NodeStatus(
+                    name=name,
+                    pool=(k.get("metadata", {}).get("labels") or {}).get(LABEL_POOL, "?"),
+                    slurm_state="+".join([s.state, *sorted(s.flags)]) if s else "?",
+                    reason=s.reason if s else None,
+                    k8s_unschedulable=bool((k.get("spec") or {}).get("unschedulable")),
+                    k8s_taints=tuple(
+                        f"{t['key']}={t.get('value', '')}:{t['effect']}"
+                        for t in (k.get("spec") or {}).get("taints") or []
+                    ),
+                    health=health_file.read_text().strip() if health_file.exists() else "?",
+                )
+            )
+        return out
+
+    def incidents(self) -> list[dict[str, Any]]:
+        out = subprocess.run(
+            [*REMEDIATOR_CLI, "incidents", "list", "--config", str(self.remediator_config), "--json"],
+            capture_output=True, text=True, timeout=30, check=False, env=self._agent_env(),
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise LabError(f"fleetheal incidents list failed: {out.stderr.strip()}")
+        doc: list[dict[str, Any]] = json.loads(out.stdout or "[]")
+        return doc
+
+    def incident(self, ref: str) -> dict[str, Any]:
+        out = subprocess.run(
+            [*REMEDIATOR_CLI, "incidents", "show", ref, "--config", str(self.remediator_config), "--json"],
+            capture_output=True, text=True, timeout=30, check=False, env=self._agent_env(),
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise LabError(f"fleetheal incidents show {ref} failed: {out.stderr.strip()}")
+        doc: dict[str, Any] = json.loads(out.stdout)
+        return doc
+
+
+def _lab_monitoring() -> type[Any]:
+    """Monitoring with one inhibition on top of its routing.
+
+    A GPU that falls off the bus shows twice: the Xid 79 event and NVML's GPU-lost reads. Both map to
+    ISOLATE_AND_RELOCATE; without this rule each opens an incident, and the job is requeued and a
+    standby promoted twice. While the Xid 79 alert fires, the GPU-lost alert of the same GPU is
+    inhibited, so one fault makes one incident.
+    """
+    from fleetheal.lab.monitoring import Monitoring
+
+    class LabMonitoring(Monitoring):
+        def alertmanager_config(self) -> dict[str, Any]:
+            cfg: dict[str, Any] = super().alertmanager_config()
+            cfg["inhibit_rules"] = [
+                {
+                    "source_matchers": ['fault_id="xid-79"'],
+                    "target_matchers": ['fault_id="gpu-lost"'],
+                    "equal": ["cluster", "node", "gpu"],
+                }
+            ]
+            return cfg
+
+    return LabMonitoring
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
