@@ -18,6 +18,7 @@ COMMANDS = (
     "fleetheal.classify",
     "fleetheal.generate",
     "fleetheal.agent.cli",
+    "fleetheal.lab.cli",
 )
 
 
