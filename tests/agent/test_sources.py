@@ -91,3 +91,18 @@ def test_training_server_hands_over_datagrams(tmp_path):
     stop.set()
     t.join(2)
     assert not os.path.exists(path)
+
+
+def test_reads_the_real_dev_kmsg():
+    if not os.access("/dev/kmsg", os.R_OK):
+        pytest.skip("SKIPPED: /dev/kmsg is not readable here (needs CAP_SYSLOG with dmesg_restrict=1)")
+    lines, errors = [], []
+    stop = threading.Event()
+    f = KernelLogFollower("/dev/kmsg", lines.append, errors.append, from_start=True, poll_s=0.01)
+    assert f.is_kmsg()
+    t = threading.Thread(target=f.run, args=(stop,), daemon=True)
+    t.start()
+    _wait(lambda: len(lines) > 0)
+    stop.set()
+    t.join(2)
+    assert all("\n" not in line for line in lines)
