@@ -239,8 +239,12 @@ class Agent:
             server = TrainingReportServer(
                 cfg.training.socket, self.training_report, lambda why: self.read_error(TRAINING, why)
             )
-            server.bind()
-            self._spawn("training", lambda: server.run(self.stop_event))
+            try:
+                server.bind()
+            except OSError as exc:  # the other sources still run; the error is counted and logged
+                self.read_error(TRAINING, f"cannot listen on {cfg.training.socket}: {exc}")
+            else:
+                self._spawn("training", lambda: server.run(self.stop_event))
         self._write_health()
         _log(logging.INFO, "agent started", node=self.node, mode=cfg.mode, backend=self.src)
 

@@ -191,3 +191,25 @@ def test_check_healthy_then_unhealthy_and_drains(setup, capsys):
     assert "FAIL xid-79 gpu=3" in out
     assert "unhealthy: n1" in out
     assert fake.updates and fake.updates[0][-1].startswith("reason=fleetheal:")
+
+
+def test_a_training_socket_that_cannot_bind_is_counted_not_fatal(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the socket's directory should be")
+    env = {
+        "FLEETHEAL_AGENT_NODE": "n1",
+        "FLEETHEAL_AGENT_METRICS__PORT": "0",
+        "FLEETHEAL_AGENT_KERNEL_LOG__ENABLED": "false",
+        "FLEETHEAL_AGENT_FASTPATH__SLURM__ENABLED": "false",
+        "FLEETHEAL_AGENT_BACKEND__KIND": "simulated",
+        "FLEETHEAL_AGENT_BACKEND__SIMULATED__STATE_FILE": str(tmp_path / "sim.json"),
+        "FLEETHEAL_AGENT_TRAINING__SOCKET": str(blocker / "training.sock"),
+    }
+    agent = Agent(load_config(None, env=env))
+    agent.start()
+    try:
+        agent.poll_once()
+        assert _value(agent, "fleetheal_agent_read_errors_total", source="training") == 1
+        assert _value(agent, "fleetheal_agent_polls_total") == 1
+    finally:
+        agent.shutdown()
