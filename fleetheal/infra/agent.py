@@ -1,0 +1,172 @@
+"""HealthAgent: the fleetheal node agent DaemonSet on every GPU node, and its ServiceMonitor.
+
+Privileges are the minimum the agent needs: read `/dev/kmsg` (CAP_SYSLOG, the device mounted
+read-only) and see the GPUs (the NVIDIA container runtime injects the devices named by
+NVIDIA_VISIBLE_DEVICES). It is not privileged, runs with a read-only root filesystem and drops
+every other capability. It taints its own node on a fault, so it may patch nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from fleetheal import contracts
+from fleetheal.infra import common
+
+COMPONENT = "HealthAgent"
+NAME = "fleetheal-agent"
+#: Taints the agent tolerates: it must keep watching standby, isolated and GPU-tainted nodes.
+TOLERATED_TAINTS = (contracts.TAINT_STANDBY, contracts.TAINT_UNHEALTHY, "nvidia.com/gpu")
+
+
+class HealthAgentArgs(TypedDict):
+    namespace: str
+    """Namespace of the DaemonSet (the fleetheal system namespace; must exist)."""
+    image: str
+    """Pinned agent image."""
+    port: int
+    """Metrics and health port (host network)."""
+    cluster_name: str
+    """Cluster name, exported as the `cluster` label value."""
+    monitoring_labels: dict[str, str]
+    """Labels that make the Prometheus operator select the ServiceMonitor."""
+    runtime_class: str
+    """RuntimeClass that injects GPUs (usually `nvidia`); empty to use the node default."""
+
+
+def node_affinity() -> dict[str, Any]:
+    """Every node in a fleetheal pool, whatever its role (active, standby, quarantine)."""
+    return {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": contracts.LABEL_POOL, "operator": "In", "values": list(contracts.POOLS)}]}
+            ]
+        }
+    }
+
+
+class HealthAgent(pulumi.ComponentResource):
+    """The agent DaemonSet, a headless Service for scraping, its ServiceMonitor and RBAC."""
+
+    def __init__(self, name: str, args: HealthAgentArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        a: dict[str, Any] = dict(args)
+        common.require(
+            a, COMPONENT, ("namespace", "image", "port", "cluster_name", "monitoring_labels", "runtime_class")
+        )
+        ns = common.dns_label(COMPONENT, "namespace", a["namespace"])
+        common.pinned_image(COMPONENT, "image", a["image"])
+        port = common.positive(COMPONENT, "port", a["port"])
+        if port > 65535:
+            raise common.ComponentArgError(f"{COMPONENT}.port: {port} is not accepted; use 1-65535")
+        super().__init__("fleetheal:agent:HealthAgent", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        labels = common.labels("agent", NAME)
+        sel = {"app.kubernetes.io/name": NAME}
+
+        self.service_account = k8s.core.v1.ServiceAccount(
+            f"{name}-sa", metadata={"name": NAME, "namespace": ns, "labels": labels}, opts=child
+        )
+        self.role = k8s.rbac.v1.ClusterRole(
+            f"{name}-role",
+            metadata={"name": NAME, "labels": labels},
+            # The fast path: taint and label its own node before any alert travels. RBAC cannot
+            # restrict this to the agent's own node; the node authorizer style limit is the audit log.
+            rules=[{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}],
+            opts=child,
+        )
+        self.binding = k8s.rbac.v1.ClusterRoleBinding(
+            f"{name}-binding",
+            metadata={"name": NAME, "labels": labels},
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
+            subjects=[{"kind": "ServiceAccount", "name": NAME, "namespace": ns}],
+            opts=child,
+        )
+        pod_spec: dict[str, Any] = {
+            "serviceAccountName": NAME,
+            "hostNetwork": True,
+            "dnsPolicy": "ClusterFirstWithHostNet",
+            "priorityClassName": "system-node-critical",
+            "affinity": {"nodeAffinity": node_affinity()},
+            "tolerations": [{"key": t, "operator": "Exists"} for t in TOLERATED_TAINTS],
+            "containers": [
+                {
+                    "name": "agent",
+                    "image": a["image"],
+                    "args": ["agent", f"--listen=0.0.0.0:{port}", f"--state-dir={contracts.AGENT_STATE_DIR}"],
+                    "env": [
+                        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        {"name": "FLEETHEAL_CLUSTER", "value": a["cluster_name"]},
+                        # The NVIDIA container runtime mounts these GPUs' device nodes and NVML.
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+                    ],
+                    "ports": [{"name": "metrics", "containerPort": port, "hostPort": port}],
+                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 10},
+                    "resources": {
+                        "requests": {"cpu": "50m", "memory": "64Mi"},
+                        "limits": {"cpu": "500m", "memory": "256Mi"},
+                    },
+                    "securityContext": {
+                        "privileged": False,
+                        "allowPrivilegeEscalation": False,
+                        "readOnlyRootFilesystem": True,
+                        # Reading /dev/kmsg needs CAP_SYSLOG when kernel.dmesg_restrict=1; nothing else.
+                        "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]},
+                    },
+                    "volumeMounts": [
+                        {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True},
+                        {"name": "state", "mountPath": contracts.AGENT_STATE_DIR},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}},
+                {"name": "state", "hostPath": {"path": contracts.AGENT_STATE_DIR, "type": "DirectoryOrCreate"}},
+            ],
+        }
+        if a["runtime_class"]:
+            pod_spec["runtimeClassName"] = a["runtime_class"]
+        self.daemonset = k8s.apps.v1.DaemonSet(
+            f"{name}-ds",
+            metadata={"name": NAME, "namespace": ns, "labels": labels},
+            spec={
+                "selector": {"matchLabels": sel},
+                "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
+                "template": {"metadata": {"labels": {**labels, **sel}}, "spec": pod_spec},
+            },
+            opts=child,
+        )
+        self.service = k8s.core.v1.Service(
+            f"{name}-svc",
+            metadata={"name": NAME, "namespace": ns, "labels": labels},
+            spec={
+                "clusterIP": "None",
+                "selector": sel,
+                "ports": [{"name": "metrics", "port": port, "targetPort": port}],
+            },
+            opts=child,
+        )
+        self.service_monitor = k8s.apiextensions.CustomResource(
+            f"{name}-servicemonitor",
+            api_version="monitoring.coreos.com/v1",
+            kind="ServiceMonitor",
+            metadata={"name": NAME, "namespace": ns, "labels": {**labels, **a["monitoring_labels"]}},
+            spec={
+                "selector": {"matchLabels": sel},
+                "namespaceSelector": {"matchNames": [ns]},
+                "endpoints": [
+                    {
+                        "port": "metrics",
+                        "path": "/metrics",
+                        "interval": "15s",
+                        # The node label carries the Kubernetes node name the remediator acts on.
+                        "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}],
+                    }
+                ],
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.service]),
+        )
+        self.register_outputs({"daemonset": NAME})

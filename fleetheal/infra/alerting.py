@@ -1,0 +1,93 @@
+"""AlertRouting: the PrometheusRule generated from the fault taxonomy and the AlertmanagerConfig that
+routes fleetheal alerts to the remediator, authenticated with a bearer token read from a Secret."""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from fleetheal.infra import common
+
+COMPONENT = "AlertRouting"
+NAME = "fleetheal"
+RECEIVER = "fleetheal-remediator"
+#: Alert names the taxonomy generates start with this (fleetheal.generate.alert_name).
+ALERT_NAME_REGEX = "Fleetheal.+"
+
+
+class AlertRoutingArgs(TypedDict):
+    namespace: str
+    """Namespace of the PrometheusRule and AlertmanagerConfig (the fleetheal system namespace)."""
+    rule_groups: list[dict[str, Any]]
+    """Prometheus rule groups (fleetheal.generate.alert_rule_groups())."""
+    webhook_url: str
+    """The remediator's webhook URL."""
+    token_secret: str
+    """Secret (key `token`) with the bearer token, in the same namespace."""
+    monitoring_labels: dict[str, str]
+    """Labels that make the Prometheus operator select these objects."""
+
+
+class AlertRouting(pulumi.ComponentResource):
+    def __init__(self, name: str, args: AlertRoutingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        a: dict[str, Any] = dict(args)
+        common.require(a, COMPONENT, ("namespace", "rule_groups", "webhook_url", "token_secret", "monitoring_labels"))
+        ns = common.dns_label(COMPONENT, "namespace", a["namespace"])
+        common.dns_label(COMPONENT, "token_secret", a["token_secret"], 253)
+        if not a["rule_groups"] or not all(g.get("rules") for g in a["rule_groups"]):
+            raise common.ComponentArgError(f"{COMPONENT}.rule_groups: need at least one group, each with rules")
+        if not str(a["webhook_url"]).startswith(("http://", "https://")):
+            raise common.ComponentArgError(
+                f"{COMPONENT}.webhook_url: {a['webhook_url']!r} is not accepted; use an http(s) URL"
+            )
+        super().__init__("fleetheal:alerting:AlertRouting", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        labels = {**common.labels("alerting", NAME), **a["monitoring_labels"]}
+
+        self.rule = k8s.apiextensions.CustomResource(
+            f"{name}-rules",
+            api_version="monitoring.coreos.com/v1",
+            kind="PrometheusRule",
+            metadata={"name": f"{NAME}-faults", "namespace": ns, "labels": labels},
+            spec={"groups": a["rule_groups"]},
+            opts=child,
+        )
+        self.alertmanager_config = k8s.apiextensions.CustomResource(
+            f"{name}-amconfig",
+            api_version="monitoring.coreos.com/v1alpha1",
+            kind="AlertmanagerConfig",
+            metadata={"name": RECEIVER, "namespace": ns, "labels": labels},
+            spec={
+                "route": {
+                    "receiver": RECEIVER,
+                    "matchers": [{"name": "alertname", "matchType": "=~", "value": ALERT_NAME_REGEX}],
+                    "groupBy": ["cluster", "node", "fault_id"],
+                    # Isolation is urgent: no batching delay for the first notification.
+                    "groupWait": "0s",
+                    "groupInterval": "30s",
+                    "repeatInterval": "1h",
+                },
+                "receivers": [
+                    {
+                        "name": RECEIVER,
+                        "webhookConfigs": [
+                            {
+                                "url": a["webhook_url"],
+                                "sendResolved": True,
+                                "maxAlerts": 0,
+                                "httpConfig": {
+                                    "authorization": {
+                                        "type": "Bearer",
+                                        "credentials": {"name": a["token_secret"], "key": "token"},
+                                    },
+                                },
+                            }
+                        ],
+                    }
+                ],
+            },
+            opts=child,
+        )
+        self.register_outputs({"receiver": RECEIVER})

@@ -1,0 +1,72 @@
+"""Helpers shared by the fleetheal Pulumi components: argument checks, labels, images."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: Labels every object fleetheal creates carries (Kubernetes recommended labels).
+MANAGED_BY = {"app.kubernetes.io/managed-by": "fleetheal", "app.kubernetes.io/part-of": "fleetheal"}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class ComponentArgError(ValueError):
+    """A component was given a bad argument; the message names the field and the accepted values."""
+
+
+def labels(component: str, name: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    out = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": component, **MANAGED_BY}
+    if extra:
+        out.update(extra)
+    return out
+
+
+def require(args: Mapping[str, Any], component: str, fields: Iterable[str]) -> None:
+    """Raise when a required field is missing; check before any child resource is registered."""
+    missing = [f for f in fields if args.get(f) is None]
+    if missing:
+        raise ComponentArgError(f"{component}: missing required field(s) {', '.join(missing)}")
+
+
+def dns_label(component: str, field: str, value: Any, max_len: int = 63) -> str:
+    if not isinstance(value, str) or not _DNS_LABEL.match(value) or len(value) > max_len:
+        raise ComponentArgError(
+            f"{component}.{field}: {value!r} is not accepted; use lower-case letters, digits and '-' "
+            f"(at most {max_len} characters)"
+        )
+    return value
+
+
+def one_of(component: str, field: str, value: Any, accepted: Iterable[str]) -> str:
+    choices = tuple(accepted)
+    if value not in choices:
+        raise ComponentArgError(f"{component}.{field}: {value!r} is not accepted; use one of: {', '.join(choices)}")
+    return str(value)
+
+
+def positive(component: str, field: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ComponentArgError(f"{component}.{field}: {value!r} is not accepted; use an integer >= {low}")
+    return value
+
+
+def image_is_pinned(image: str) -> bool:
+    """True for REPO@sha256:DIGEST or REPO:TAG with a tag other than `latest`."""
+    if "@sha256:" in image:
+        return True
+    name, sep, tag = image.rpartition(":")
+    return bool(sep and name and tag and "/" not in tag and tag != "latest")
+
+
+def pinned_image(component: str, field: str, value: Any) -> str:
+    if not isinstance(value, str) or not image_is_pinned(value):
+        raise ComponentArgError(
+            f"{component}.{field}: {value!r} is not pinned; "
+            "use REPOSITORY:TAG (not 'latest') or REPOSITORY@sha256:DIGEST"
+        )
+    return value
+
+
+def cluster_dns(service: str, namespace: str) -> str:
+    return f"{service}.{namespace}.svc.cluster.local"

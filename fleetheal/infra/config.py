@@ -1,0 +1,456 @@
+"""Stack configuration: `Pulumi.yaml` declarations + stack values -> one frozen `StackConfig`.
+
+`Pulumi.yaml` is the single place that declares every key (type, default, description). This module
+reads those declarations, overlays the stack's values (from `pulumi.Config` under a real engine, or
+from `Pulumi.<stack>.yaml` for `fleetheal render`), coerces and checks them, and raises
+`ConfigError` naming the key and the accepted values before any resource is registered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROJECT = "fleetheal"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_FILE = REPO_ROOT / "Pulumi.yaml"
+
+SLINKY_MODES = ("manifests", "helm")
+NODE_PROVIDERS = ("existing", "eks")
+_RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_RFC1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_POOL_KEYS_COMMON = ("name", "gpuType", "gpusPerNode")
+_POOL_KEYS = {
+    "existing": (*_POOL_KEYS_COMMON, "nodeNames", "standbyNodeNames"),
+    "eks": (*_POOL_KEYS_COMMON, "nodes", "instanceType"),
+}
+
+
+class ConfigError(ValueError):
+    """A stack setting is missing or invalid; the message names the key and what is accepted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    key: str
+    type: str
+    description: str
+    default: Any = None
+    has_default: bool = False
+    secret: bool = False
+    items: str | None = None
+
+
+def declarations(project_file: Path = PROJECT_FILE) -> dict[str, Declaration]:
+    """Every config key declared in `Pulumi.yaml`, by bare name."""
+    doc = yaml.safe_load(project_file.read_text(encoding="utf-8"))
+    out: dict[str, Declaration] = {}
+    for key, spec in (doc.get("config") or {}).items():
+        out[key] = Declaration(
+            key=key,
+            type=spec["type"],
+            description=spec.get("description", ""),
+            default=spec.get("default"),
+            has_default="default" in spec,
+            secret=bool(spec.get("secret", False)),
+            items=(spec.get("items") or {}).get("type"),
+        )
+    return out
+
+
+def standby_size(active_nodes: int, min_nodes: int, share_percent: int) -> int:
+    """Warm-standby nodes a pool needs: the larger of the floor and the share, and never below 1."""
+    return max(1, min_nodes, math.ceil(active_nodes * share_percent / 100))
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPool:
+    """One GPU pool: a Slinky NodeSet, its nodes and its warm-standby nodes."""
+
+    name: str
+    gpu_type: str
+    gpus_per_node: int
+    nodes: int
+    standby_nodes: int
+    node_names: tuple[str, ...] = ()
+    standby_node_names: tuple[str, ...] = ()
+    instance_type: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    """Every stack setting, checked. Secret values stay opaque (`Any`: a str or a pulumi Output)."""
+
+    cluster_name: str
+    slurm_namespace: str
+    system_namespace: str
+    slinky_mode: str
+    slinky_version: str
+    slinky_chart_repo: str
+    image_registry: str
+    slurm_image_tag: str
+    helper_image: str
+    gpu_pools: tuple[GpuPool, ...]
+    node_provider: str
+    eks_cluster_name: str
+    eks_node_role_arn: str
+    eks_subnet_ids: tuple[str, ...]
+    standby_min_nodes: int
+    standby_share_percent: int
+    failure_domain_size: int
+    large_job_min_nodes: int
+    requeue_grace_seconds: int
+    slurm_key_secret: str
+    slurm_jwt_secret: str
+    accounting_database: bool
+    accounting_db_image: str
+    accounting_db_host: str
+    accounting_db_password_secret: str
+    shared_storage_class: str
+    shared_storage_size: str
+    shared_storage_mount_path: str
+    agent_image: str
+    agent_port: int
+    remediator_image: str
+    remediator_token_secret: str
+    remediator_dry_run: bool
+    dcgm_exporter: bool
+    dcgm_exporter_image: str
+    monitoring_labels: Mapping[str, str]
+    kueue: bool
+    kueue_namespaces: tuple[str, ...]
+    kueue_share_percent: int
+    kueue_large_share_percent: int
+    kueue_borrowing_limit_percent: int
+    kueue_lending_limit_percent: int
+    secrets: Mapping[str, Any] = field(default_factory=dict)
+
+    def image(self, component: str) -> str:
+        """A Slinky image (slurmctld, slurmd, slurmdbd, slurmrestd, login) at the pinned Slurm tag."""
+        return f"{self.image_registry}/{component}:{self.slurm_image_tag}"
+
+    @property
+    def operator_image(self) -> str:
+        return f"{self.image_registry}/slurm-operator:{self.slinky_version}"
+
+    def secret(self, key: str) -> Any:
+        return self.secrets.get(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# coercion: pulumi.Config hands every value over as a string (objects as JSON); stack files as YAML
+
+
+def _coerce(decl: Declaration, value: Any) -> Any:
+    key = f"{PROJECT}:{decl.key}"
+    if decl.type == "string":
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if decl.type == "integer":
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if decl.type == "boolean":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{key}: expected {decl.type} (JSON when set as a string): {exc.msg}") from exc
+    if decl.type == "array":
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        want = {"string": str, "object": dict, "integer": int}.get(decl.items or "", object)
+        for i, item in enumerate(value):
+            if not isinstance(item, want):
+                raise ConfigError(f"{key}[{i}]: expected {decl.items}, got {item!r}")
+        return value
+    if decl.type == "object":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected an object (mapping), got {value!r}")
+        return value
+    raise ConfigError(f"{key}: Pulumi.yaml declares unsupported type {decl.type!r}")
+
+
+def _one_of(key: str, value: str, accepted: tuple[str, ...]) -> str:
+    if value not in accepted:
+        raise ConfigError(f"{PROJECT}:{key}: {value!r} is not accepted; use one of: {', '.join(accepted)}")
+    return value
+
+
+def _dns_label(key: str, value: str, max_len: int = 63) -> str:
+    if not _RFC1123_LABEL.match(value) or len(value) > max_len:
+        raise ConfigError(
+            f"{PROJECT}:{key}: {value!r} is not accepted; use lower-case letters, digits and '-', "
+            f"starting and ending with a letter or digit, at most {max_len} characters"
+        )
+    return value
+
+
+def _percent(key: str, value: int) -> int:
+    if not 0 <= value <= 100:
+        raise ConfigError(f"{PROJECT}:{key}: {value} is not accepted; use an integer from 0 to 100")
+    return value
+
+
+def _at_least(key: str, value: int, low: int) -> int:
+    if value < low:
+        raise ConfigError(f"{PROJECT}:{key}: {value} is not accepted; use an integer >= {low}")
+    return value
+
+
+def _pinned(key: str, image: str) -> str:
+    """An image reference with an explicit tag other than `latest`, or a digest."""
+    if "@sha256:" in image:
+        return image
+    name, _, tag = image.rpartition(":")
+    if not name or "/" in tag or not tag or tag == "latest":
+        raise ConfigError(
+            f"{PROJECT}:{key}: {image!r} is not pinned; use REPOSITORY:TAG with a tag other than 'latest', "
+            "or REPOSITORY@sha256:DIGEST"
+        )
+    return image
+
+
+def _pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) -> tuple[GpuPool, ...]:
+    key = f"{PROJECT}:gpuPools"
+    if not raw:
+        raise ConfigError(
+            f"{key}: at least one GPU pool is required; each pool needs {', '.join(_POOL_KEYS[provider])}"
+        )
+    pools: list[GpuPool] = []
+    seen_names: set[str] = set()
+    seen_nodes: set[str] = set()
+    accepted = _POOL_KEYS[provider]
+    for i, item in enumerate(raw):
+        where = f"{key}[{i}]"
+        unknown = sorted(set(item) - set(accepted))
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown field(s) {', '.join(unknown)} for nodeProvider={provider}; "
+                f"accepted fields: {', '.join(accepted)}"
+            )
+        missing = [k for k in accepted if k not in item]
+        if missing:
+            raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}; accepted fields: {', '.join(accepted)}")
+        name = item["name"]
+        if not isinstance(name, str) or not _RFC1123_LABEL.match(name) or len(name) > 40:
+            raise ConfigError(
+                f"{where}.name: {name!r} is not accepted; use lower-case letters, digits and '-', at most 40 characters"
+            )
+        if name in seen_names:
+            raise ConfigError(f"{where}.name: pool {name!r} is declared twice; pool names must be unique")
+        seen_names.add(name)
+        gpu_type = item["gpuType"]
+        if not isinstance(gpu_type, str) or not _RFC1123_LABEL.match(gpu_type):
+            raise ConfigError(f"{where}.gpuType: {gpu_type!r} is not accepted; use a lower-case name such as h100")
+        gpn = item["gpusPerNode"]
+        if isinstance(gpn, bool) or not isinstance(gpn, int | float) or int(gpn) != gpn or not 1 <= gpn <= 16:
+            raise ConfigError(f"{where}.gpusPerNode: {gpn!r} is not accepted; use an integer from 1 to 16")
+        if provider == "existing":
+            names = _node_names(f"{where}.nodeNames", item["nodeNames"], seen_nodes, allow_empty=False)
+            standby_names = _node_names(f"{where}.standbyNodeNames", item["standbyNodeNames"], seen_nodes)
+            need = standby_size(len(names), min_nodes, share)
+            if len(standby_names) < need:
+                raise ConfigError(
+                    f"{where}.standbyNodeNames: pool {name!r} needs at least {need} warm-standby node(s) "
+                    f"(standbyMinNodes={min_nodes}, standbySharePercent={share} of {len(names)} nodes, never below 1); "
+                    f"got {len(standby_names)}"
+                )
+            pools.append(GpuPool(name, gpu_type, int(gpn), len(names), len(standby_names), names, standby_names))
+        else:
+            nodes = item["nodes"]
+            if isinstance(nodes, bool) or not isinstance(nodes, int | float) or int(nodes) != nodes or nodes < 1:
+                raise ConfigError(f"{where}.nodes: {nodes!r} is not accepted; use an integer >= 1")
+            itype = item["instanceType"]
+            if not isinstance(itype, str) or not itype:
+                raise ConfigError(
+                    f"{where}.instanceType: {itype!r} is not accepted; use an EC2 type such as p5.48xlarge"
+                )
+            pools.append(
+                GpuPool(
+                    name,
+                    gpu_type,
+                    int(gpn),
+                    int(nodes),
+                    standby_size(int(nodes), min_nodes, share),
+                    instance_type=itype,
+                )
+            )
+    return tuple(pools)
+
+
+def _node_names(where: str, value: Any, seen: set[str], allow_empty: bool = True) -> tuple[str, ...]:
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise ConfigError(f"{where}: expected a {'' if allow_empty else 'non-empty '}list of Kubernetes node names")
+    for n in value:
+        if not isinstance(n, str) or not _RFC1123_SUBDOMAIN.match(n) or len(n) > 253:
+            raise ConfigError(f"{where}: {n!r} is not a Kubernetes node name (RFC 1123 subdomain)")
+        if n in seen:
+            raise ConfigError(f"{where}: node {n!r} appears twice; a node belongs to one pool, active or standby")
+        seen.add(n)
+    return tuple(value)
+
+
+def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) -> StackConfig:
+    """Build and check the stack config from bare-name values (`clusterName`, not `fleetheal:clusterName`).
+
+    Keys not declared in `Pulumi.yaml` are rejected (a typo must not silently fall back to a default).
+    """
+    decls = declarations(project_file)
+    unknown = sorted(set(values) - set(decls))
+    if unknown:
+        raise ConfigError(
+            f"{PROJECT}:{unknown[0]}: not a fleetheal setting; declared keys are: {', '.join(sorted(decls))}"
+        )
+    v: dict[str, Any] = {}
+    secrets: dict[str, Any] = {}
+    for key, decl in decls.items():
+        if decl.secret:
+            if values.get(key) is not None:
+                secrets[key] = values[key]
+            continue
+        raw = values.get(key)
+        if raw is None:
+            if not decl.has_default:
+                raise ConfigError(f"{PROJECT}:{key}: required; {decl.description}")
+            raw = decl.default
+        v[key] = _coerce(decl, raw)
+
+    provider = _one_of("nodeProvider", v["nodeProvider"], NODE_PROVIDERS)
+    min_nodes = _at_least("standbyMinNodes", v["standbyMinNodes"], 1)
+    share = _percent("standbySharePercent", v["standbySharePercent"])
+    if provider == "eks":
+        for k in ("eksClusterName", "eksNodeRoleArn"):
+            if not v[k]:
+                raise ConfigError(f"{PROJECT}:{k}: required when nodeProvider=eks")
+        if not v["eksSubnetIds"]:
+            raise ConfigError(f"{PROJECT}:eksSubnetIds: at least one subnet id is required when nodeProvider=eks")
+    labels = v["monitoringLabels"]
+    for lk, lv in labels.items():
+        if not isinstance(lv, str):
+            raise ConfigError(f"{PROJECT}:monitoringLabels.{lk}: expected a string label value, got {lv!r}")
+    if not _QUANTITY.match(v["sharedStorageSize"]):
+        raise ConfigError(
+            f"{PROJECT}:sharedStorageSize: {v['sharedStorageSize']!r} is not accepted; "
+            "use a Kubernetes quantity such as 10Ti"
+        )
+    if not v["sharedStorageMountPath"].startswith("/"):
+        raise ConfigError(f"{PROJECT}:sharedStorageMountPath: {v['sharedStorageMountPath']!r} must be an absolute path")
+    if "latest" in v["slurmImageTag"].split("-") or not v["slurmImageTag"]:
+        raise ConfigError(
+            f"{PROJECT}:slurmImageTag: {v['slurmImageTag']!r} is not pinned; "
+            "use a release tag such as 26.05-ubuntu26.04"
+        )
+    if v["slinkyVersion"] in ("", "latest"):
+        raise ConfigError(f"{PROJECT}:slinkyVersion: {v['slinkyVersion']!r} is not pinned; use a release such as 1.2.1")
+
+    return StackConfig(
+        cluster_name=_dns_label("clusterName", v["clusterName"], 40),
+        slurm_namespace=_dns_label("slurmNamespace", v["slurmNamespace"]),
+        system_namespace=_dns_label("systemNamespace", v["systemNamespace"]),
+        slinky_mode=_one_of("slinkyMode", v["slinkyMode"], SLINKY_MODES),
+        slinky_version=v["slinkyVersion"],
+        slinky_chart_repo=v["slinkyChartRepo"],
+        image_registry=v["imageRegistry"].rstrip("/"),
+        slurm_image_tag=v["slurmImageTag"],
+        helper_image=_pinned("helperImage", v["helperImage"]),
+        gpu_pools=_pools(v["gpuPools"], provider, min_nodes, share),
+        node_provider=provider,
+        eks_cluster_name=v["eksClusterName"],
+        eks_node_role_arn=v["eksNodeRoleArn"],
+        eks_subnet_ids=tuple(v["eksSubnetIds"]),
+        standby_min_nodes=min_nodes,
+        standby_share_percent=share,
+        failure_domain_size=_at_least("failureDomainSize", v["failureDomainSize"], 1),
+        large_job_min_nodes=_at_least("largeJobMinNodes", v["largeJobMinNodes"], 2),
+        requeue_grace_seconds=_at_least("requeueGraceSeconds", v["requeueGraceSeconds"], 1),
+        slurm_key_secret=_dns_label("slurmKeySecret", v["slurmKeySecret"], 253),
+        slurm_jwt_secret=_dns_label("slurmJwtSecret", v["slurmJwtSecret"], 253),
+        accounting_database=v["accountingDatabase"],
+        accounting_db_image=_pinned("accountingDbImage", v["accountingDbImage"]),
+        accounting_db_host=_dns_label("accountingDbHost", v["accountingDbHost"], 253)
+        if v["accountingDatabase"]
+        else v["accountingDbHost"],
+        accounting_db_password_secret=_dns_label("accountingDbPasswordSecret", v["accountingDbPasswordSecret"], 253),
+        shared_storage_class=v["sharedStorageClass"],
+        shared_storage_size=v["sharedStorageSize"],
+        shared_storage_mount_path=v["sharedStorageMountPath"],
+        agent_image=_pinned("agentImage", v["agentImage"]),
+        agent_port=_at_least("agentPort", v["agentPort"], 1),
+        remediator_image=_pinned("remediatorImage", v["remediatorImage"]),
+        remediator_token_secret=_dns_label("remediatorTokenSecret", v["remediatorTokenSecret"], 253),
+        remediator_dry_run=v["remediatorDryRun"],
+        dcgm_exporter=v["dcgmExporter"],
+        dcgm_exporter_image=_pinned("dcgmExporterImage", v["dcgmExporterImage"]),
+        monitoring_labels=dict(labels),
+        kueue=v["kueue"],
+        kueue_namespaces=tuple(_dns_label("kueueNamespaces", n) for n in v["kueueNamespaces"]),
+        kueue_share_percent=_percent("kueueSharePercent", v["kueueSharePercent"]),
+        kueue_large_share_percent=_percent("kueueLargeSharePercent", v["kueueLargeSharePercent"]),
+        kueue_borrowing_limit_percent=_percent("kueueBorrowingLimitPercent", v["kueueBorrowingLimitPercent"]),
+        kueue_lending_limit_percent=_percent("kueueLendingLimitPercent", v["kueueLendingLimitPercent"]),
+        secrets=secrets,
+    )
+
+
+def from_pulumi(project_file: Path = PROJECT_FILE) -> StackConfig:
+    """Read the running stack's config (the engine has applied the Pulumi.yaml defaults already)."""
+    import pulumi
+
+    cfg = pulumi.Config(PROJECT)
+    values: dict[str, Any] = {}
+    for key, decl in declarations(project_file).items():
+        if decl.secret:
+            secret = cfg.get_secret(key)
+            if secret is not None:
+                values[key] = secret
+            continue
+        raw = cfg.get(key)
+        if raw is not None:
+            values[key] = raw
+    return from_values(values, project_file)
+
+
+def stack_values(stack: str, root: Path = REPO_ROOT) -> dict[str, Any]:
+    """Values of `Pulumi.<stack>.yaml` by bare name; encrypted (`secure:`) values become None (not decryptable here)."""
+    path = root / f"Pulumi.{stack}.yaml"
+    if not path.exists():
+        raise ConfigError(
+            f"stack {stack!r}: {path} does not exist; stacks here: {', '.join(list_stacks(root)) or 'none'}"
+        )
+    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    out: dict[str, Any] = {}
+    for key, value in (doc.get("config") or {}).items():
+        ns, _, bare = key.partition(":")
+        if ns != PROJECT or not bare:
+            continue  # provider settings (kubernetes:context ...) belong to the provider
+        out[bare] = None if isinstance(value, dict) and set(value) == {"secure"} else value
+    return out
+
+
+def list_stacks(root: Path = REPO_ROOT) -> list[str]:
+    return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in root.glob("Pulumi.*.yaml"))

@@ -1,0 +1,470 @@
+"""fleetheal's CrossGuard rules: one validator function per rule, grouped by area.
+
+`policies/__main__.py` only assembles these into a PolicyPack (constructing a PolicyPack starts the
+analyzer server, so tests import this module, never that one). Thresholds come from each policy's
+config schema; every violation says what is wrong, why it matters and how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pulumi_policy import (
+    EnforcementLevel,
+    PolicyConfigSchema,
+    ReportViolation,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
+
+from fleetheal import contracts
+from fleetheal.infra.common import image_is_pinned
+
+GPU = "nvidia.com/gpu"
+SLINKY = "slinky.slurm.net/v1beta1"
+HELM_RELEASE = "kubernetes:helm.sh/v3:Release"
+EKS_NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+
+
+def _kind(props: Mapping[str, Any]) -> tuple[str, str]:
+    return str(props.get("apiVersion", "")), str(props.get("kind", ""))
+
+
+def _name(props: Mapping[str, Any]) -> str:
+    return str((props.get("metadata") or {}).get("name", "?"))
+
+
+def _labels(props: Mapping[str, Any]) -> Mapping[str, str]:
+    return (props.get("metadata") or {}).get("labels") or {}
+
+
+def config_defaults(schema: PolicyConfigSchema | None) -> dict[str, Any]:
+    """The defaults a policy's config schema declares (what the engine applies when unset)."""
+    if schema is None:
+        return {}
+    return {k: v["default"] for k, v in schema.properties.items() if "default" in v}
+
+
+def _cfg(args: ResourceValidationArgs | StackValidationArgs, schema: PolicyConfigSchema) -> dict[str, Any]:
+    return {**config_defaults(schema), **dict(args.get_config() or {})}
+
+
+# ----------------------------------------------------------------------------------------------
+# Slurm
+
+
+def _slurm_conf_value(conf: str, key: str) -> str | None:
+    """The last value of `key=` on any line of a slurm.conf fragment (Slurm: the last one wins)."""
+    value = None
+    for raw in conf.splitlines():
+        for word in raw.split("#", 1)[0].split():
+            k, sep, v = word.partition("=")
+            if sep and k.lower() == key.lower():
+                value = v
+    return value
+
+
+def validate_slurm_requeue(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """Slurm requeue is on: the Controller's (or the slurm chart's) slurm.conf says JobRequeue=1."""
+    props = args.props
+    if _kind(props) == (SLINKY, "Controller"):
+        conf, where = (props.get("spec") or {}).get("extraConf") or "", f"Controller '{_name(props)}'"
+    elif args.resource_type == HELM_RELEASE and str(props.get("chart", "")).endswith("/slurm"):
+        controller = (props.get("values") or {}).get("controller") or {}
+        conf, where = controller.get("extraConf") or "", f"Helm release '{props.get('name', args.name)}'"
+    else:
+        return
+    value = _slurm_conf_value(conf, "JobRequeue")
+    if value != "1":
+        report(
+            f"{where}: Slurm job requeue is off (JobRequeue={value or 'unset'}). Without it a batch job on a "
+            "failed or drained GPU node ends in NODE_FAIL instead of resuming from its checkpoint elsewhere. "
+            "Fix: put 'JobRequeue=1' in spec.extraConf (fleetheal.infra.slurm_hooks.slurm_conf_lines does).",
+            None,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Images and the agent
+
+
+def _images(node: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """(path, image reference) for every `image` field: strings, and Helm {repository, tag, digest}."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            p = f"{path}.{k}" if path else str(k)
+            if k == "image" and isinstance(v, str):
+                yield p, v
+            elif k == "image" and isinstance(v, Mapping) and "repository" in v:
+                if v.get("digest"):
+                    yield p, f"{v['repository']}@{v['digest']}"
+                else:
+                    yield p, f"{v['repository']}:{v.get('tag') or ''}"
+            else:
+                yield from _images(v, p)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _images(v, f"{path}[{i}]")
+
+
+def validate_images_pinned(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """Every container image is pinned to a tag other than `latest` or to a digest."""
+    for path, image in _images(args.props):
+        if not image_is_pinned(image):
+            report(
+                f"{args.name}: image '{image}' at {path} is not pinned. 'latest' or a missing tag changes under "
+                "you: two GPU nodes can run different agents or slurmd builds and a rollback cannot restore the "
+                "old one. Fix: use REPOSITORY:TAG with a release tag, or REPOSITORY@sha256:DIGEST.",
+                None,
+            )
+
+
+AGENT_SCHEMA = PolicyConfigSchema(
+    properties={
+        "agentDaemonSet": {
+            "type": "string",
+            "default": "fleetheal-agent",
+            "description": "Name of the node agent DaemonSet.",
+        },
+    }
+)
+
+
+def _pod_containers(pod_spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return list(pod_spec.get("initContainers") or []) + list(pod_spec.get("containers") or [])
+
+
+def validate_agent_resources(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """The node agent's containers set CPU and memory requests and limits."""
+    props = args.props
+    cfg = _cfg(args, AGENT_SCHEMA)
+    if _kind(props) != ("apps/v1", "DaemonSet") or _name(props) != cfg["agentDaemonSet"]:
+        return
+    pod = ((props.get("spec") or {}).get("template") or {}).get("spec") or {}
+    for c in _pod_containers(pod):
+        res = c.get("resources") or {}
+        missing = [
+            f"{kind}.{r}"
+            for kind in ("requests", "limits")
+            for r in ("cpu", "memory")
+            if not (res.get(kind) or {}).get(r)
+        ]
+        if missing:
+            report(
+                f"DaemonSet '{_name(props)}' container '{c.get('name')}' has no {', '.join(missing)}. The agent "
+                "runs on every GPU node next to training jobs: without requests it is evicted first under "
+                "pressure (and stops detecting faults), without limits a leak starves the job. "
+                "Fix: set resources.requests and resources.limits for cpu and memory.",
+                None,
+            )
+
+
+def _selector_matches(term: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    for expr in term.get("matchExpressions") or []:
+        key, op, values = expr.get("key"), expr.get("operator"), list(expr.get("values") or [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+        if op in ("Gt", "Lt"):
+            return False  # never true for the label sets compared here; be conservative
+    return True
+
+
+def pod_selects(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """Whether a pod spec (nodeSelector + required node affinity) accepts a node with `labels`."""
+    for k, v in (pod.get("nodeSelector") or {}).items():
+        if labels.get(k) != v:
+            return False
+    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms") or []
+    return not terms or any(_selector_matches(t, labels) for t in terms)
+
+
+def _tolerates(tolerations: list[Mapping[str, Any]], taint: Mapping[str, Any]) -> bool:
+    for t in tolerations:
+        if t.get("operator") == "Exists" and not t.get("key"):
+            if not t.get("effect") or t.get("effect") == taint.get("effect"):
+                return True
+            continue
+        if t.get("key") != taint.get("key"):
+            continue
+        if t.get("effect") and taint.get("effect") and t["effect"] != taint["effect"]:
+            continue
+        if t.get("operator", "Equal") == "Exists" or t.get("value") == taint.get("value"):
+            return True
+    return False
+
+
+def validate_gpu_nodesets_run_agent(args: StackValidationArgs, report: ReportViolation) -> None:
+    """Every GPU NodeSet's nodes also run the fleetheal node agent."""
+    cfg = _cfg(args, AGENT_SCHEMA)
+    agents = [
+        r
+        for r in args.resources
+        if _kind(r.props) == ("apps/v1", "DaemonSet") and _name(r.props) == cfg["agentDaemonSet"]
+    ]
+    agent_pod = (((agents[0].props.get("spec") or {}).get("template") or {}).get("spec") or {}) if agents else None
+    for r in args.resources:
+        if _kind(r.props) != (SLINKY, "NodeSet"):
+            continue
+        spec = r.props.get("spec") or {}
+        slurmd_res = (spec.get("slurmd") or {}).get("resources") or {}
+        if not ((slurmd_res.get("limits") or {}).get(GPU) or (slurmd_res.get("requests") or {}).get(GPU)):
+            continue
+        pod = (spec.get("template") or {}).get("spec") or {}
+        node_labels = dict(pod.get("nodeSelector") or {})
+        problem = None
+        if agent_pod is None:
+            problem = f"there is no '{cfg['agentDaemonSet']}' DaemonSet in the stack"
+        elif not pod_selects(agent_pod, node_labels):
+            problem = f"the agent's node selection does not match the NodeSet's nodeSelector {node_labels}"
+        else:
+            for tol in pod.get("tolerations") or []:
+                taint = {"key": tol.get("key"), "value": tol.get("value"), "effect": tol.get("effect") or "NoSchedule"}
+                if tol.get("key") and not _tolerates(list(agent_pod.get("tolerations") or []), taint):
+                    problem = f"the agent does not tolerate the taint '{tol.get('key')}' the NodeSet tolerates"
+                    break
+        if problem:
+            report(
+                f"NodeSet '{_name(r.props)}' runs slurmd on GPU nodes without the fleetheal agent: {problem}. "
+                "A GPU fault on those nodes would go undetected, so the node is never drained and jobs keep "
+                "landing on it. Fix: make the agent DaemonSet's node affinity cover the NodeSet's nodeSelector "
+                "and tolerate its taints (fleetheal.infra.agent.node_affinity).",
+                r.urn,
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Pools and storage
+
+STANDBY_SCHEMA = PolicyConfigSchema(
+    properties={
+        "standbyMinNodes": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 1,
+            "description": "Warm-standby nodes per GPU pool, at least.",
+        },
+        "standbySharePercent": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 100,
+            "default": 5,
+            "description": "Warm-standby nodes as a share of the pool's active nodes.",
+        },
+    }
+)
+
+
+def _pool_counts(args: StackValidationArgs) -> dict[str, dict[str, int]]:
+    """gpu-pool -> {active, standby} node counts from Node patches and managed node groups."""
+    counts: dict[str, dict[str, int]] = {}
+    for r in args.resources:
+        if _kind(r.props) == ("v1", "Node"):
+            labels, n = _labels(r.props), 1
+        elif r.resource_type == EKS_NODE_GROUP:
+            labels = r.props.get("labels") or {}
+            n = int((r.props.get("scalingConfig") or {}).get("desiredSize") or 0)
+        else:
+            continue
+        pool, role = labels.get(contracts.LABEL_GPU_POOL), labels.get(contracts.LABEL_POOL)
+        if pool and role in ("active", "standby"):
+            counts.setdefault(pool, {"active": 0, "standby": 0})[role] += n
+    return counts
+
+
+def validate_standby_minimum(args: StackValidationArgs, report: ReportViolation) -> None:
+    """Each GPU pool has its minimum of warm-standby nodes."""
+    cfg = _cfg(args, STANDBY_SCHEMA)
+    floor, share = int(cfg["standbyMinNodes"]), int(cfg["standbySharePercent"])
+    for pool, c in sorted(_pool_counts(args).items()):
+        need = max(1, floor, math.ceil(c["active"] * share / 100))
+        if c["standby"] < need:
+            report(
+                f"GPU pool '{pool}' has {c['standby']} warm-standby node(s); it needs {need} "
+                f"(standbyMinNodes={floor}, standbySharePercent={share} of {c['active']} active nodes). Without "
+                "spare validated nodes a failed node cannot be replaced in minutes and the job waits for a "
+                "repair. Fix: add nodes labelled fleetheal.io/pool=standby for this pool (gpuPools[].standbyNodeNames, "
+                "or raise the standby node group's size).",
+                None,
+            )
+
+
+def validate_checkpoint_storage_rwx(args: StackValidationArgs, report: ReportViolation) -> None:
+    """The volume GPU NodeSets share for checkpoints is ReadWriteMany."""
+    claims = {
+        (_name(r.props), (r.props.get("metadata") or {}).get("namespace")): r
+        for r in args.resources
+        if _kind(r.props) == ("v1", "PersistentVolumeClaim")
+    }
+    for r in args.resources:
+        if _kind(r.props) != (SLINKY, "NodeSet"):
+            continue
+        ns = (r.props.get("metadata") or {}).get("namespace")
+        pod = ((r.props.get("spec") or {}).get("template") or {}).get("spec") or {}
+        volumes = pod.get("volumes") or []
+        refs = [v["persistentVolumeClaim"]["claimName"] for v in volumes if v.get("persistentVolumeClaim")]
+        if not refs:
+            report(
+                f"NodeSet '{_name(r.props)}' mounts no shared volume. A requeued job resumes on other nodes and "
+                "must find its checkpoint there. Fix: mount the ReadWriteMany claim of fleetheal.infra.storage."
+                "SharedStorage in the NodeSet's pod template.",
+                r.urn,
+            )
+            continue
+        for claim in refs:
+            pvc = claims.get((claim, ns))
+            modes = list((pvc.props.get("spec") or {}).get("accessModes") or []) if pvc else []
+            if pvc is not None and "ReadWriteMany" not in modes:
+                report(
+                    f"PersistentVolumeClaim '{claim}' used by NodeSet '{_name(r.props)}' for checkpoints has access "
+                    f"modes {modes}, not ReadWriteMany. A job requeued onto other nodes could not read its "
+                    "checkpoint, so relocation would restart training from scratch. Fix: set accessModes to "
+                    "[ReadWriteMany] with a StorageClass that supports it (NFS, Lustre CSI, a cloud file store).",
+                    pvc.urn,
+                )
+
+
+# ----------------------------------------------------------------------------------------------
+# Remediation
+
+REMEDIATOR_SCHEMA = PolicyConfigSchema(
+    properties={
+        "remediatorSecrets": {
+            "type": "array",
+            "items": {"type": "string"},
+            "default": ["fleetheal-remediator-token"],
+            "description": "The only Secrets the remediator may read (its own).",
+        },
+    }
+)
+
+
+def validate_remediator_rbac(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """The remediator's RBAC has no wildcard and reads no Secret but its own."""
+    props = args.props
+    if _kind(props)[0] != "rbac.authorization.k8s.io/v1" or _kind(props)[1] not in ("ClusterRole", "Role"):
+        return
+    if _labels(props).get(COMPONENT_LABEL) != "remediator":
+        return
+    own = list(_cfg(args, REMEDIATOR_SCHEMA)["remediatorSecrets"])
+    kind = _kind(props)[1]
+    for i, rule in enumerate(props.get("rules") or []):
+        for field in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
+            if "*" in (rule.get(field) or []):
+                report(
+                    f"{kind} '{_name(props)}' rule {i} grants '*' in {field}. The remediator drains nodes on "
+                    "alerts; a wildcard lets a compromised or buggy remediator do anything else too. "
+                    "Fix: list the exact apiGroups, resources and verbs it needs.",
+                    None,
+                )
+        if "secrets" in (rule.get("resources") or []):
+            names = list(rule.get("resourceNames") or [])
+            extra = [n for n in names if n not in own]
+            if kind == "ClusterRole" or not names or extra or set(rule.get("verbs") or []) - {"get"}:
+                report(
+                    f"{kind} '{_name(props)}' rule {i} lets the remediator read Secrets beyond its own "
+                    f"({', '.join(own)}). Secrets hold Slurm, JWT and database keys that remediation never needs. "
+                    "Fix: a namespaced Role with resources [secrets], verbs [get] and resourceNames set to the "
+                    "remediator's own token Secret.",
+                    None,
+                )
+
+
+def validate_alertmanager_receiver_authenticated(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """Every Alertmanager webhook receiver presents credentials from a Secret."""
+    props = args.props
+    if _kind(props)[1] != "AlertmanagerConfig" or not _kind(props)[0].startswith("monitoring.coreos.com/"):
+        return
+    for receiver in (props.get("spec") or {}).get("receivers") or []:
+        for i, hook in enumerate(receiver.get("webhookConfigs") or []):
+            http = hook.get("httpConfig") or {}
+            auth = http.get("authorization") or {}
+            ok = (
+                bool((auth.get("credentials") or {}).get("name"))
+                or bool(http.get("bearerTokenSecret"))
+                or bool(((http.get("basicAuth") or {}).get("password") or {}).get("name"))
+                or bool(http.get("oauth2"))
+            )
+            if not ok:
+                report(
+                    f"AlertmanagerConfig '{_name(props)}' receiver '{receiver.get('name')}' webhook {i} sends alerts "
+                    "without credentials. Anyone who can reach the remediator could then make it drain nodes. "
+                    "Fix: set httpConfig.authorization "
+                    "{type: Bearer, credentials: {name: <token Secret>, key: token}}.",
+                    None,
+                )
+
+
+# ----------------------------------------------------------------------------------------------
+# The pack
+
+
+def policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
+    mandatory = EnforcementLevel.MANDATORY
+    return [
+        StackValidationPolicy(
+            name="gpu-nodesets-run-agent",
+            description="Every GPU NodeSet's nodes also run the fleetheal node agent.",
+            validate=validate_gpu_nodesets_run_agent,
+            enforcement_level=mandatory,
+            config_schema=AGENT_SCHEMA,
+        ),
+        StackValidationPolicy(
+            name="standby-pool-minimum",
+            description="Each GPU pool keeps at least its minimum of warm-standby nodes.",
+            validate=validate_standby_minimum,
+            enforcement_level=mandatory,
+            config_schema=STANDBY_SCHEMA,
+        ),
+        StackValidationPolicy(
+            name="checkpoint-storage-rwx",
+            description="The volume GPU NodeSets share for checkpoints is ReadWriteMany.",
+            validate=validate_checkpoint_storage_rwx,
+            enforcement_level=mandatory,
+        ),
+        ResourceValidationPolicy(
+            name="slurm-requeue-enabled",
+            description="Slurm requeues batch jobs from failed nodes (JobRequeue=1).",
+            validate=validate_slurm_requeue,
+            enforcement_level=mandatory,
+        ),
+        ResourceValidationPolicy(
+            name="remediator-rbac-least-privilege",
+            description="The remediator's RBAC has no wildcard and reads no Secret but its own.",
+            validate=validate_remediator_rbac,
+            enforcement_level=mandatory,
+            config_schema=REMEDIATOR_SCHEMA,
+        ),
+        ResourceValidationPolicy(
+            name="alertmanager-receiver-authenticated",
+            description="Alertmanager authenticates to the remediator with a token from a Secret.",
+            validate=validate_alertmanager_receiver_authenticated,
+            enforcement_level=mandatory,
+        ),
+        ResourceValidationPolicy(
+            name="images-pinned",
+            description="Every container image is pinned to a release tag or a digest, never latest.",
+            validate=validate_images_pinned,
+            enforcement_level=mandatory,
+        ),
+        ResourceValidationPolicy(
+            name="agent-requests-and-limits",
+            description="The node agent sets CPU and memory requests and limits.",
+            validate=validate_agent_resources,
+            enforcement_level=mandatory,
+            config_schema=AGENT_SCHEMA,
+        ),
+    ]

@@ -1,0 +1,205 @@
+"""The whole fleetheal stack: `build(cfg)` registers every component (used by `pulumi/__main__.py`,
+`fleetheal render` and the tests, so all three build exactly the same graph)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from fleetheal import generate
+from fleetheal.infra import common
+from fleetheal.infra.accounting_db import AccountingDatabase
+from fleetheal.infra.agent import HealthAgent
+from fleetheal.infra.alerting import AlertRouting
+from fleetheal.infra.config import StackConfig
+from fleetheal.infra.dcgm import DcgmExporter
+from fleetheal.infra.kueue import KueueQueues
+from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
+from fleetheal.infra.remediator import Remediator
+from fleetheal.infra.slinky import SlinkyCluster
+from fleetheal.infra.storage import SharedStorage
+
+OPERATOR_NAMESPACE = "slinky"
+GPU_RUNTIME_CLASS = "nvidia"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    slinky: SlinkyCluster
+    storage: SharedStorage
+    pools: GpuNodePools
+    agent: HealthAgent
+    alerting: AlertRouting
+    remediator: Remediator
+    dcgm: DcgmExporter | None
+    kueue: KueueQueues | None
+    accounting_db: AccountingDatabase | None
+
+
+def _secret(name: str, ns: str, key: str, value: Any, parent_opts: pulumi.ResourceOptions) -> k8s.core.v1.Secret:
+    return k8s.core.v1.Secret(
+        f"secret-{name}",
+        metadata={"name": name, "namespace": ns, "labels": common.labels("secret", name)},
+        string_data={key: pulumi.Output.secret(value)},
+        opts=parent_opts,
+    )
+
+
+def node_domains(cfg: StackConfig) -> dict[str, str]:
+    """Node -> failure domain for every node the remediator may act on (existing-nodes provider only;
+    with a cloud provider the remediator reads the labels of the nodes it is told about)."""
+    out: dict[str, str] = {}
+    if cfg.node_provider != "existing":
+        return out
+    for pool in cfg.gpu_pools:
+        for names in (pool.node_names, pool.standby_node_names):
+            for i, node in enumerate(names):
+                out[node] = failure_domain(pool, i, cfg.failure_domain_size)
+    return out
+
+
+def build(cfg: StackConfig) -> Fleet:
+    ns_slurm = k8s.core.v1.Namespace(
+        "ns-slurm", metadata={"name": cfg.slurm_namespace, "labels": common.labels("namespace", cfg.slurm_namespace)}
+    )
+    ns_system = k8s.core.v1.Namespace(
+        "ns-system",
+        metadata={
+            "name": cfg.system_namespace,
+            "labels": common.labels("namespace", cfg.system_namespace),
+        },
+    )
+    in_slurm = pulumi.ResourceOptions(depends_on=[ns_slurm])
+    in_system = pulumi.ResourceOptions(depends_on=[ns_system])
+
+    for key, name, ns, item in (
+        ("slurmKey", cfg.slurm_key_secret, cfg.slurm_namespace, "slurm.key"),
+        ("slurmJwtKey", cfg.slurm_jwt_secret, cfg.slurm_namespace, "jwt.key"),
+        ("remediatorToken", cfg.remediator_token_secret, cfg.system_namespace, "token"),
+    ):
+        if cfg.secret(key) is not None:
+            _secret(name, ns, item, cfg.secret(key), in_slurm if ns == cfg.slurm_namespace else in_system)
+
+    storage = SharedStorage(
+        "shared",
+        {
+            "namespace": cfg.slurm_namespace,
+            "storage_class": cfg.shared_storage_class,
+            "size": cfg.shared_storage_size,
+            "claim_name": f"{cfg.cluster_name}-shared",
+        },
+        opts=in_slurm,
+    )
+    provider = make_provider(
+        cfg.node_provider,
+        failure_domain_size=cfg.failure_domain_size,
+        cluster_name=cfg.eks_cluster_name,
+        node_role_arn=cfg.eks_node_role_arn,
+        subnet_ids=cfg.eks_subnet_ids,
+    )
+    pools = GpuNodePools("gpu-pools", {"pools": cfg.gpu_pools, "provider": provider})
+
+    accounting_db = None
+    if cfg.accounting_database:
+        accounting_db = AccountingDatabase(
+            "accounting-db",
+            {
+                "namespace": cfg.slurm_namespace,
+                "service_name": cfg.accounting_db_host,
+                "image": cfg.accounting_db_image,
+                "password_secret": cfg.accounting_db_password_secret,
+                "size": "100Gi",
+            },
+            opts=in_slurm,
+        )
+    images = {c: cfg.image(c) for c in ("slurmctld", "slurmd", "slurmdbd", "slurmrestd", "login")}
+    images["helper"] = cfg.helper_image
+    slinky = SlinkyCluster(
+        "slinky",
+        {
+            "mode": cfg.slinky_mode,
+            "cluster_name": cfg.cluster_name,
+            "namespace": cfg.slurm_namespace,
+            "operator_namespace": OPERATOR_NAMESPACE,
+            "version": cfg.slinky_version,
+            "chart_repo": cfg.slinky_chart_repo,
+            "operator_image": cfg.operator_image,
+            "images": images,
+            "pools": cfg.gpu_pools,
+            "large_job_min_nodes": cfg.large_job_min_nodes,
+            "requeue_grace_seconds": cfg.requeue_grace_seconds,
+            "slurm_key_secret": cfg.slurm_key_secret,
+            "jwt_key_secret": cfg.slurm_jwt_secret,
+            "accounting_db_host": cfg.accounting_db_host,
+            "accounting_db_password_secret": cfg.accounting_db_password_secret,
+            "shared_claim": storage.claim_name,
+            "shared_mount_path": cfg.shared_storage_mount_path,
+        },
+        opts=pulumi.ResourceOptions(depends_on=[ns_slurm, storage]),
+    )
+    agent = HealthAgent(
+        "agent",
+        {
+            "namespace": cfg.system_namespace,
+            "image": cfg.agent_image,
+            "port": cfg.agent_port,
+            "cluster_name": cfg.cluster_name,
+            "monitoring_labels": dict(cfg.monitoring_labels),
+            "runtime_class": GPU_RUNTIME_CLASS,
+        },
+        opts=in_system,
+    )
+    dcgm = None
+    if cfg.dcgm_exporter:
+        dcgm = DcgmExporter(
+            "dcgm",
+            {
+                "namespace": cfg.system_namespace,
+                "image": cfg.dcgm_exporter_image,
+                "monitoring_labels": dict(cfg.monitoring_labels),
+                "runtime_class": GPU_RUNTIME_CLASS,
+            },
+            opts=in_system,
+        )
+    remediator = Remediator(
+        "remediator",
+        {
+            "namespace": cfg.system_namespace,
+            "image": cfg.remediator_image,
+            "cluster_name": cfg.cluster_name,
+            "slurm_namespace": cfg.slurm_namespace,
+            "token_secret": cfg.remediator_token_secret,
+            "nodes": node_domains(cfg),
+            "dry_run": cfg.remediator_dry_run,
+        },
+        opts=pulumi.ResourceOptions(depends_on=[ns_system, ns_slurm]),
+    )
+    alerting = AlertRouting(
+        "alerting",
+        {
+            "namespace": cfg.system_namespace,
+            "rule_groups": generate.alert_rule_groups(),
+            "webhook_url": remediator.webhook_url,
+            "token_secret": cfg.remediator_token_secret,
+            "monitoring_labels": dict(cfg.monitoring_labels),
+        },
+        opts=in_system,
+    )
+    kueue = None
+    if cfg.kueue:
+        kueue = KueueQueues(
+            "kueue",
+            {
+                "cluster_name": cfg.cluster_name,
+                "pools": cfg.gpu_pools,
+                "namespaces": cfg.kueue_namespaces,
+                "share_percent": cfg.kueue_share_percent,
+                "large_share_percent": cfg.kueue_large_share_percent,
+                "borrowing_limit_percent": cfg.kueue_borrowing_limit_percent,
+                "lending_limit_percent": cfg.kueue_lending_limit_percent,
+            },
+        )
+    return Fleet(slinky, storage, pools, agent, alerting, remediator, dcgm, kueue, accounting_db)

@@ -1,0 +1,124 @@
+"""`fleetheal render`: every object a stack would create, as YAML, one file per object.
+
+The program runs under Pulumi's mock engine (no CLI, no cluster), so the output is exactly what
+`pulumi up` would ask for. Files are deterministic (sorted keys, stable names, block-style scripts)
+so a pull request shows a readable diff. Secret values never reach the files.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleetheal.infra import config, mocks
+
+MARKER = ".fleetheal-render"
+REDACTED = "<redacted>"
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class RenderError(ValueError):
+    """The output directory cannot be used (it holds files that are not a previous render)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    # Scripts and slurm.conf fragments read (and diff) line by line in block style.
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def _redact(rec: mocks.Recorded) -> dict[str, Any]:
+    obj: dict[str, Any] = dict(rec.inputs)
+    if obj.get("kind") == "Secret":
+        for field in ("data", "stringData"):
+            if isinstance(obj.get(field), dict):
+                obj[field] = {k: REDACTED for k in obj[field]}
+    for path in rec.secret_paths:
+        _set_path(obj, path, REDACTED)
+    return obj
+
+
+def _set_path(obj: Any, path: str, value: Any) -> None:
+    parts = re.findall(r"[^.\[\]]+|\[\d+\]", path)
+    node = obj
+    for i, part in enumerate(parts):
+        key: Any = int(part[1:-1]) if part.startswith("[") else part
+        last = i == len(parts) - 1
+        try:
+            if last:
+                node[key] = value
+            else:
+                node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return
+
+
+def document(rec: mocks.Recorded) -> tuple[str, dict[str, Any]]:
+    """(relative file path, object) for one recorded resource."""
+    if rec.is_kubernetes_object and rec.type != mocks.HELM_RELEASE:
+        obj = _redact(rec)
+        md = obj.get("metadata") or {}
+        folder = md.get("namespace") or "_cluster"
+        kind = obj["kind"] + ("-patch" if rec.is_patch else "")
+        return f"{_SAFE.sub('_', folder)}/{kind}-{_SAFE.sub('_', str(md.get('name', rec.name)))}.yaml", obj
+    # Helm releases and cloud resources: the Pulumi type and inputs, which is what a reviewer diffs.
+    obj = {"pulumiType": rec.type, "name": rec.name, "inputs": _redact(rec)}
+    folder = "_helm" if rec.type == mocks.HELM_RELEASE else "_cloud"
+    kind = rec.type.rsplit(":", 1)[-1]
+    return f"{folder}/{kind}-{_SAFE.sub('_', rec.name)}.yaml", obj
+
+
+def dump(obj: dict[str, Any], header: str) -> str:
+    body = yaml.dump(obj, Dumper=_Dumper, sort_keys=True, default_flow_style=False, width=100, allow_unicode=True)
+    return f"{header}---\n{body}"
+
+
+def records_to_files(records: Iterable[mocks.Recorded], header: str) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for rec in records:
+        if not rec.custom:
+            continue  # component resources have no object of their own
+        rel, obj = document(rec)
+        if rel in files:
+            raise RenderError(f"two resources render to {rel}; object names must be unique per kind and namespace")
+        files[rel] = dump(obj, header)
+    return dict(sorted(files.items()))
+
+
+def render_stack(stack: str, root: Path = config.REPO_ROOT) -> dict[str, str]:
+    """Relative path -> YAML text for every object of `stack` (Pulumi.yaml + Pulumi.<stack>.yaml)."""
+    from fleetheal.infra import program
+
+    cfg = config.from_values(config.stack_values(stack, root), root / "Pulumi.yaml")
+    records = mocks.run(lambda: program.build(cfg), stack=stack)
+    header = (
+        f"# Rendered by `fleetheal render --stack {stack}` from Pulumi.yaml and Pulumi.{stack}.yaml.\n"
+        "# Do not edit: change the stack config or the components and render again.\n"
+    )
+    return records_to_files(records, header)
+
+
+def write(files: dict[str, str], out: Path) -> None:
+    """Replace the contents of `out` with `files` (only if `out` is empty or a previous render)."""
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise RenderError(f"{out} is not empty and is not a previous render (no {MARKER}); choose an empty directory")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / MARKER).write_text("fleetheal render output; the whole directory is rewritten on each render\n")
+    for rel, text in files.items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")

@@ -1,0 +1,583 @@
+"""SlinkyCluster: the slurm-operator and one Slurm cluster (Slinky v1.2.1 custom resources).
+
+Two modes:
+- `manifests`: applies the slurm-operator CRDs (vendored verbatim in `crds/`), the operator
+  Deployment with its RBAC, and the Controller, Accounting, RestApi, LoginSet and one NodeSet per
+  GPU pool as custom resources. No chart access needed; every object is validated in tests against
+  the CRDs' schemas.
+- `helm`: installs the slurm-operator-crds, slurm-operator and slurm charts as `helm.v3.Release`s
+  with values built from the same settings (the chart renders the same custom resources).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any, TypedDict
+
+import pulumi
+import pulumi_kubernetes as k8s
+import yaml
+
+from fleetheal import contracts
+from fleetheal.infra import common, slurm_hooks
+from fleetheal.infra.config import GpuPool
+
+COMPONENT = "SlinkyCluster"
+API = "slinky.slurm.net/v1beta1"
+MODES = ("manifests", "helm")
+CRD_FILES = (
+    "slinky.slurm.net_accountings.yaml",
+    "slinky.slurm.net_controllers.yaml",
+    "slinky.slurm.net_loginsets.yaml",
+    "slinky.slurm.net_nodesets.yaml",
+    "slinky.slurm.net_restapis.yaml",
+    "slinky.slurm.net_tokens.yaml",
+)
+#: sssd.conf of the slurm chart 1.2.1 (values.yaml `sssd.conf`): local users only.
+SSSD_CONF = """[sssd]
+services = nss,pam
+domains = DEFAULT
+
+[nss]
+filter_groups = root,slurm
+filter_users = root,slurm
+
+[pam]
+
+[domain/DEFAULT]
+id_provider = proxy
+proxy_lib_name = files
+auth_provider = proxy
+proxy_pam_target = sssd-shadowutils
+"""
+GPU_RESOURCE = "nvidia.com/gpu"
+SHARED_VOLUME = "shared"
+HOOKS_VOLUME = "fleetheal-hooks"
+AGENT_STATE_VOLUME = "fleetheal-state"
+
+
+@cache
+def crd_documents() -> tuple[dict[str, Any], ...]:
+    """The slurm-operator v1.2.1 CRDs shipped with fleetheal."""
+    pkg = resources.files("fleetheal.infra") / "crds"
+    return tuple(yaml.safe_load((pkg / f).read_text(encoding="utf-8")) for f in CRD_FILES)
+
+
+class SlinkyClusterArgs(TypedDict):
+    mode: str
+    """`manifests` (CRDs + operator + custom resources) or `helm` (chart releases)."""
+    cluster_name: str
+    """Slurm ClusterName; also the Controller's name."""
+    namespace: str
+    """Namespace of the Slurm cluster's custom resources (must exist)."""
+    operator_namespace: str
+    """Namespace of the slurm-operator (created here)."""
+    version: str
+    """slurm-operator release (operator image tag, chart version)."""
+    chart_repo: str
+    """Helm repository of the Slinky charts (helm mode)."""
+    operator_image: str
+    """Pinned slurm-operator image."""
+    images: dict[str, str]
+    """Pinned images by component: slurmctld, slurmd, slurmdbd, slurmrestd, login, helper."""
+    pools: tuple[GpuPool, ...]
+    """GPU pools: one DaemonSet-mode NodeSet each, on the pool's active nodes."""
+    large_job_min_nodes: int
+    """Jobs with at least this many nodes belong to the `large` partition."""
+    requeue_grace_seconds: int
+    """Slurm KillWait: the checkpoint grace before SIGKILL."""
+    slurm_key_secret: str
+    """Secret with key slurm.key (auth/slurm)."""
+    jwt_key_secret: str
+    """Secret with key jwt.key (HS256)."""
+    accounting_db_host: str
+    """Database host slurmdbd writes to."""
+    accounting_db_password_secret: str
+    """Secret with key `password` for the database user `slurm`."""
+    shared_claim: str
+    """ReadWriteMany claim mounted in slurmd and login pods."""
+    shared_mount_path: str
+    """Mount path of the shared claim."""
+
+
+def _key_ref(name: str, key: str) -> dict[str, str]:
+    return {"name": name, "key": key}
+
+
+class SlinkyCluster(pulumi.ComponentResource):
+    """The slurm-operator and a Slurm cluster whose GPU NodeSets follow fleetheal's pool labels."""
+
+    nodeset_names: list[str]
+
+    def __init__(self, name: str, args: SlinkyClusterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        a: dict[str, Any] = dict(args)
+        common.require(a, COMPONENT, SlinkyClusterArgs.__annotations__)
+        mode = common.one_of(COMPONENT, "mode", a["mode"], MODES)
+        common.dns_label(COMPONENT, "cluster_name", a["cluster_name"], 40)
+        common.dns_label(COMPONENT, "namespace", a["namespace"])
+        common.dns_label(COMPONENT, "operator_namespace", a["operator_namespace"])
+        common.pinned_image(COMPONENT, "operator_image", a["operator_image"])
+        for comp in ("slurmctld", "slurmd", "slurmdbd", "slurmrestd", "login", "helper"):
+            if comp not in a["images"]:
+                raise common.ComponentArgError(
+                    f"{COMPONENT}.images: missing {comp!r}; "
+                    "needs slurmctld, slurmd, slurmdbd, slurmrestd, login, helper"
+                )
+            common.pinned_image(COMPONENT, f"images.{comp}", a["images"][comp])
+        if not a["pools"]:
+            raise common.ComponentArgError(f"{COMPONENT}.pools: at least one GPU pool is required")
+        common.positive(COMPONENT, "large_job_min_nodes", a["large_job_min_nodes"], 2)
+        common.positive(COMPONENT, "requeue_grace_seconds", a["requeue_grace_seconds"])
+        super().__init__("fleetheal:slinky:SlinkyCluster", name, None, opts)
+        self.args = a
+        self.nodeset_names = [self.nodeset_name(p) for p in a["pools"]]
+        child = pulumi.ResourceOptions(parent=self)
+
+        self.operator_ns = k8s.core.v1.Namespace(
+            f"{name}-operator-ns",
+            metadata={"name": a["operator_namespace"], "labels": common.labels("slinky", "slurm-operator")},
+            opts=child,
+        )
+        self.hooks = self._hook_config_maps(name, child)
+        self.sssd = k8s.core.v1.Secret(
+            f"{name}-sssd",
+            metadata={
+                "name": f"{a['cluster_name']}-sssd-conf",
+                "namespace": a["namespace"],
+                "labels": self._labels("login"),
+            },
+            string_data={"sssd.conf": SSSD_CONF},
+            opts=child,
+        )
+        if mode == "manifests":
+            self.crds = [
+                k8s.apiextensions.v1.CustomResourceDefinition(
+                    f"{name}-crd-{doc['spec']['names']['plural']}",
+                    metadata={"name": doc["metadata"]["name"], "annotations": doc["metadata"].get("annotations", {})},
+                    spec=doc["spec"],
+                    # Deleting a CRD deletes every custom resource of its kind: keep them on destroy.
+                    opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True),
+                )
+                for doc in crd_documents()
+            ]
+            self._operator(name, child)
+            after_crds = pulumi.ResourceOptions(parent=self, depends_on=[*self.crds, *self.hooks, self.sssd])
+            self.custom_resources = self._custom_resources(name, after_crds)
+        else:
+            self.releases = self._helm(name, pulumi.ResourceOptions(parent=self, depends_on=[*self.hooks, self.sssd]))
+        self.register_outputs({"controller": a["cluster_name"], "nodesets": self.nodeset_names})
+
+    # -- names -----------------------------------------------------------------------------------
+
+    def nodeset_name(self, pool: GpuPool) -> str:
+        return f"{self.args['cluster_name']}-{pool.name}"
+
+    def _labels(self, component: str) -> dict[str, str]:
+        return common.labels(
+            component,
+            f"{self.args['cluster_name']}-{component}",
+            {"app.kubernetes.io/instance": self.args["cluster_name"]},
+        )
+
+    @property
+    def prolog_name(self) -> str:
+        return f"{self.args['cluster_name']}-fleetheal-prolog"
+
+    @property
+    def epilog_name(self) -> str:
+        return f"{self.args['cluster_name']}-fleetheal-epilog"
+
+    @property
+    def hooks_name(self) -> str:
+        return f"{self.args['cluster_name']}-fleetheal-hooks"
+
+    # -- shared pieces ---------------------------------------------------------------------------
+
+    def _hook_config_maps(self, name: str, child: pulumi.ResourceOptions) -> list[k8s.core.v1.ConfigMap]:
+        a = self.args
+        md = {"namespace": a["namespace"], "labels": self._labels("slurm-hooks")}
+        return [
+            k8s.core.v1.ConfigMap(
+                f"{name}-prolog",
+                metadata={"name": self.prolog_name, **md},
+                data={"10-fleetheal-agent.sh": slurm_hooks.prolog_script()},
+                opts=child,
+            ),
+            k8s.core.v1.ConfigMap(
+                f"{name}-epilog",
+                metadata={"name": self.epilog_name, **md},
+                data={"90-fleetheal-agent.sh": slurm_hooks.epilog_script()},
+                opts=child,
+            ),
+            k8s.core.v1.ConfigMap(
+                f"{name}-hooks",
+                metadata={"name": self.hooks_name, **md},
+                data={slurm_hooks.HEALTHCHECK: slurm_hooks.healthcheck_script()},
+                opts=child,
+            ),
+        ]
+
+    def extra_conf(self) -> str:
+        a = self.args
+        return slurm_hooks.slurm_conf_lines(a["requeue_grace_seconds"], a["large_job_min_nodes"], self.nodeset_names)
+
+    def _shared_volume(self) -> dict[str, Any]:
+        return {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": self.args["shared_claim"]}}
+
+    def _shared_mount(self) -> dict[str, Any]:
+        return {"name": SHARED_VOLUME, "mountPath": self.args["shared_mount_path"]}
+
+    def nodeset_pod_volumes(self) -> list[dict[str, Any]]:
+        return [
+            self._shared_volume(),
+            {"name": HOOKS_VOLUME, "configMap": {"name": self.hooks_name, "defaultMode": 0o755}},
+            {"name": AGENT_STATE_VOLUME, "hostPath": {"path": contracts.AGENT_STATE_DIR, "type": "DirectoryOrCreate"}},
+        ]
+
+    def slurmd_mounts(self) -> list[dict[str, Any]]:
+        return [
+            self._shared_mount(),
+            {"name": HOOKS_VOLUME, "mountPath": slurm_hooks.HOOKS_MOUNT, "readOnly": True},
+            {"name": AGENT_STATE_VOLUME, "mountPath": contracts.AGENT_STATE_DIR},
+        ]
+
+    def nodeset_node_selector(self, pool: GpuPool) -> dict[str, str]:
+        return {"kubernetes.io/os": "linux", contracts.LABEL_POOL: "active", contracts.LABEL_GPU_POOL: pool.name}
+
+    @staticmethod
+    def nodeset_tolerations() -> list[dict[str, str]]:
+        # GPU nodes commonly carry the nvidia.com/gpu taint; the standby and unhealthy taints are
+        # deliberately NOT tolerated: slurmd must not start on a standby or isolated node.
+        return [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+
+    def nodeset_spec(self, pool: GpuPool) -> dict[str, Any]:
+        a = self.args
+        features = ",".join(dict.fromkeys((pool.gpu_type, pool.name)))
+        return {
+            "controllerRef": {"name": a["cluster_name"]},
+            # One slurmd per matching node: promoting a standby node (relabel to active) is enough
+            # for the operator to start slurmd on it; no replica count to edit.
+            "scalingMode": "DaemonSet",
+            "slurmd": {
+                "name": "slurmd",
+                "image": a["images"]["slurmd"],
+                "resources": {
+                    "requests": {GPU_RESOURCE: str(pool.gpus_per_node)},
+                    "limits": {GPU_RESOURCE: str(pool.gpus_per_node)},
+                },
+                "volumeMounts": self.slurmd_mounts(),
+            },
+            "logfile": {"image": a["images"]["helper"]},
+            "extraConf": f"Gres=gpu:{pool.gpu_type}:{pool.gpus_per_node} Features={features}",
+            "partition": {"enabled": True, "config": "State=UP MaxTime=UNLIMITED"},
+            "template": {
+                "metadata": {"labels": {contracts.LABEL_GPU_POOL: pool.name}},
+                "spec": {
+                    "containers": [],
+                    "nodeSelector": self.nodeset_node_selector(pool),
+                    "tolerations": self.nodeset_tolerations(),
+                    "volumes": self.nodeset_pod_volumes(),
+                },
+            },
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
+            # Jobs running on a node keep a PodDisruptionBudget until Slurm has drained it.
+            "workloadDisruptionProtection": True,
+            # A failed node replaced by a standby one should not linger in slurm.conf.
+            "pruneSlurmNodeRecords": "NodeNotFound",
+        }
+
+    def controller_spec(self) -> dict[str, Any]:
+        a = self.args
+        return {
+            "clusterName": a["cluster_name"],
+            "slurmKeyRef": _key_ref(a["slurm_key_secret"], "slurm.key"),
+            "jwtHs256KeyRef": _key_ref(a["jwt_key_secret"], "jwt.key"),
+            "accountingRef": {"name": f"{a['cluster_name']}-accounting"},
+            "slurmctld": {"image": a["images"]["slurmctld"], "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+            "reconfigure": {"image": a["images"]["slurmctld"]},
+            "logfile": {"image": a["images"]["helper"]},
+            "extraConf": self.extra_conf(),
+            "prologScriptRefs": [{"name": self.prolog_name}],
+            "epilogScriptRefs": [{"name": self.epilog_name}],
+            "persistence": {
+                "enabled": True,
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "4Gi"}},
+            },
+            "metrics": {"enabled": True},
+        }
+
+    def accounting_spec(self) -> dict[str, Any]:
+        a = self.args
+        return {
+            "slurmKeyRef": _key_ref(a["slurm_key_secret"], "slurm.key"),
+            "jwtHs256KeyRef": _key_ref(a["jwt_key_secret"], "jwt.key"),
+            "slurmdbd": {"image": a["images"]["slurmdbd"]},
+            "storageConfig": {
+                "host": a["accounting_db_host"],
+                "port": 3306,
+                "database": "slurm_acct_db",
+                "username": "slurm",
+                "passwordKeyRef": _key_ref(a["accounting_db_password_secret"], "password"),
+            },
+        }
+
+    def restapi_spec(self) -> dict[str, Any]:
+        a = self.args
+        return {
+            "controllerRef": {"name": a["cluster_name"]},
+            "replicas": 1,
+            "slurmrestd": {"image": a["images"]["slurmrestd"]},
+        }
+
+    def loginset_spec(self) -> dict[str, Any]:
+        a = self.args
+        return {
+            "controllerRef": {"name": a["cluster_name"]},
+            "replicas": 1,
+            "sssdConfRef": _key_ref(f"{a['cluster_name']}-sssd-conf", "sssd.conf"),
+            "login": {"name": "login", "image": a["images"]["login"], "volumeMounts": [self._shared_mount()]},
+            "initconf": {"image": a["images"]["helper"]},
+            "template": {"spec": {"containers": [], "volumes": [self._shared_volume()]}},
+        }
+
+    # -- manifests mode --------------------------------------------------------------------------
+
+    def _operator(self, name: str, child: pulumi.ResourceOptions) -> None:
+        a = self.args
+        ns = a["operator_namespace"]
+        labels = common.labels("operator", "slurm-operator")
+        self.operator_sa = k8s.core.v1.ServiceAccount(
+            f"{name}-operator-sa", metadata={"name": "slurm-operator", "namespace": ns, "labels": labels}, opts=child
+        )
+        rw = ["get", "list", "watch", "create", "update", "patch", "delete"]
+        self.operator_role = k8s.rbac.v1.ClusterRole(
+            f"{name}-operator-role",
+            metadata={"name": "slurm-operator", "labels": labels},
+            rules=[
+                {
+                    "apiGroups": ["slinky.slurm.net"],
+                    "resources": ["controllers", "accountings", "loginsets", "nodesets", "restapis", "tokens"],
+                    "verbs": rw,
+                },
+                {
+                    "apiGroups": ["slinky.slurm.net"],
+                    "resources": [
+                        "controllers/status",
+                        "accountings/status",
+                        "loginsets/status",
+                        "nodesets/status",
+                        "restapis/status",
+                        "tokens/status",
+                        "nodesets/scale",
+                    ],
+                    "verbs": ["get", "update", "patch"],
+                },
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods", "services", "configmaps", "secrets", "persistentvolumeclaims", "events"],
+                    "verbs": rw,
+                },
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+                {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+                {
+                    "apiGroups": ["apps"],
+                    "resources": ["deployments", "statefulsets", "daemonsets", "controllerrevisions"],
+                    "verbs": rw,
+                },
+                {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": rw},
+                {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": rw},
+            ],
+            opts=child,
+        )
+        self.operator_binding = k8s.rbac.v1.ClusterRoleBinding(
+            f"{name}-operator-binding",
+            metadata={"name": "slurm-operator", "labels": labels},
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "slurm-operator"},
+            subjects=[{"kind": "ServiceAccount", "name": "slurm-operator", "namespace": ns}],
+            opts=child,
+        )
+        sel = {"app.kubernetes.io/name": "slurm-operator"}
+        self.operator = k8s.apps.v1.Deployment(
+            f"{name}-operator",
+            metadata={"name": "slurm-operator", "namespace": ns, "labels": labels},
+            spec={
+                "replicas": 1,
+                "selector": {"matchLabels": sel},
+                "template": {
+                    "metadata": {"labels": {**labels, **sel}},
+                    "spec": {
+                        "serviceAccountName": "slurm-operator",
+                        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [
+                            {
+                                "name": "slurm-operator",
+                                "image": a["operator_image"],
+                                "imagePullPolicy": "IfNotPresent",
+                                "args": [
+                                    "--leader-elect",
+                                    "--health-probe-bind-address=:8081",
+                                    "--metrics-bind-address=:8080",
+                                ],
+                                "ports": [
+                                    {"name": "health", "containerPort": 8081},
+                                    {"name": "metrics", "containerPort": 8080},
+                                ],
+                                "livenessProbe": {"httpGet": {"path": "/healthz", "port": "health"}},
+                                "readinessProbe": {"httpGet": {"path": "/readyz", "port": "health"}},
+                                "resources": {
+                                    "requests": {"cpu": "100m", "memory": "128Mi"},
+                                    "limits": {"memory": "512Mi"},
+                                },
+                                "securityContext": {
+                                    "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]},
+                                },
+                            }
+                        ],
+                    },
+                },
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.operator_ns, self.operator_binding]),
+        )
+
+    def _cr(self, name: str, kind: str, obj_name: str, spec: dict[str, Any], opts: pulumi.ResourceOptions) -> Any:
+        return k8s.apiextensions.CustomResource(
+            name,
+            api_version=API,
+            kind=kind,
+            metadata={"name": obj_name, "namespace": self.args["namespace"], "labels": self._labels(kind.lower())},
+            spec=spec,
+            opts=opts,
+        )
+
+    def _custom_resources(self, name: str, opts: pulumi.ResourceOptions) -> list[Any]:
+        a = self.args
+        cn = a["cluster_name"]
+        out = [
+            self._cr(f"{name}-accounting", "Accounting", f"{cn}-accounting", self.accounting_spec(), opts),
+            self._cr(f"{name}-controller", "Controller", cn, self.controller_spec(), opts),
+            self._cr(f"{name}-restapi", "RestApi", f"{cn}-restapi", self.restapi_spec(), opts),
+            self._cr(f"{name}-login", "LoginSet", f"{cn}-login", self.loginset_spec(), opts),
+        ]
+        for pool in a["pools"]:
+            out.append(
+                self._cr(
+                    f"{name}-nodeset-{pool.name}", "NodeSet", self.nodeset_name(pool), self.nodeset_spec(pool), opts
+                )
+            )
+        return out
+
+    # -- helm mode -------------------------------------------------------------------------------
+
+    def helm_values(self) -> dict[str, Any]:
+        """Values for the slurm chart 1.2.1 (shape of its values.yaml, not of the custom resources)."""
+        a = self.args
+
+        def image(ref: str) -> dict[str, Any]:
+            repo, _, tag = ref.rpartition(":")
+            return {"repository": repo, "tag": tag}
+
+        nodesets: dict[str, Any] = {}
+        for pool in a["pools"]:
+            spec = self.nodeset_spec(pool)
+            nodesets[pool.name] = {
+                "enabled": True,
+                "scalingMode": "DaemonSet",
+                "workloadDisruptionProtection": True,
+                "pruneSlurmNodeRecords": "NodeNotFound",
+                "slurmd": {
+                    "image": image(a["images"]["slurmd"]),
+                    "resources": spec["slurmd"]["resources"],
+                    "volumeMounts": self.slurmd_mounts(),
+                },
+                "logfile": {"image": image(a["images"]["helper"])},
+                "extraConf": spec["extraConf"],
+                "partition": {"enabled": True, "config": spec["partition"]["config"]},
+                "updateStrategy": spec["updateStrategy"],
+                "metadata": {"labels": {contracts.LABEL_GPU_POOL: pool.name}},
+                "podSpec": {
+                    "nodeSelector": self.nodeset_node_selector(pool),
+                    "tolerations": self.nodeset_tolerations(),
+                    "volumes": self.nodeset_pod_volumes(),
+                },
+            }
+        return {
+            "clusterName": a["cluster_name"],
+            "slurmKey": {"create": False, "secretRef": _key_ref(a["slurm_key_secret"], "slurm.key")},
+            "jwtKey": {"create": False, "secretRef": _key_ref(a["jwt_key_secret"], "jwt.key")},
+            "prologScripts": {"10-fleetheal-agent.sh": slurm_hooks.prolog_script()},
+            "epilogScripts": {"90-fleetheal-agent.sh": slurm_hooks.epilog_script()},
+            "controller": {
+                "slurmctld": {"image": image(a["images"]["slurmctld"])},
+                "reconfigure": {"image": image(a["images"]["slurmctld"])},
+                "logfile": {"image": image(a["images"]["helper"])},
+                "extraConf": self.extra_conf(),
+                "metrics": {"enabled": True},
+            },
+            "restapi": {"replicas": 1, "slurmrestd": {"image": image(a["images"]["slurmrestd"])}},
+            "accounting": {
+                "enabled": True,
+                "slurmdbd": {"image": image(a["images"]["slurmdbd"])},
+                "storageConfig": {
+                    "host": a["accounting_db_host"],
+                    "port": 3306,
+                    "database": "slurm_acct_db",
+                    "username": "slurm",
+                    "passwordKeyRef": _key_ref(a["accounting_db_password_secret"], "password"),
+                },
+            },
+            "sssd": {"secretRef": _key_ref(f"{a['cluster_name']}-sssd-conf", "sssd.conf")},
+            "loginsetDefaults": {
+                "login": {"image": image(a["images"]["login"]), "volumeMounts": [self._shared_mount()]},
+                "initconf": {"image": image(a["images"]["helper"])},
+                "podSpec": {"volumes": [self._shared_volume()]},
+            },
+            "loginsets": {"login": {"enabled": True, "replicas": 1}},
+            "nodesets": nodesets,
+            # Partitions come from controller.extraConf (large/small); the chart's example `all` stays off.
+            "partitions": {"all": {"enabled": False}},
+        }
+
+    def _helm(self, name: str, opts: pulumi.ResourceOptions) -> list[k8s.helm.v3.Release]:
+        a = self.args
+        repo = a["chart_repo"]
+        op_repo, _, op_tag = a["operator_image"].rpartition(":")
+
+        def release(
+            suffix: str, chart: str, ns: str, values: dict[str, Any], ropts: pulumi.ResourceOptions
+        ) -> k8s.helm.v3.Release:
+            return k8s.helm.v3.Release(
+                f"{name}-{suffix}",
+                name=suffix,
+                chart=f"{repo}/{chart}",
+                version=a["version"],
+                namespace=ns,
+                values=values,
+                atomic=True,
+                opts=ropts,
+            )
+
+        crds = release(
+            "slurm-operator-crds",
+            "slurm-operator-crds",
+            a["operator_namespace"],
+            {},
+            pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[self.operator_ns])),
+        )
+        operator = release(
+            "slurm-operator",
+            "slurm-operator",
+            a["operator_namespace"],
+            {"crds": {"enabled": False}, "operator": {"image": {"repository": op_repo, "tag": op_tag}}},
+            pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[crds])),
+        )
+        slurm = release(
+            "slurm",
+            "slurm",
+            a["namespace"],
+            self.helm_values(),
+            pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[operator])),
+        )
+        return [crds, operator, slurm]

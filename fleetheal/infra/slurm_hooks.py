@@ -1,0 +1,86 @@
+"""Slurm hook scripts wired to the node agent: HealthCheckProgram, prolog and epilog parts.
+
+They talk to the agent through the host directory in `contracts.AGENT_STATE_DIR` (mounted into
+slurmd pods), not over the network, so a hung API or DNS never blocks a job start.
+"""
+
+from __future__ import annotations
+
+from fleetheal import contracts
+
+HOOKS_MOUNT = "/etc/fleetheal/slurm"
+HEALTHCHECK = "healthcheck.sh"
+
+
+def healthcheck_script() -> str:
+    # The health check runs on every node each HealthCheckInterval with SLURMD_NODENAME set; a
+    # non-zero exit only logs, so it drains its own node with scontrol (measured on Slurm 22.05).
+    # A missing health file means the agent is not up yet: log, do not drain (a slow agent rollout
+    # must not drain a whole cluster).
+    return f"""#!/usr/bin/env bash
+# fleetheal HealthCheckProgram: drain this node when the fleetheal agent reports a fault.
+set -euo pipefail
+health_file={contracts.AGENT_HEALTH_FILE}
+node="${{SLURMD_NODENAME:-$(hostname -s)}}"
+if [[ ! -r "$health_file" ]]; then
+  logger -t fleetheal-healthcheck "no agent health file at $health_file; not draining $node"
+  exit 0
+fi
+state="$(head -c 200 "$health_file" | tr -cd 'A-Za-z0-9_.:=-')"
+if [[ "$state" == "ok" ]]; then
+  exit 0
+fi
+reason="{contracts.DRAIN_REASON_PREFIX}${{state:-unknown}} incident=healthcheck-${{node}}"
+scontrol update nodename="$node" state=drain reason="$reason"
+logger -t fleetheal-healthcheck "drained $node: $reason"
+exit 1
+"""
+
+
+def prolog_script() -> str:
+    return f"""#!/usr/bin/env bash
+# fleetheal prolog part: tell the agent which job runs here (and on which GPUs), refuse unhealthy nodes.
+set -euo pipefail
+jobs_dir={contracts.AGENT_JOBS_DIR}
+health_file={contracts.AGENT_HEALTH_FILE}
+if [[ -r "$health_file" && "$(head -c 200 "$health_file")" != ok* ]]; then
+  echo "fleetheal: node unhealthy ($(head -c 200 "$health_file")); job ${{SLURM_JOB_ID}} goes elsewhere" >&2
+  exit 1
+fi
+mkdir -p "$jobs_dir"
+printf 'job_id=%s\\nrestart_count=%s\\ngpus=%s\\nuser=%s\\n' \\
+  "${{SLURM_JOB_ID}}" "${{SLURM_JOB_RESTART_COUNT:-0}}" "${{SLURM_JOB_GPUS:-}}" "${{SLURM_JOB_USER:-}}" \\
+  > "$jobs_dir/${{SLURM_JOB_ID}}.tmp"
+mv "$jobs_dir/${{SLURM_JOB_ID}}.tmp" "$jobs_dir/${{SLURM_JOB_ID}}"
+"""
+
+
+def epilog_script() -> str:
+    return f"""#!/usr/bin/env bash
+# fleetheal epilog part: the job left this node.
+set -euo pipefail
+rm -f "{contracts.AGENT_JOBS_DIR}/${{SLURM_JOB_ID}}"
+"""
+
+
+def slurm_conf_lines(grace_seconds: int, large_min_nodes: int, nodesets: list[str]) -> str:
+    """slurm.conf lines fleetheal needs: requeue on, the grace period, the health check, partitions."""
+    nodes = ",".join(nodesets)
+    lines = [
+        # Batch jobs are requeued (not failed) when their node fails or is drained by fleetheal.
+        "JobRequeue=1",
+        # Grace between SIGTERM (and the remediator's USR1) and SIGKILL: time to write a checkpoint.
+        f"KillWait={grace_seconds}",
+        # A node fleetheal drained stays drained until fleetheal (or a human) returns it; with 2 an
+        # admin DOWN was undone within 40 ms on Slurm 22.05.
+        "ReturnToService=1",
+        f"HealthCheckProgram={HOOKS_MOUNT}/{HEALTHCHECK}",
+        "HealthCheckInterval=60",
+        "HealthCheckNodeState=ANY,CYCLE",
+        # Requeued jobs get a priority boost from the remediator; multifactor makes it count.
+        "PriorityType=priority/multifactor",
+        "GresTypes=gpu",
+        f"PartitionName=large Nodes={nodes} MinNodes={large_min_nodes} MaxTime=UNLIMITED PriorityTier=2 State=UP",
+        f"PartitionName=small Nodes={nodes} MaxNodes={large_min_nodes - 1} MaxTime=UNLIMITED Default=YES State=UP",
+    ]
+    return "\n".join(lines) + "\n"
