@@ -19,6 +19,7 @@ COMMANDS = (
     "fleetheal.generate",
     "fleetheal.agent.cli",
     "fleetheal.lab.cli",
+    "fleetheal.infra.cli",
 )
 
 

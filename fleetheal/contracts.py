@@ -68,3 +68,13 @@ PLAYBOOK_VARS = (
     "fleetheal_job_id",  # optional Slurm job id ("" when the fault is not tied to one job)
     "fleetheal_gpu",  # optional GPU index or "node"
 )
+
+#: Pool membership beyond active/standby: the GPU pool (Slinky NodeSet) and GPU type of a node.
+LABEL_GPU_POOL = K8S_PREFIX + "gpu-pool"
+LABEL_GPU_TYPE = K8S_PREFIX + "gpu-type"
+#: Host directory the agent shares with slurmd pods: `health` holds "ok" or the active fault id
+#: (the Slurm HealthCheckProgram drains the node on anything else); `jobs/<job id>` is written by the
+#: Slurm prolog and removed by the epilog so the agent can name the job a fault hits.
+AGENT_STATE_DIR = "/run/fleetheal"
+AGENT_HEALTH_FILE = AGENT_STATE_DIR + "/health"
+AGENT_JOBS_DIR = AGENT_STATE_DIR + "/jobs"
