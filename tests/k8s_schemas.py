@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import referencing
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = REPO_ROOT.parent / "shared" / "schemas"
+SCHEMAS = Path(os.environ.get("FLEETHEAL_SHARED", REPO_ROOT.parent / "shared")) / "schemas"
 K8S_DIR = SCHEMAS / "kubernetes" / "v1.37.0-local-strict"
 DEFS_URL = "https://kubernetes.io/api/_definitions.json"
 CRD_DIRS = ("slinky/crds", "prometheus-operator", "kueue")

@@ -22,6 +22,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--stack", required=True, help="stack name: reads Pulumi.yaml and Pulumi.STACK.yaml")
     p.add_argument("--out", required=True, type=Path, help="output directory (empty, or a previous render)")
     p.add_argument("--root", type=Path, default=None, help="project directory holding Pulumi.yaml (default: this repo)")
+    p.add_argument(
+        "--policy",
+        action="store_true",
+        help="also run the fleetheal policy pack's rules over the objects; exit 1 on any violation",
+    )
     p.set_defaults(func=run)
 
 
@@ -32,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     if not (root / "Pulumi.yaml").exists():
         raise UsageError(f"--root {root}: no Pulumi.yaml there")
     try:
-        files = render.render_stack(args.stack, root)
+        records = render.record_stack(args.stack, root)
+        files = render.render_stack(args.stack, root, records)
         render.write(files, args.out)
     except config.ConfigError as exc:
         print(f"fleetheal render: stack {args.stack}: {exc}", file=sys.stderr)
@@ -40,4 +46,12 @@ def run(args: argparse.Namespace) -> int:
     except render.RenderError as exc:
         raise UsageError(str(exc)) from exc
     print(f"fleetheal render: wrote {len(files)} objects for stack {args.stack} to {args.out}")
+    if args.policy:
+        from fleetheal.infra import policy
+
+        violations = policy.evaluate([(r.type, r.name, r.inputs) for r in records if r.custom])
+        for name, message in violations:
+            print(f"policy {name}: {message}", file=sys.stderr)
+        print(f"fleetheal render: {len(violations)} policy violation(s)")
+        return 1 if violations else 0
     return 0

@@ -71,12 +71,17 @@ class RecordingMocks(pulumi.runtime.Mocks):
         return {}, None
 
 
-def run(program: Callable[[], Any], project: str = "fleetheal", stack: str = "dev") -> list[Recorded]:
-    """Run `program` (which registers resources) under a fresh RecordingMocks; return the records.
+def run(
+    program: Callable[[], Any],
+    project: str = "fleetheal",
+    stack: str = "dev",
+    recorder: RecordingMocks | None = None,
+) -> list[Recorded]:
+    """Run `program` (which registers resources) under fresh mocks (or `recorder`); return the records.
 
     Raises whatever the program raises (a ConfigError or ComponentArgError before any registration).
     """
-    mocks = RecordingMocks()
+    mocks = recorder if recorder is not None else RecordingMocks()
     pulumi.runtime.set_mocks(mocks, project=project, stack=stack, preview=False)
 
     @pulumi.runtime.test  # type: ignore[untyped-decorator]

@@ -468,3 +468,41 @@ def policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
             config_schema=AGENT_SCHEMA,
         ),
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline evaluation (tests, `fleetheal render --policy`): run the pack over recorded resources.
+
+
+def _policy_resource(type_: str, name: str, props: Mapping[str, Any]) -> Any:
+    from pulumi_policy.policy import PolicyCustomTimeouts, PolicyResource, PolicyResourceOptions
+
+    opts = PolicyResourceOptions(False, [], None, [], PolicyCustomTimeouts(0, 0, 0), [])
+    urn = f"urn:pulumi:stack::fleetheal::{type_}::{name}"
+    return PolicyResource(type_, props, urn, name, opts, None, None, [], {})
+
+
+def evaluate(
+    resources: list[tuple[str, str, Mapping[str, Any]]],
+    config: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[tuple[str, str]]:
+    """Run every policy over (type token, name, props) triples; return (policy name, message) pairs.
+
+    Each policy gets its config schema's defaults overlaid with `config[policy name]`, as the engine
+    does. Resource policies see each resource once; stack policies see them all.
+    """
+    violations: list[tuple[str, str]] = []
+    stack = [_policy_resource(t, n, p) for t, n, p in resources]
+    for pol in policies():
+        cfg = {**config_defaults(pol.config_schema), **dict((config or {}).get(pol.name, {}))}
+
+        def report(message: str, urn: str | None = None, _name: str = pol.name) -> None:
+            violations.append((_name, message))
+
+        if isinstance(pol, StackValidationPolicy):
+            pol.validate(StackValidationArgs(stack, cfg), report)
+            continue
+        for res in stack:
+            args = ResourceValidationArgs(res.resource_type, res.props, res.urn, res.name, res.opts, None, cfg)
+            pol.validate(args, report)
+    return violations

@@ -57,7 +57,9 @@ def _set_path(obj: Any, path: str, value: Any) -> None:
         key: Any = int(part[1:-1]) if part.startswith("[") else part
         last = i == len(parts) - 1
         try:
-            if last:
+            if last and isinstance(node[key], dict):
+                node[key] = {k: value for k in node[key]}  # keep the keys a reviewer needs to see
+            elif last:
                 node[key] = value
             else:
                 node = node[key]
@@ -97,12 +99,20 @@ def records_to_files(records: Iterable[mocks.Recorded], header: str) -> dict[str
     return dict(sorted(files.items()))
 
 
-def render_stack(stack: str, root: Path = config.REPO_ROOT) -> dict[str, str]:
-    """Relative path -> YAML text for every object of `stack` (Pulumi.yaml + Pulumi.<stack>.yaml)."""
+def record_stack(stack: str, root: Path = config.REPO_ROOT) -> list[mocks.Recorded]:
+    """Every resource registration of `stack` (Pulumi.yaml + Pulumi.<stack>.yaml) under the mock engine."""
     from fleetheal.infra import program
 
     cfg = config.from_values(config.stack_values(stack, root), root / "Pulumi.yaml")
-    records = mocks.run(lambda: program.build(cfg), stack=stack)
+    return mocks.run(lambda: program.build(cfg), stack=stack)
+
+
+def render_stack(
+    stack: str, root: Path = config.REPO_ROOT, records: list[mocks.Recorded] | None = None
+) -> dict[str, str]:
+    """Relative path -> YAML text for every object of `stack`."""
+    if records is None:
+        records = record_stack(stack, root)
     header = (
         f"# Rendered by `fleetheal render --stack {stack}` from Pulumi.yaml and Pulumi.{stack}.yaml.\n"
         "# Do not edit: change the stack config or the components and render again.\n"

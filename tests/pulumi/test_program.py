@@ -1,0 +1,244 @@
+"""The whole example stack under Pulumi mocks: every object validates against the real schemas."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleetheal import contracts, generate
+from fleetheal.infra import config, mocks, program
+from fleetheal.infra.slinky import CRD_FILES, crd_documents
+from tests.k8s_schemas import SCHEMAS, SchemaSet
+from tests.pulumi.graph import assert_all_valid, by_kind, objects
+
+Runner = Callable[[Callable[[], Any]], list[mocks.Recorded]]
+
+
+def _build(run_mocked: Runner, cfg: config.StackConfig) -> list[mocks.Recorded]:
+    return run_mocked(lambda: program.build(cfg))
+
+
+def test_example_stack_objects_all_validate(
+    run_mocked: Runner, dev_config: config.StackConfig, k8s_schemas: SchemaSet
+) -> None:
+    records = _build(run_mocked, dev_config)
+    checked = assert_all_valid(k8s_schemas, records)
+    kinds = Counter(o["kind"] for o in objects(records))
+    # what the issue asks the program to build
+    for kind in (
+        "CustomResourceDefinition",
+        "Controller",
+        "LoginSet",
+        "Accounting",
+        "RestApi",
+        "NodeSet",
+        "PersistentVolumeClaim",
+        "DaemonSet",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "AlertmanagerConfig",
+        "Deployment",
+        "Service",
+        "ClusterRole",
+        "Role",
+        "ResourceFlavor",
+        "ClusterQueue",
+        "LocalQueue",
+        "Node",
+    ):
+        assert kinds[kind] >= 1, kind
+    assert kinds["NodeSet"] == 2 and kinds["CustomResourceDefinition"] == 6
+    assert checked == sum(kinds.values()) == 72
+
+
+def test_object_names_are_unique_per_kind_and_namespace(run_mocked: Runner, dev_config: config.StackConfig) -> None:
+    keys = [
+        (o["apiVersion"], o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+        for o in objects(_build(run_mocked, dev_config))
+    ]
+    assert len(keys) == len(set(keys))
+
+
+def test_nodesets_follow_pool_labels_and_skip_standby_nodes(run_mocked: Runner, dev_config: config.StackConfig) -> None:
+    records = _build(run_mocked, dev_config)
+    nodesets = {o["metadata"]["name"]: o["spec"] for o in by_kind(records, "NodeSet")}
+    h100 = nodesets["lab-h100"]
+    assert h100["scalingMode"] == "DaemonSet" and h100["controllerRef"] == {"name": "lab"}
+    assert h100["template"]["spec"]["nodeSelector"][contracts.LABEL_POOL] == "active"
+    assert h100["template"]["spec"]["nodeSelector"][contracts.LABEL_GPU_POOL] == "h100"
+    tolerated = {t["key"] for t in h100["template"]["spec"]["tolerations"]}
+    assert contracts.TAINT_STANDBY not in tolerated and contracts.TAINT_UNHEALTHY not in tolerated
+    assert h100["slurmd"]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert h100["extraConf"] == "Gres=gpu:h100:8 Features=h100"
+    # standby nodes are labelled standby and tainted; active ones are not tainted
+    patches = {o["metadata"]["name"]: o for o in by_kind(records, "Node")}
+    assert patches["gpu-h100-09"]["metadata"]["labels"][contracts.LABEL_POOL] == "standby"
+    assert patches["gpu-h100-09"]["spec"]["taints"] == [
+        {"key": contracts.TAINT_STANDBY, "value": "h100", "effect": "NoSchedule"}
+    ]
+    assert "spec" not in patches["gpu-h100-01"]
+    assert patches["gpu-h100-05"]["metadata"]["labels"][contracts.LABEL_FAILURE_DOMAIN] == "h100-fd1"
+
+
+def test_controller_turns_requeue_on_and_wires_the_agent_hooks(
+    run_mocked: Runner, dev_config: config.StackConfig
+) -> None:
+    records = _build(run_mocked, dev_config)
+    (ctl,) = by_kind(records, "Controller")
+    conf = ctl["spec"]["extraConf"].splitlines()
+    assert "JobRequeue=1" in conf and "KillWait=120" in conf
+    assert "HealthCheckProgram=/etc/fleetheal/slurm/healthcheck.sh" in conf
+    assert "PartitionName=large Nodes=lab-h100,lab-a100 MinNodes=4 MaxTime=UNLIMITED PriorityTier=2 State=UP" in conf
+    assert "PartitionName=small Nodes=lab-h100,lab-a100 MaxNodes=3 MaxTime=UNLIMITED Default=YES State=UP" in conf
+    cms = {o["metadata"]["name"]: o for o in by_kind(records, "ConfigMap")}
+    assert ctl["spec"]["prologScriptRefs"] == [{"name": "lab-fleetheal-prolog"}]
+    assert cms["lab-fleetheal-prolog"]["data"]["10-fleetheal-agent.sh"].startswith("#!/usr/bin/env bash")
+    assert contracts.AGENT_HEALTH_FILE in cms["lab-fleetheal-hooks"]["data"]["healthcheck.sh"]
+
+
+def test_prometheus_rule_is_the_taxonomy(run_mocked: Runner, dev_config: config.StackConfig) -> None:
+    (rule,) = by_kind(_build(run_mocked, dev_config), "PrometheusRule")
+    assert rule["spec"]["groups"] == generate.alert_rule_groups()
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert exprs and all(contracts.METRIC_FAULT_ACTIVE in e for e in exprs)
+
+
+def test_alertmanager_routes_to_the_remediator_with_the_secret_token(
+    run_mocked: Runner, dev_config: config.StackConfig
+) -> None:
+    records = _build(run_mocked, dev_config)
+    (amc,) = by_kind(records, "AlertmanagerConfig")
+    hook = amc["spec"]["receivers"][0]["webhookConfigs"][0]
+    assert hook["url"] == "http://fleetheal-remediator.fleetheal-system.svc.cluster.local:9105/alerts"
+    assert hook["httpConfig"]["authorization"]["credentials"] == {"name": "fleetheal-remediator-token", "key": "token"}
+    # no Secret is created from config when the token is not set: it must exist already
+    assert not [o for o in by_kind(records, "Secret") if o["metadata"]["name"] == "fleetheal-remediator-token"]
+
+
+def test_secrets_from_config_become_secrets(run_mocked: Runner, dev_values: dict[str, Any]) -> None:
+    cfg = config.from_values({**dev_values, "remediatorToken": "t" * 32, "slurmKey": "k" * 40})
+    records = _build(run_mocked, cfg)
+    secrets = {r.inputs["metadata"]["name"]: r for r in records if r.inputs.get("kind") == "Secret"}
+    assert secrets["fleetheal-remediator-token"].inputs["stringData"] == {"token": "t" * 32}
+    # Pulumi marks the whole stringData map secret; render redacts by these paths
+    assert secrets["fleetheal-remediator-token"].secret_paths == ("stringData",)
+    assert secrets["slurm-auth-slurm"].inputs["metadata"]["namespace"] == "slurm"
+
+
+def test_kueue_quotas_cohort_and_limits(
+    run_mocked: Runner, dev_config: config.StackConfig, k8s_schemas: SchemaSet
+) -> None:
+    records = _build(run_mocked, dev_config)
+    cqs = {o["metadata"]["name"]: o["spec"] for o in by_kind(records, "ClusterQueue")}
+    assert {s["cohortName"] for s in cqs.values()} == {"lab-gpu"}
+    # h100: 8 nodes x 8 GPUs = 64, 10% for Kueue = 6, 75% of that large = 4, small 2
+    large = {f["name"]: f["resources"][0] for f in cqs["lab-large"]["resourceGroups"][0]["flavors"]}
+    assert large["lab-h100"] == {"name": "nvidia.com/gpu", "nominalQuota": 4, "borrowingLimit": 2, "lendingLimit": 2}
+    small = {f["name"]: f["resources"][0] for f in cqs["lab-small"]["resourceGroups"][0]["flavors"]}
+    assert small["lab-h100"]["nominalQuota"] == 2
+    lqs = sorted((o["metadata"]["namespace"], o["spec"]["clusterQueue"]) for o in by_kind(records, "LocalQueue"))
+    assert lqs == [("inference", "lab-large"), ("inference", "lab-small"), ("ml", "lab-large"), ("ml", "lab-small")]
+    bad = dict(by_kind(records, "ClusterQueue")[0])
+    bad["spec"] = {**bad["spec"], "cohort": "v1beta1-name"}
+    assert any("cohort" in e for e in k8s_schemas.errors(bad))
+
+
+def test_optional_parts_can_be_switched_off(
+    run_mocked: Runner, dev_values: dict[str, Any], k8s_schemas: SchemaSet
+) -> None:
+    cfg = config.from_values(
+        {
+            **dev_values,
+            "dcgmExporter": False,
+            "kueue": False,
+            "accountingDatabase": False,
+            "accountingDbHost": "db.example.com",
+        }
+    )
+    records = _build(run_mocked, cfg)
+    assert_all_valid(k8s_schemas, records)
+    assert [o["metadata"]["name"] for o in by_kind(records, "DaemonSet")] == ["fleetheal-agent"]
+    assert not by_kind(records, "ClusterQueue") and not by_kind(records, "StatefulSet")
+    (acct,) = by_kind(records, "Accounting")
+    assert acct["spec"]["storageConfig"]["host"] == "db.example.com"
+
+
+def test_eks_provider_declares_node_groups_for_pools_and_standby(run_mocked: Runner, k8s_schemas: SchemaSet) -> None:
+    cfg = config.from_values(
+        {
+            "nodeProvider": "eks",
+            "eksClusterName": "prod",
+            "eksNodeRoleArn": "arn:aws:iam::1:role/nodes",
+            "eksSubnetIds": ["subnet-a", "subnet-b"],
+            "gpuPools": [
+                {"name": "p5", "gpuType": "h100", "gpusPerNode": 8, "nodes": 32, "instanceType": "p5.48xlarge"}
+            ],
+        }
+    )
+    records = _build(run_mocked, cfg)
+    assert_all_valid(k8s_schemas, records)
+    groups = {r.inputs["nodeGroupName"]: r.inputs for r in records if r.type == "aws:eks/nodeGroup:NodeGroup"}
+    assert set(groups) == {"p5-active", "p5-standby"}
+    assert groups["p5-active"]["scalingConfig"]["desiredSize"] == 32
+    assert groups["p5-standby"]["scalingConfig"]["desiredSize"] == 2  # 5% of 32, rounded up
+    assert groups["p5-standby"]["taints"] == [{"key": contracts.TAINT_STANDBY, "value": "p5", "effect": "NO_SCHEDULE"}]
+    assert groups["p5-standby"]["labels"][contracts.LABEL_POOL] == "standby"
+    # the remediator config lists no nodes (it learns them from labels)
+    cm = next(o for o in by_kind(records, "ConfigMap") if o["metadata"]["name"] == "fleetheal-remediator")
+    assert yaml.safe_load(cm["data"]["remediator.yaml"])["cluster"]["nodes"] == {}
+
+
+def test_helm_mode_registers_releases_with_chart_shaped_values(
+    run_mocked: Runner, dev_values: dict[str, Any], k8s_schemas: SchemaSet
+) -> None:
+    cfg = config.from_values({**dev_values, "slinkyMode": "helm"})
+    records = _build(run_mocked, cfg)
+    assert_all_valid(k8s_schemas, records)
+    assert not by_kind(records, "NodeSet") and not by_kind(records, "CustomResourceDefinition")
+    releases = {r.inputs["name"]: r.inputs for r in records if r.type == mocks.HELM_RELEASE}
+    assert set(releases) == {"slurm-operator-crds", "slurm-operator", "slurm"}
+    assert releases["slurm"]["version"] == "1.2.1"
+    values = releases["slurm"]["values"]
+    chart_defaults = yaml.safe_load((SCHEMAS / "slinky/helm/slurm/values.yaml").read_text())
+    # Every key fleetheal sets exists in the chart's values (map-typed sections are free-form).
+    free_form = {
+        "nodesets",
+        "loginsets",
+        "partitions",
+        "prologScripts",
+        "epilogScripts",
+        "configFiles",
+        "metadata",
+        "labels",
+        "annotations",
+        "resources",
+        "nodeSelector",
+        "secretRef",
+        "passwordKeyRef",
+    }
+
+    def walk(ours: dict[str, Any], theirs: dict[str, Any], path: str) -> None:
+        for k, v in ours.items():
+            assert k in theirs, f"{path}.{k} is not a slurm chart value"
+            if k in free_form or not isinstance(v, dict) or not isinstance(theirs[k], dict):
+                continue
+            walk(v, theirs[k], f"{path}.{k}")
+
+    walk(values, chart_defaults, "values")
+    for nodeset in values["nodesets"].values():
+        walk(nodeset, chart_defaults["nodesetDefaults"], "nodesetDefaults")
+    assert values["controller"]["extraConf"].splitlines()[0] == "JobRequeue=1"
+    operator_defaults = yaml.safe_load((SCHEMAS / "slinky/helm/slurm-operator/values.yaml").read_text())
+    walk(releases["slurm-operator"]["values"], operator_defaults, "operator")
+
+
+def test_vendored_crds_equal_the_released_ones() -> None:
+    shipped = {d["metadata"]["name"]: d for d in crd_documents()}
+    for name in CRD_FILES:
+        upstream = yaml.safe_load((SCHEMAS / "slinky/crds" / name).read_text())
+        assert shipped[upstream["metadata"]["name"]] == upstream, name
+    assert len(shipped) == len(list(Path(SCHEMAS / "slinky/crds").glob("*.yaml")))
