@@ -67,6 +67,9 @@ PLAYBOOK_VARS = (
     "fleetheal_dry_run",  # bool: report "would ...", change nothing
     "fleetheal_job_id",  # optional Slurm job id ("" when the fault is not tied to one job)
     "fleetheal_gpu",  # optional GPU index or "node"
+    # The safety gate's facts at its decision (playbooks/tasks/guard.yml refuses destructive runs without them):
+    "fleetheal_paused",  # bool: the pause switch was on (the gate holds paused incidents, so false when run)
+    "fleetheal_budget_remaining",  # int: isolations the budget allowed, this node's included (>= 1 when allowed)
 )
 
 #: Pool membership beyond active/standby: the GPU pool (Slinky NodeSet) and GPU type of a node.
