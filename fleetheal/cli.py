@@ -20,6 +20,7 @@ COMMANDS = (
     "fleetheal.agent.cli",
     "fleetheal.lab.cli",
     "fleetheal.infra.cli",
+    "fleetheal.remediator.cli",
 )
 
 

@@ -1,0 +1,267 @@
+"""The remediator's HTTP service (aiohttp).
+
+- `POST /webhook`: Alertmanager's webhook. Bearer token (else 401, nothing read), body size limit (413),
+  strict validation (400 with the reason), persist in SQLite, then 202; the work happens afterwards in
+  the engine. A payload mixing valid and invalid alerts is accepted for the valid ones (202, the body
+  lists the rejected ones); one without any valid alert is a 400.
+- `GET /healthz`: 200 while the database answers.
+- `GET /metrics`: Prometheus text format (see metrics.py).
+
+`Service` wires config, store, engine, runner and metrics together; `serve()` runs it until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import sqlite3
+import ssl
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from fleetheal import taxonomy as taxmod
+from fleetheal.remediator import alerts
+from fleetheal.remediator.config import Config, require_token
+from fleetheal.remediator.engine import Engine
+from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
+from fleetheal.remediator.runner import AnsibleRunner, Runner
+from fleetheal.remediator.store import Store, incident_ref
+
+log = logging.getLogger("fleetheal.remediator")
+
+WEBHOOK_PATH = "/webhook"
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any `extra` fields."""
+
+    _SKIP = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._SKIP:
+                doc[key] = value
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _error(status: int, reason: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": reason, **extra}, status=status)
+
+
+class Service:
+    def __init__(
+        self,
+        cfg: Config,
+        runner: Runner | None = None,
+        taxonomy: taxmod.Taxonomy | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self._token = require_token(cfg).encode()
+        self.taxonomy = taxonomy or taxmod.load()
+        self.store = Store(cfg.store.path, cfg.store.synchronous, clock)
+        self.metrics = Metrics(self.store)
+        self.ansible = runner is None
+        self.runner: Runner = runner if runner is not None else AnsibleRunner(cfg.runner, secrets=[cfg.token])
+        self.engine = Engine(cfg, self.store, self.runner, self.taxonomy, metrics=self.metrics, clock=clock)
+        self.metrics.attach_gate(self.engine.gate)
+
+    # --- the application -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.webhook.max_body_bytes, middlewares=[self._guard])
+        app.router.add_post(WEBHOOK_PATH, self.webhook)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        await self.engine.start()
+        if isinstance(self.runner, AnsibleRunner):
+            # Import ansible_runner in the background so the first alert does not pay for it.
+            asyncio.get_running_loop().run_in_executor(None, self.runner.warm_up)
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.engine.stop()
+        self.store.close()
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Count webhook responses; an unexpected error is logged and never leaks details."""
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except Exception:
+            log.exception("unhandled error", extra={"path": request.path})
+            return _error(500, "internal error")
+        finally:
+            if request.path == WEBHOOK_PATH:
+                self.metrics.webhook(status, time.perf_counter() - t0)
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        scheme, _, credentials = header.partition(" ")
+        if scheme.lower() != "bearer" or not credentials:
+            return False
+        return hmac.compare_digest(credentials.strip().encode("utf-8", "replace"), self._token)
+
+    async def webhook(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            log.warning("webhook: missing or wrong bearer token", extra={"peer": request.remote})
+            return web.json_response(
+                {"error": "missing or wrong bearer token"},
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="fleetheal-remediator"'},
+            )
+        limit = self.cfg.webhook.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return _error(413, f"body larger than {limit} bytes")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body larger than {limit} bytes")
+        try:
+            payload = alerts.parse_payload(body, self.cfg, self.taxonomy)
+        except alerts.PayloadError as exc:
+            log.info("webhook: malformed payload", extra={"reason": str(exc)})
+            return _error(400, str(exc))
+        except Exception:  # a validator bug must not become a 5xx or an action
+            log.exception("webhook: validator error")
+            return _error(400, "payload could not be validated")
+        rejected = [{"index": r.index, "reason": r.reason} for r in payload.rejected]
+        for r in payload.rejected:
+            log.warning("webhook: alert rejected", extra={"index": r.index, "reason": r.reason})
+        self.metrics.alerts("rejected", len(rejected))
+        if not payload.alerts:
+            return _error(400, "no valid alert in the payload", rejected=rejected)
+        if payload.truncated_alerts:
+            log.warning("webhook: Alertmanager truncated alerts", extra={"truncated": payload.truncated_alerts})
+        try:
+            result = self.store.ingest(payload.alerts)
+        except sqlite3.Error as exc:
+            log.error("webhook: cannot persist", extra={"error": str(exc)})
+            return _error(503, "cannot persist the alerts now; retry")
+        self.metrics.alerts("accepted", len(result.created))
+        self.metrics.alerts("duplicate", result.duplicates)
+        self.metrics.alerts("resolved", len(result.resolved))
+        self.metrics.alerts("resolved_unknown", result.resolved_unknown)
+        self.engine.submit(result.created)
+        self.engine.resolved(result.resolved)
+        return web.json_response(
+            {
+                "created": [incident_ref(i) for i in result.created],
+                "duplicates": result.duplicates,
+                "resolved": [incident_ref(i) for i in result.resolved],
+                "resolved_unknown": result.resolved_unknown,
+                "rejected": rejected,
+            },
+            status=202,
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        try:
+            unfinished = len(self.store.unfinished())
+            held = self.store.held_count()
+        except sqlite3.Error as exc:
+            return _error(503, f"database: {exc}")
+        return web.json_response(
+            {
+                "status": "ok",
+                "cluster": self.cfg.cluster.name,
+                "unfinished_incidents": unfinished,
+                "queue_depth": held,
+                "breaker_open": self.engine.gate.breaker_open(),
+                "paused": self.cfg.paused(),
+                "observe_only": self.cfg.gate.observe_only,
+                "dry_run": self.cfg.gate.dry_run,
+            }
+        )
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, self.metrics.render)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def process_age() -> float | None:
+    """Seconds since this process was started (exec), from /proc; None where /proc is missing."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return round(time.time() - (btime + ticks / os.sysconf("SC_CLK_TCK")), 3)
+
+
+def ssl_context(cfg: Config) -> ssl.SSLContext | None:
+    if not cfg.listen.tls_cert_file or not cfg.listen.tls_key_file:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cfg.listen.tls_cert_file, cfg.listen.tls_key_file)
+    return ctx
+
+
+async def run_service(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; `ready` gets the URL once the socket listens."""
+    service = Service(cfg)
+    runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, ssl_context=ssl_context(cfg))
+    await site.start()
+    scheme = "https" if cfg.listen.tls_cert_file else "http"
+    addresses = runner.addresses  # the bound (host, port): the real port when listen.port is 0
+    port = addresses[0][1] if addresses else cfg.listen.port
+    url = f"{scheme}://{cfg.listen.host}:{port}"
+    log.info(
+        "remediator listening",
+        extra={"url": url, "cluster": cfg.cluster.name, "config": cfg.source, "startup_s": process_age()},
+    )
+    if ready is not None:
+        ready(url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("remediator stopping")
+        await runner.cleanup()

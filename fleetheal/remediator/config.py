@@ -1,0 +1,378 @@
+"""The remediator's configuration: one YAML file plus environment overrides, parsed once.
+
+Every key has a documented default (docs/remediator.md lists them all; `example.yaml` next to this
+module is a complete file). An environment variable `FLEETHEAL_REMEDIATOR_<SECTION>_<KEY>` overrides a
+scalar key, e.g. `FLEETHEAL_REMEDIATOR_GATE_DRY_RUN=true` or
+`FLEETHEAL_REMEDIATOR_GATE_BUDGET_MAX_ISOLATED=4`.
+
+The bearer token comes from `FLEETHEAL_REMEDIATOR_TOKEN` or from the file `auth.token_file`; it is kept
+out of `repr()` and is never logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+ENV_PREFIX = "FLEETHEAL_REMEDIATOR_"
+TOKEN_ENV = ENV_PREFIX + "TOKEN"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+DEFAULT_CONFIG_PATH = "/etc/fleetheal/remediator.yaml"
+#: Shortest bearer token the service accepts (a guessable token is no authentication).
+MIN_TOKEN_LENGTH = 16
+
+#: Kubernetes node names are RFC 1123 subdomains (Slurm node names in fleetheal are the same names).
+_RFC1123_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+RFC1123_NAME = re.compile(rf"(?:{_RFC1123_LABEL}\.)*{_RFC1123_LABEL}")
+_DOMAIN_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and what it accepts."""
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def is_node_name(name: str) -> bool:
+    """True for an RFC 1123 subdomain name of at most 253 characters."""
+    return len(name) <= 253 and RFC1123_NAME.fullmatch(name) is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    #: Cluster name; alerts must carry it in their `cluster` label (Prometheus external label).
+    name: str = "default"
+    #: Node name -> failure domain (the node's fleetheal.io/failure-domain label, e.g. a rack or leaf
+    #: switch). Only these nodes are ever acted on.
+    nodes: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+    def domain_of(self, node: str) -> str:
+        return self.nodes[node]
+
+    def domains(self) -> dict[str, int]:
+        """Failure domain -> number of nodes in it."""
+        sizes: dict[str, int] = {}
+        for domain in self.nodes.values():
+            sizes[domain] = sizes.get(domain, 0) + 1
+        return sizes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListenConfig:
+    host: str = "127.0.0.1"
+    port: int = 9105
+    #: PEM certificate and key; both set -> HTTPS.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AuthConfig:
+    #: File holding the bearer token (first line). FLEETHEAL_REMEDIATOR_TOKEN wins over it.
+    token_file: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebhookConfig:
+    #: Largest request body accepted; larger -> 413.
+    max_body_bytes: int = 1_048_576
+    #: Most alerts in one payload; more -> 400.
+    max_alerts: int = 1000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreConfig:
+    #: SQLite database (WAL mode).
+    path: str = "/var/lib/fleetheal/remediator.sqlite"
+    #: SQLite `synchronous`: FULL makes a 202 survive power loss, NORMAL only a process crash.
+    synchronous: str = "FULL"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    #: Directory of the remediation playbooks (taxonomy action -> playbook file name).
+    playbook_dir: str = dataclasses.field(default_factory=lambda: str(_repo_root() / "playbooks"))
+    #: Roles path given to Ansible (the repository's roles/ when it exists).
+    roles_path: str | None = dataclasses.field(
+        default_factory=lambda: str(_repo_root() / "roles") if (_repo_root() / "roles").is_dir() else None
+    )
+    #: Parent of the private run directories (one per step attempt).
+    run_dir: str = "/var/lib/fleetheal/runs"
+    #: Inventory file or directory; unset -> a private inventory with only localhost (local connection).
+    inventory: str | None = None
+    #: ansible.cfg for the runs (ANSIBLE_CONFIG); unset -> Ansible's defaults.
+    ansible_cfg: str | None = None
+    #: Seconds before a playbook run is killed and counted as a timeout.
+    timeout_s: int = 900
+    #: Extra attempts for a failed or timed-out step (remediation playbooks are idempotent).
+    retries: int = 2
+    #: First retry delay; doubles each attempt.
+    backoff_s: float = 5.0
+    #: Playbooks running at once.
+    max_concurrent: int = 4
+    #: Names of environment variables handed to Ansible; everything else (secrets) stays out.
+    env_passthrough: tuple[str, ...] = (
+        "PATH",
+        "HOME",
+        "LANG",
+        "LC_ALL",
+        "TZ",
+        "TMPDIR",
+        "KUBECONFIG",
+        "SLURM_CONF",
+        "ANSIBLE_COLLECTIONS_PATH",
+    )
+    #: Extra environment for Ansible (non-secret values such as paths).
+    envvars: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BudgetConfig:
+    #: Nodes isolated at once in the whole cluster (absolute cap).
+    max_isolated: int = 8
+    #: ... and as a share of the pool (rounded down, at least 1).
+    max_isolated_fraction: float = 0.05
+    #: Nodes isolated at once in one failure domain (absolute cap).
+    max_isolated_per_domain: int = 2
+    #: ... and as a share of the domain (rounded down, at least 1).
+    max_isolated_fraction_per_domain: float = 0.25
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    #: Distinct nodes asking for isolation within `window_s` that count as a storm (breaker opens).
+    storm_nodes: int = 10
+    window_s: float = 60.0
+    #: Seconds without a new isolation request before an open breaker closes by itself.
+    quiet_s: float = 300.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LemonConfig:
+    #: Isolations of one node within `window_s` that make it a lemon: quarantined for good.
+    threshold: int = 3
+    window_s: float = 7 * 24 * 3600.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GateConfig:
+    #: Record every decision, run no playbook.
+    observe_only: bool = False
+    #: Run playbooks with fleetheal_dry_run=true; the gate records "would isolate".
+    dry_run: bool = False
+    #: Hold every incident at the gate (queued, not dropped) while true or while `pause_file` exists.
+    paused: bool = False
+    pause_file: str | None = None
+    #: How often held incidents are re-examined and the breaker's quiet window is checked.
+    recheck_interval_s: float = 1.0
+    #: Requeues of one Slurm job (label job_id) fleetheal performs before it stops requeueing it.
+    max_requeues_per_job: int = 3
+    budget: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
+    breaker: BreakerConfig = dataclasses.field(default_factory=BreakerConfig)
+    lemon: LemonConfig = dataclasses.field(default_factory=LemonConfig)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    listen: ListenConfig = dataclasses.field(default_factory=ListenConfig)
+    auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
+    webhook: WebhookConfig = dataclasses.field(default_factory=WebhookConfig)
+    store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+    runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
+    gate: GateConfig = dataclasses.field(default_factory=GateConfig)
+    #: The bearer token (never printed: repr=False).
+    token: str = dataclasses.field(default="", repr=False, compare=False)
+    #: Why the token could not be read (reported when the service starts).
+    token_problem: str = ""
+    #: Where the file came from (for messages).
+    source: str = "<defaults>"
+
+    def paused(self) -> bool:
+        """True while the pause switch is on (config key or the pause file)."""
+        return self.gate.paused or (self.gate.pause_file is not None and os.path.exists(self.gate.pause_file))
+
+
+# --- parsing -------------------------------------------------------------------------------------------
+
+_SECTIONS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "listen": ListenConfig,
+    "auth": AuthConfig,
+    "webhook": WebhookConfig,
+    "store": StoreConfig,
+    "runner": RunnerConfig,
+    "gate": GateConfig,
+}
+
+
+def _convert(where: str, hint: Any, value: Any) -> Any:
+    """`value` as the type `hint` names, or ConfigError naming `where`."""
+    text = str(hint)
+    optional = "None" in text
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: must not be empty")
+    if hint is bool or text.startswith("bool"):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if hint is int or text.startswith("int"):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if hint is float or text.startswith("float"):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if hint is str or text.startswith("str"):
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if text.startswith("tuple"):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if text.startswith("collections.abc.Mapping") or text.startswith("Mapping"):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return types.MappingProxyType({str(k): "" if v is None else str(v) for k, v in value.items()})
+    raise ConfigError(f"{where}: unsupported type {hint}")  # pragma: no cover - a bug in this module
+
+
+def _build(cls: type, where: str, raw: Any, env: Mapping[str, str]) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(fields))})")
+    kwargs: dict[str, Any] = {}
+    for name in fields:
+        key = f"{where}.{name}"
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, key, raw.get(name), env)  # type: ignore[arg-type]
+            continue
+        env_name = ENV_PREFIX + key.upper().replace(".", "_")
+        if env_name in env:
+            kwargs[name] = _convert(f"{key} (from {env_name})", hint, env[env_name])
+        elif name in raw:
+            kwargs[name] = _convert(key, hint, raw[name])
+    return cls(**kwargs)
+
+
+def _read_token(auth: AuthConfig, env: Mapping[str, str]) -> tuple[str, str]:
+    """(token, problem): commands that only read the database do not need the token to be readable."""
+    token = env.get(TOKEN_ENV, "")
+    if not token and auth.token_file:
+        try:
+            with open(auth.token_file, encoding="utf-8") as f:
+                token = f.readline()
+        except OSError as exc:
+            return "", f"auth.token_file: cannot read {auth.token_file}: {exc.strerror}"
+    return token.strip(), ""
+
+
+def _check(cfg: Config) -> None:
+    c = cfg.cluster
+    if not _DOMAIN_NAME.fullmatch(c.name):
+        raise ConfigError(f"cluster.name: {c.name!r} is not a simple name (letters, digits, '.', '_', '-')")
+    if not c.nodes:
+        raise ConfigError("cluster.nodes: list the cluster's nodes (node name -> failure domain)")
+    for node, domain in c.nodes.items():
+        if not is_node_name(node):
+            raise ConfigError(f"cluster.nodes: {node!r} is not an RFC 1123 node name")
+        if not _DOMAIN_NAME.fullmatch(domain):
+            raise ConfigError(f"cluster.nodes.{node}: failure domain {domain!r} is not a simple name")
+    if not 0 <= cfg.listen.port < 65536:
+        raise ConfigError(f"listen.port: {cfg.listen.port} is not a TCP port")
+    if (cfg.listen.tls_cert_file is None) != (cfg.listen.tls_key_file is None):
+        raise ConfigError("listen.tls_cert_file and listen.tls_key_file: set both for TLS, or neither")
+    if cfg.webhook.max_body_bytes < 1024 or cfg.webhook.max_alerts < 1:
+        raise ConfigError("webhook: max_body_bytes must be >= 1024 and max_alerts >= 1")
+    if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
+        raise ConfigError(f"store.synchronous: {cfg.store.synchronous!r} is not one of FULL, NORMAL, EXTRA")
+    r = cfg.runner
+    if r.timeout_s < 1 or r.retries < 0 or r.backoff_s < 0 or r.max_concurrent < 1:
+        raise ConfigError("runner: timeout_s >= 1, retries >= 0, backoff_s >= 0 and max_concurrent >= 1 are required")
+    for name in (*r.env_passthrough, *r.envvars):
+        if not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"runner: {name!r} is not an environment variable name")
+    g = cfg.gate
+    b = g.budget
+    if b.max_isolated < 0 or b.max_isolated_per_domain < 0:
+        raise ConfigError("gate.budget: the absolute caps must be >= 0")
+    for key in ("max_isolated_fraction", "max_isolated_fraction_per_domain"):
+        if not 0.0 <= getattr(b, key) <= 1.0:
+            raise ConfigError(f"gate.budget.{key}: must be between 0 and 1")
+    if g.breaker.storm_nodes < 1 or g.breaker.window_s <= 0 or g.breaker.quiet_s < 0:
+        raise ConfigError("gate.breaker: storm_nodes >= 1, window_s > 0 and quiet_s >= 0 are required")
+    if g.lemon.threshold < 1 or g.lemon.window_s <= 0:
+        raise ConfigError("gate.lemon: threshold >= 1 and window_s > 0 are required")
+    if g.max_requeues_per_job < 0 or g.recheck_interval_s <= 0:
+        raise ConfigError("gate: max_requeues_per_job >= 0 and recheck_interval_s > 0 are required")
+
+
+def from_mapping(doc: Any, env: Mapping[str, str] | None = None, source: str = "<mapping>") -> Config:
+    """A Config from a parsed YAML document and environment overrides (os.environ by default)."""
+    env = os.environ if env is None else env
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    unknown = sorted(set(doc) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown section {unknown[0]!r} (known: {', '.join(_SECTIONS)})")
+    sections = {name: _build(cls, name, doc.get(name), env) for name, cls in _SECTIONS.items()}
+    token, problem = _read_token(sections["auth"], env)
+    cfg = Config(**sections, token=token, token_problem=problem, source=source)
+    _check(cfg)
+    return cfg
+
+
+def load(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
+    """Read and check a configuration file; raises ConfigError with the key at fault."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return from_mapping(doc, env, source=str(path))
+
+
+def require_token(cfg: Config) -> str:
+    """The token the service needs to start; ConfigError when missing or too short."""
+    if cfg.token_problem:
+        raise ConfigError(cfg.token_problem)
+    if len(cfg.token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"auth: set {TOKEN_ENV} or auth.token_file to a bearer token of at least {MIN_TOKEN_LENGTH} characters"
+        )
+    return cfg.token

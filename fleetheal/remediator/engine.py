@@ -1,0 +1,386 @@
+"""The incident state machine: received -> classified -> gated -> acting -> done | failed.
+
+Every transition is persisted before the next step starts, and each step is a row with start, end and
+result, so after a crash (SIGKILL) at any point `Engine.start()` resumes every unfinished incident:
+
+- received:   classify again (pure, cheap);
+- classified: ask the gate (a held incident waits in this state; the tick looks at it again);
+- gated:      start acting;
+- acting:     a playbook attempt with no end was interrupted: whatever still runs of it is killed, the
+              attempt is recorded as `interrupted`, and a new attempt starts. A finished attempt is never
+              run again; a successful one ends the incident.
+
+Failed or timed-out attempts are retried `runner.retries` times with exponential backoff (remediation
+playbooks are idempotent). Interrupted attempts (crash, shutdown) do not count as failures, but more
+than MAX_INTERRUPTIONS of them fail the incident rather than loop forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fleetheal import taxonomy as taxmod
+from fleetheal.remediator.config import Config
+from fleetheal.remediator.gate import Gate, Verdict
+from fleetheal.remediator.metrics import Metrics
+from fleetheal.remediator.runner import (
+    Runner,
+    RunnerEvent,
+    RunnerInputError,
+    StepOutcome,
+    StepRequest,
+    kill_leftovers,
+    process_start_time,
+    run_dir_for,
+)
+from fleetheal.remediator.store import TERMINAL, Incident, Step, Store
+
+log = logging.getLogger("fleetheal.remediator.engine")
+
+MAX_INTERRUPTIONS = 5
+PLAYBOOK_STEP = "playbook"
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        runner: Runner,
+        taxonomy: taxmod.Taxonomy | None = None,
+        *,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.runner = runner
+        self.taxonomy = taxonomy or taxmod.load()
+        self.metrics = metrics
+        self.clock = clock
+        self._sleep = sleep
+        self.gate = Gate(cfg, store, self.taxonomy, clock)
+        self._queue: asyncio.Queue[int] = asyncio.Queue()
+        self._queued: set[int] = set()
+        self._inflight: set[int] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._executor = ThreadPoolExecutor(max_workers=cfg.runner.max_concurrent, thread_name_prefix="playbook")
+        self._cancel = threading.Event()
+        self._stopping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self, workers: int = 16) -> None:
+        """Resume unfinished incidents, then start the workers and the gate's tick."""
+        resumed = [inc.id for inc in self.store.unfinished() if inc.hold_reason is None]
+        if resumed:
+            log.info("resuming unfinished incidents", extra={"count": len(resumed)})
+        self.submit(resumed)
+        self._tasks = [asyncio.create_task(self._worker(), name=f"engine-worker-{i}") for i in range(workers)]
+        self._tasks.append(asyncio.create_task(self._ticker(), name="engine-tick"))
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop taking work; running playbooks get `grace_s` to finish, then are canceled (resumed later)."""
+        self._stopping = True
+        for task in self._tasks:
+            if task.get_name() == "engine-tick":
+                task.cancel()
+        deadline = time.monotonic() + grace_s
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._cancel.set()  # runners kill their playbook; the attempt is recorded as interrupted
+        deadline = time.monotonic() + 5.0
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, incident_ids: Iterable[int]) -> None:
+        for iid in incident_ids:
+            if iid not in self._queued:
+                self._queued.add(iid)
+                self._idle.clear()
+                self._queue.put_nowait(iid)
+
+    def resolved(self, incident_ids: Iterable[int]) -> None:
+        """Alerts resolved: release finished isolations; held incidents are looked at again at once."""
+        for iid in incident_ids:
+            inc = self.store.get(iid)
+            if inc is None:
+                continue
+            if inc.state in TERMINAL:
+                self.gate.maybe_release(inc.node)
+            elif inc.hold_reason is not None:
+                self.submit([iid])
+
+    def queue_depth(self) -> int:
+        return self.store.held_count()
+
+    async def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until no incident is queued or being worked on (held ones wait at the gate). For tests."""
+        await asyncio.wait_for(self._idle.wait(), timeout)
+
+    # --- loops -----------------------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            iid = await self._queue.get()
+            self._queued.discard(iid)
+            if self._stopping:
+                return
+            if iid in self._inflight:
+                continue
+            self._inflight.add(iid)
+            try:
+                await self._drive(iid)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("incident processing failed", extra={"incident": iid})
+                self._fail(iid, "internal error while processing (see the remediator log)")
+            finally:
+                self._inflight.discard(iid)
+                if not self._inflight and not self._queued:
+                    self._idle.set()
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.gate.recheck_interval_s)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("gate tick failed")
+
+    def tick(self) -> None:
+        """Close a quiet breaker and put held incidents back in the queue, oldest first."""
+        self.gate.tick()
+        self.submit(inc.id for inc in self.store.held() if inc.id not in self._inflight)
+
+    # --- the state machine ------------------------------------------------------------------------------
+
+    async def _drive(self, iid: int) -> None:
+        inc = self.store.get(iid)
+        while inc is not None and inc.state not in TERMINAL and not self._stopping:
+            if inc.state == "received":
+                self._classify(inc)
+            elif inc.state == "classified":
+                if not self._gate(inc):
+                    return  # held
+            elif inc.state == "gated":
+                self.store.set_state(iid, "acting")
+            elif inc.state == "acting":
+                await self._act(inc)
+            inc = self.store.get(iid)
+        if inc is not None and inc.resolved_at is not None:
+            self.gate.maybe_release(inc.node)
+
+    def _classify(self, inc: Incident) -> None:
+        step = self.store.start_step(inc.id, "classify")
+        t0 = self.clock()
+        fault = self.taxonomy.faults.get(inc.fault_id)
+        if fault is None or fault.action != inc.action or inc.node not in self.cfg.cluster.nodes:
+            # The taxonomy or the cluster changed since the alert was accepted: never act on stale input.
+            detail = f"{inc.fault_id} -> {inc.action} on {inc.node} is no longer valid (taxonomy or cluster changed)"
+            self.store.end_step(step, "rejected", detail, (inc.id, "failed", {"outcome": detail}))
+            self._finished(inc, "failed")
+            return
+        action = self.taxonomy.actions[fault.action]
+        kind = "destructive" if action.destructive else "non-destructive"
+        detail = f"{fault.id} ({fault.name}): class {fault.fault_class}, action {fault.action} ({kind})"
+        self.store.end_step(step, "ok", detail, (inc.id, "classified", {}))
+        self._observe_step("classify", inc.action, "ok", self.clock() - t0)
+
+    def _gate(self, inc: Incident) -> bool:
+        """Ask the gate; False when the incident is held (stays classified)."""
+        steps = [s for s in self.store.steps(inc.id) if s.name == "gate"]
+        open_step = next((s for s in reversed(steps) if s.ended_at is None), None)
+        first = not steps
+        step_id = open_step.id if open_step else self.store.start_step(inc.id, "gate")
+        verdict = self.gate.evaluate(inc, first=first)
+        facts = self.gate.facts(inc)
+        if verdict.kind == "hold":
+            previous = (inc.hold_reason or "").split(":", 1)[0]
+            if previous != verdict.reason_kind:
+                self._count_decision(verdict)
+                self.store.audit("hold", verdict.reason, inc.id, node=inc.node, action=inc.action, facts=facts)
+                self.store.add_event(inc.id, "held", verdict.reason, step_id)
+            self.store.set_hold(inc.id, f"{verdict.reason_kind}: {verdict.reason}")
+            return False
+        self._count_decision(verdict)
+        if verdict.kind == "deny":
+            self.store.record_decision(
+                inc, "done", verdict.decision, verdict.reason, facts, outcome=verdict.reason, step_id=step_id
+            )
+            self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
+            self._finished(inc, "done")
+            return True
+        domain = self.cfg.cluster.domain_of(inc.node) if verdict.isolate else None
+        self.store.record_decision(
+            inc,
+            "gated",
+            verdict.decision,
+            verdict.reason,
+            facts,
+            isolate_domain=domain,
+            count_isolation=verdict.isolate,
+            quarantine=verdict.quarantine,
+            requeue_job=verdict.run_job_id or None,
+            run_job_id=verdict.run_job_id,
+            dry_run=verdict.dry_run,
+            budget_remaining=verdict.budget_remaining,
+            step_id=step_id,
+        )
+        self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
+        return True
+
+    async def _act(self, inc: Incident) -> None:
+        attempts = [s for s in self.store.steps(inc.id) if s.name == PLAYBOOK_STEP]
+        for s in attempts:
+            if s.ended_at is None:
+                await self._interrupted(s)
+        attempts = [s for s in self.store.steps(inc.id) if s.name == PLAYBOOK_STEP]
+        if any(s.result == "successful" for s in attempts):
+            self.store.set_state(inc.id, "done", outcome=self._outcome(inc, "successful"))
+            self._finished(inc, "done")
+            return
+        failures = sum(1 for s in attempts if s.result not in ("interrupted", "successful"))
+        interruptions = sum(1 for s in attempts if s.result == "interrupted")
+        if failures > self.cfg.runner.retries or interruptions > MAX_INTERRUPTIONS:
+            why = "retries exhausted" if failures > self.cfg.runner.retries else "interrupted too often"
+            self.store.set_state(inc.id, "failed", outcome=f"playbook failed: {why} after {len(attempts)} attempts")
+            self._finished(inc, "failed")
+            return
+        if failures:
+            delay = self.cfg.runner.backoff_s * 2 ** (failures - 1)
+            self.store.add_event(inc.id, "backoff", f"retry in {delay:g} s (attempt {len(attempts) + 1})")
+            await self._sleep(delay)
+        await self._run_attempt(inc, len(attempts) + 1)
+
+    async def _interrupted(self, step: Step) -> None:
+        loop = asyncio.get_running_loop()
+        left = await loop.run_in_executor(None, kill_leftovers, step.run_dir or "")
+        detail = "interrupted (remediator stopped during the run); leftover processes killed"
+        if left:
+            detail += f", still alive: {left}"
+        self.store.end_step(step.id, "interrupted", detail)
+        self.store.add_event(step.incident_id, "interrupted", detail, step.id)
+
+    async def _run_attempt(self, inc: Incident, attempt: int) -> None:
+        playbook = self.taxonomy.actions[inc.action].playbook
+        step_id = self.store.start_step(inc.id, PLAYBOOK_STEP, attempt, detail=playbook)
+        request = StepRequest(
+            incident_id=inc.id,
+            step_id=step_id,
+            attempt=attempt,
+            action=inc.action,
+            playbook=playbook,
+            extravars={
+                "fleetheal_incident_id": inc.ref,
+                "fleetheal_node": inc.node,
+                "fleetheal_fault_id": inc.fault_id,
+                "fleetheal_fault_class": inc.fault_class,
+                "fleetheal_action": inc.action,
+                "fleetheal_cluster": inc.cluster,
+                "fleetheal_dry_run": bool(inc.dry_run),
+                "fleetheal_job_id": inc.run_job_id or "",
+                "fleetheal_gpu": inc.gpu,
+                # The gate's facts at its decision (a paused gate holds incidents, so this is false here).
+                "fleetheal_paused": False,
+                "fleetheal_budget_remaining": inc.budget_remaining,
+            },
+        )
+        self.store.set_step_run_dir(step_id, str(run_dir_for(self.cfg.runner.run_dir, request)))
+        started = self.clock()
+        first_start: list[float] = []
+
+        def on_event(event: RunnerEvent) -> None:
+            if event.kind == "process" and event.pid is not None:
+                self.store.set_step_process(step_id, event.pid, process_start_time(event.pid))
+            if event.kind == "playbook_start" and not first_start:
+                first_start.append(self.clock())
+                if self.metrics is not None:
+                    self.metrics.playbook_started(inc, first_start[0])
+            self.store.add_event(inc.id, event.kind, event.detail, step_id)
+
+        loop = asyncio.get_running_loop()
+        try:
+            outcome = await loop.run_in_executor(
+                self._executor, self.runner.run, request, on_event, self._cancel.is_set
+            )
+        except RunnerInputError as exc:
+            detail = f"{playbook}: refused to run: {exc}"
+            self.store.end_step(step_id, "error", detail, (inc.id, "failed", {"outcome": detail}))
+            self._observe_step(PLAYBOOK_STEP, inc.action, "error", self.clock() - started)
+            self._finished(inc, "failed")
+            return
+        except Exception as exc:
+            log.exception("playbook run raised", extra={"incident": inc.ref})
+            outcome = StepOutcome("error", None, f"runner error: {type(exc).__name__}: {str(exc)[:200]}")
+        if outcome.status == "canceled" and self._cancel.is_set():
+            self.store.end_step(step_id, "interrupted", f"{playbook}: canceled at shutdown; resumed at the next start")
+            return
+        self._observe_step(PLAYBOOK_STEP, inc.action, outcome.status, self.clock() - started)
+        detail = f"{playbook}: {outcome.detail}"
+        if outcome.ok:
+            self.store.end_step(
+                step_id, "successful", detail, (inc.id, "done", {"outcome": self._outcome(inc, "successful")})
+            )
+            self._finished(inc, "done")
+        else:
+            self.store.end_step(step_id, outcome.status, detail)
+
+    # --- helpers ---------------------------------------------------------------------------------------
+
+    def _outcome(self, inc: Incident, status: str) -> str:
+        fresh = self.store.get(inc.id) or inc
+        word = "would run" if fresh.dry_run else "ran"
+        return f"{word} {self.taxonomy.actions[inc.action].playbook} for {inc.action} on {inc.node}: {status}"
+
+    def _since(self, step_id: int) -> float:
+        step = self.store.step(step_id)
+        if step is None:
+            return 0.0
+        return max(0.0, (step.ended_at or self.clock()) - step.started_at)
+
+    def _fail(self, iid: int, why: str) -> None:
+        inc = self.store.get(iid)
+        if inc is not None and inc.state not in TERMINAL:
+            self.store.set_state(iid, "failed", outcome=why)
+            self._finished(inc, "failed")
+
+    def _finished(self, inc: Incident, state: str) -> None:
+        fresh = self.store.get(inc.id) or inc
+        log.info(
+            "incident finished",
+            extra={
+                "incident": inc.ref,
+                "state": state,
+                "node": inc.node,
+                "action": inc.action,
+                "outcome": fresh.outcome,
+            },
+        )
+        if self.metrics is not None:
+            self.metrics.incident_finished(fresh, self.clock())
+
+    def _observe_step(self, step: str, action: str, result: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.step(step, action, result, seconds)
+
+    def _count_decision(self, verdict: Verdict) -> None:
+        if self.metrics is not None:
+            self.metrics.decision(verdict.decision, verdict.reason_kind)

@@ -1,0 +1,295 @@
+"""The one safety gate every remediation passes before a playbook runs.
+
+A decision is one of
+- **allow**: run the playbook (in dry-run mode the audit says "would isolate" and the playbook gets
+  fleetheal_dry_run=true);
+- **hold**: keep the incident queued and look again later (pause switch, open circuit breaker, isolation
+  budget used up) -- a held incident is never dropped;
+- **deny**: finish the incident without running anything (observe-only mode, quarantined node, job over
+  its retry limit, alert resolved before anything ran).
+
+Rules, in order:
+1. observe-only mode: record what would run, run nothing;
+2. pause switch: hold everything;
+3. alert already resolved: nothing to do;
+4. quarantined node (a lemon): nothing runs on it until a human releases it;
+5. non-destructive actions: allowed, but a job is requeued at most `max_requeues_per_job` times;
+6. destructive actions (taxonomy `destructive: true`) on a node not yet isolated:
+   the request counts towards the storm detector; while the circuit breaker is open they are held;
+   the isolation budget (absolute and as a share of the pool, cluster-wide and per failure domain) holds
+   what does not fit; the node's N-th isolation within the lemon window quarantines it for good.
+   A node that is already isolated costs no further budget.
+
+Every final decision, every change of hold reason and every breaker transition is written to the audit
+table together with the numbers it was based on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fleetheal.remediator.config import Config
+from fleetheal.remediator.store import Incident, Store, incident_ref
+from fleetheal.taxonomy import Taxonomy
+
+#: Actions whose playbook requeues the affected Slurm job (see the taxonomy's action descriptions);
+#: the per-job retry limit applies to them.
+REQUEUE_ACTIONS = frozenset({"ISOLATE_AND_RELOCATE", "RESET_GPU", "RESTART_IN_PLACE"})
+
+_BREAKER_KEY = "breaker_open_since"
+
+#: Low-cardinality reasons (metric label values).
+REASONS = (
+    "ok",
+    "already_isolated",
+    "budget",
+    "breaker",
+    "paused",
+    "observe_only",
+    "quarantined",
+    "lemon",
+    "retry_limit",
+    "resolved",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: str  # allow | hold | deny
+    decision: str  # what the audit records: allow, would_isolate, would_run, hold, observe, deny
+    reason_kind: str  # one of REASONS
+    reason: str  # for humans
+    run_job_id: str = ""  # the job id the playbook may requeue ("" = none)
+    dry_run: bool = False
+    isolate: bool = False
+    quarantine: bool = False
+    budget_remaining: int = 0  # isolations the budget allows, this node's included (a fact for the playbook)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    pool: int
+    isolated: int
+    limit: int
+    domains: dict[str, tuple[int, int, int]]  # domain -> (pool, isolated, limit)
+
+
+def _limit(absolute: int, fraction: float, size: int) -> int:
+    """The smaller of the absolute cap and the share of `size` (rounded down, at least 1)."""
+    share = max(1, math.floor(fraction * size)) if size else 0
+    return min(absolute, share)
+
+
+class Gate:
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        taxonomy: Taxonomy,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.taxonomy = taxonomy
+        self.clock = clock
+        self._pool = cfg.cluster.domains()
+
+    # --- state ------------------------------------------------------------------------------------------
+
+    def breaker_open(self) -> bool:
+        return self.store.kv_get(_BREAKER_KEY) is not None
+
+    def budget(self) -> BudgetState:
+        b = self.cfg.gate.budget
+        isolations = self.store.isolations()
+        per_domain: dict[str, int] = dict.fromkeys(self._pool, 0)
+        for iso in isolations.values():
+            per_domain[iso.domain] = per_domain.get(iso.domain, 0) + 1
+        pool = len(self.cfg.cluster.nodes)
+        domains = {
+            d: (size, per_domain.get(d, 0), _limit(b.max_isolated_per_domain, b.max_isolated_fraction_per_domain, size))
+            for d, size in self._pool.items()
+        }
+        return BudgetState(pool, len(isolations), _limit(b.max_isolated, b.max_isolated_fraction, pool), domains)
+
+    def remaining(self, node: str) -> int:
+        """Isolations the budget allows now with `node`'s own slot counted free (cluster and domain)."""
+        budget = self.budget()
+        isolations = self.store.isolations()
+        domain = self.cfg.cluster.domain_of(node)
+        _, dused, dlimit = budget.domains[domain]
+        mine = 1 if node in isolations else 0
+        return max(0, min(budget.limit - (budget.isolated - mine), dlimit - (dused - mine)))
+
+    def quarantined(self) -> int:
+        return sum(1 for iso in self.store.isolations().values() if iso.quarantined)
+
+    # --- the breaker ------------------------------------------------------------------------------------
+
+    def _arrival(self, incident: Incident) -> None:
+        """A destructive request for a node not yet isolated: count it and open the breaker on a storm."""
+        br = self.cfg.gate.breaker
+        now = self.clock()
+        self.store.record_arrival(incident.node, incident.id, prune_before=now - max(br.window_s, br.quiet_s) - 1)
+        nodes = self.store.storm_nodes(now - br.window_s)
+        if nodes > br.storm_nodes and not self.breaker_open():
+            self.store.kv_set(_BREAKER_KEY, repr(now))
+            self.store.audit(
+                "breaker_open",
+                f"storm: {nodes} nodes asked for isolation within {br.window_s:g} s (more than {br.storm_nodes}); "
+                "new isolations are held until it is quiet",
+                incident.id,
+                node=incident.node,
+                action=incident.action,
+                facts={"nodes_in_window": nodes, "storm_nodes": br.storm_nodes, "window_s": br.window_s},
+            )
+
+    def tick(self) -> bool:
+        """Close the breaker after its quiet window; True when it closed."""
+        if not self.breaker_open():
+            return False
+        last = self.store.last_storm_arrival()
+        now = self.clock()
+        quiet = self.cfg.gate.breaker.quiet_s
+        if last is None or now - last >= quiet:
+            self.store.kv_set(_BREAKER_KEY, None)
+            self.store.audit(
+                "breaker_closed",
+                f"no new isolation request for {quiet:g} s; held incidents are examined again",
+                facts={"quiet_s": quiet},
+            )
+            return True
+        return False
+
+    # --- decisions --------------------------------------------------------------------------------------
+
+    def evaluate(self, incident: Incident, first: bool) -> Verdict:
+        """The decision for a classified incident; `first` is its first look (counts as a storm arrival)."""
+        verdict = self._evaluate(incident, first)
+        if verdict.kind == "allow":
+            verdict = dataclasses.replace(verdict, budget_remaining=self.remaining(incident.node))
+        return verdict
+
+    def _evaluate(self, incident: Incident, first: bool) -> Verdict:
+        g = self.cfg.gate
+        action = self.taxonomy.actions[incident.action]
+        node, verb = incident.node, incident.action
+        if g.observe_only:
+            return Verdict("deny", "observe", "observe_only", f"observe-only mode: would run {verb} on {node}")
+        if self.cfg.paused():
+            return Verdict("hold", "hold", "paused", "pause switch is on")
+        if incident.resolved_at is not None:
+            return Verdict("deny", "deny", "resolved", "the alert resolved before anything ran; nothing to do")
+        isolations = self.store.isolations()
+        current = isolations.get(node)
+        if current is not None and current.quarantined:
+            return Verdict(
+                "deny",
+                "deny",
+                "quarantined",
+                f"{node} is quarantined (lemon node); it needs a human (`fleetheal remediator release {node}`)",
+            )
+
+        job, job_note = incident.job_id, ""
+        if job and verb in REQUEUE_ACTIONS:
+            done = self.store.job_requeues(job)
+            if done >= g.max_requeues_per_job:
+                if not action.destructive:
+                    return Verdict(
+                        "deny",
+                        "deny",
+                        "retry_limit",
+                        f"job {job} was requeued {done} times (limit {g.max_requeues_per_job}); not requeued again",
+                    )
+                job_note = f"; job {job} reached its retry limit ({g.max_requeues_per_job}) and is not requeued"
+                job = ""
+        dry = g.dry_run
+
+        if not action.destructive:
+            word = "would run" if dry else "run"
+            return Verdict(
+                "allow", "would_run" if dry else "allow", "ok", f"{word} {verb} on {node}{job_note}", job, dry
+            )
+        if current is not None:
+            return Verdict(
+                "allow",
+                "would_isolate" if dry else "allow",
+                "already_isolated",
+                f"{node} is already isolated by {incident_ref(current.incident_id)}; no further budget{job_note}",
+                job,
+                dry,
+            )
+        if first:
+            self._arrival(incident)
+        if self.breaker_open():
+            return Verdict("hold", "hold", "breaker", "circuit breaker open (isolation storm); queued until quiet")
+        budget = self.budget()
+        domain = self.cfg.cluster.domain_of(node)
+        dpool, dused, dlimit = budget.domains[domain]
+        if budget.isolated >= budget.limit:
+            return Verdict(
+                "hold",
+                "hold",
+                "budget",
+                f"{budget.isolated}/{budget.limit} nodes of the pool of {budget.pool} isolated",
+            )
+        if dused >= dlimit:
+            return Verdict(
+                "hold",
+                "hold",
+                "budget",
+                f"{dused}/{dlimit} nodes of failure domain {domain} ({dpool} nodes) isolated",
+            )
+        lemon = self.cfg.gate.lemon
+        count = self.store.isolations_since(node, self.clock() - lemon.window_s) + 1
+        quarantine = count >= lemon.threshold
+        word = "would isolate" if dry else "isolate"
+        reason = (
+            f"{word} {node}: {budget.isolated + 1}/{budget.limit} in the pool, {dused + 1}/{dlimit} in {domain}"
+            f"{job_note}"
+        )
+        if quarantine:
+            reason += f"; isolation {count} within {lemon.window_s:g} s makes it a lemon: quarantined for good"
+        return Verdict(
+            "allow",
+            "would_isolate" if dry else "allow",
+            "lemon" if quarantine else "ok",
+            reason,
+            job,
+            dry,
+            isolate=True,
+            quarantine=quarantine,
+        )
+
+    def facts(self, incident: Incident) -> dict[str, object]:
+        """The numbers a decision was based on (stored with the audit record)."""
+        budget = self.budget()
+        domain = self.cfg.cluster.domain_of(incident.node)
+        dpool, dused, dlimit = budget.domains[domain]
+        g = self.cfg.gate
+        return {
+            "pool": budget.pool,
+            "isolated": budget.isolated,
+            "limit": budget.limit,
+            "domain": domain,
+            "domain_pool": dpool,
+            "domain_isolated": dused,
+            "domain_limit": dlimit,
+            "breaker_open": self.breaker_open(),
+            "dry_run": g.dry_run,
+            "observe_only": g.observe_only,
+            "paused": self.cfg.paused(),
+        }
+
+    def maybe_release(self, node: str) -> bool:
+        """Release `node`'s isolation once no destructive incident on it is unresolved or unfinished."""
+        destructive = [name for name, a in self.taxonomy.actions.items() if a.destructive]
+        if self.store.node_busy(node, destructive):
+            return False
+        return self.store.release(
+            node, "every destructive incident on the node is finished and resolved", only_if_not_quarantined=True
+        )

@@ -1,0 +1,183 @@
+"""Every metric the remediator exports (docs/metrics.md, section "Remediator").
+
+Counters and histograms live in a private registry; gauges that describe durable state (incidents by
+state and class, the queue, isolations) are read from the database at scrape time, so they are right
+after a restart too. Labels are low-cardinality: no node names, no incident ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from fleetheal.remediator.store import STATES, Incident, Store
+
+if TYPE_CHECKING:
+    from fleetheal.remediator.gate import Gate
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NS = "fleetheal_remediator"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_STEP_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_RECOVERY_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+
+
+class _StateCollector(Collector):
+    def __init__(self, store: Store, gate: Gate | None) -> None:
+        self.store = store
+        self.gate = gate
+
+    def collect(self) -> Iterator[Metric]:
+        incidents = GaugeMetricFamily(
+            f"{NS}_incidents", "Incidents by state and fault class.", labels=["state", "class"]
+        )
+        counts = {(s, c): n for s, c, n in self.store.counts()}
+        classes = sorted({c for _, c in counts})
+        for state in STATES:
+            for cls in classes:
+                incidents.add_metric([state, cls], counts.get((state, cls), 0))
+        yield incidents
+        yield GaugeMetricFamily(
+            f"{NS}_queue_depth", "Incidents held at the safety gate (queued, not dropped).", self.store.held_count()
+        )
+        if self.gate is None:
+            return
+        budget = self.gate.budget()
+        pool = GaugeMetricFamily(f"{NS}_pool_nodes", "Configured nodes per failure domain.", labels=["failure_domain"])
+        isolated = GaugeMetricFamily(
+            f"{NS}_nodes_isolated",
+            "Nodes isolated by fleetheal that still count against the budget, per failure domain.",
+            labels=["failure_domain"],
+        )
+        limit = GaugeMetricFamily(
+            f"{NS}_isolation_budget_nodes",
+            "Nodes that may be isolated at once, per failure domain.",
+            labels=["failure_domain"],
+        )
+        for domain, (size, used, cap) in sorted(budget.domains.items()):
+            pool.add_metric([domain], size)
+            isolated.add_metric([domain], used)
+            limit.add_metric([domain], cap)
+        yield pool
+        yield isolated
+        yield limit
+        yield GaugeMetricFamily(
+            f"{NS}_isolation_budget_cluster_nodes", "Nodes that may be isolated at once in the cluster.", budget.limit
+        )
+        yield GaugeMetricFamily(
+            f"{NS}_nodes_quarantined", "Lemon nodes quarantined until a human releases them.", self.gate.quarantined()
+        )
+        yield GaugeMetricFamily(
+            f"{NS}_breaker_open", "1 while the circuit breaker holds new isolations.", int(self.gate.breaker_open())
+        )
+        g = self.gate.cfg.gate
+        yield GaugeMetricFamily(f"{NS}_dry_run", "1 in dry-run mode.", int(g.dry_run))
+        yield GaugeMetricFamily(f"{NS}_observe_only", "1 in observe-only mode.", int(g.observe_only))
+        yield GaugeMetricFamily(f"{NS}_paused", "1 while the pause switch is on.", int(self.gate.cfg.paused()))
+
+
+class Metrics:
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry()
+        self.store = store
+        self._state = _StateCollector(store, None)
+        self.registry.register(self._state)
+        r = self.registry
+        self.webhook_requests = Counter(
+            f"{NS}_webhook_requests_total", "Webhook requests by HTTP status code.", ["code"], registry=r
+        )
+        self.webhook_seconds = Histogram(
+            f"{NS}_webhook_duration_seconds",
+            "Time from request to response (202 means persisted).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.alerts_total = Counter(
+            f"{NS}_alerts_total",
+            "Alerts in webhook payloads by result: accepted, duplicate, rejected, resolved, resolved_unknown.",
+            ["result"],
+            registry=r,
+        )
+        self.gate_decisions = Counter(
+            f"{NS}_gate_decisions_total",
+            "Safety gate decisions (holds counted when their reason changes).",
+            ["decision", "reason"],
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            f"{NS}_step_duration_seconds",
+            "Duration of incident steps (classify, gate incl. time held, playbook attempts).",
+            ["step", "action", "result"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.time_to_playbook = Histogram(
+            f"{NS}_time_to_playbook_seconds",
+            "From the alert's start (startsAt) to the start of its playbook: detection-to-action time.",
+            ["class"],
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.receive_to_playbook = Histogram(
+            f"{NS}_receive_to_playbook_seconds",
+            "From receiving the alert to the start of its playbook (the remediator's own latency).",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.time_to_recovery = Histogram(
+            f"{NS}_time_to_recovery_seconds",
+            "From the alert's start to the successful end of its playbook (an ETTR input).",
+            ["class", "action"],
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.downtime = Counter(
+            f"{NS}_recovery_seconds_total",
+            "Sum of time_to_recovery: training time lost to faults until remediation (an ETTR input).",
+            ["class"],
+            registry=r,
+        )
+        self.incidents_finished = Counter(
+            f"{NS}_incidents_finished_total",
+            "Incidents that reached done or failed.",
+            ["class", "action", "state"],
+            registry=r,
+        )
+
+    def attach_gate(self, gate: Gate) -> None:
+        self._state.gate = gate
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- hooks -----------------------------------------------------------------------------------------
+
+    def webhook(self, code: int, seconds: float) -> None:
+        self.webhook_requests.labels(str(code)).inc()
+        self.webhook_seconds.observe(seconds)
+
+    def alerts(self, result: str, n: int = 1) -> None:
+        if n:
+            self.alerts_total.labels(result).inc(n)
+
+    def decision(self, decision: str, reason: str) -> None:
+        self.gate_decisions.labels(decision, reason).inc()
+
+    def step(self, step: str, action: str, result: str, seconds: float) -> None:
+        self.step_seconds.labels(step, action, result).observe(seconds)
+
+    def playbook_started(self, inc: Incident, when: float) -> None:
+        self.time_to_playbook.labels(inc.fault_class).observe(max(0.0, when - inc.starts_at_ts))
+        self.receive_to_playbook.observe(max(0.0, when - inc.received_at))
+
+    def incident_finished(self, inc: Incident, when: float) -> None:
+        self.incidents_finished.labels(inc.fault_class, inc.action, inc.state).inc()
+        if inc.state == "done" and inc.decision in ("allow", "would_isolate", "would_run") and not inc.dry_run:
+            seconds = max(0.0, when - inc.starts_at_ts)
+            self.time_to_recovery.labels(inc.fault_class, inc.action).observe(seconds)
+            self.downtime.labels(inc.fault_class).inc(seconds)

@@ -1,0 +1,367 @@
+"""Run one remediation playbook through ansible-runner. The only module that imports `ansible_runner`.
+
+Each step attempt gets its own private data directory (`<run_dir>/<incident>/step<S>-attempt<A>/`):
+ansible-runner rewrites the inventory there and passes any `env/extravars` it finds to later runs, so a
+shared directory would leak one incident's variables into the next.
+
+What reaches Ansible:
+- extra variables: only the names in `contracts.PLAYBOOK_VARS`, with values the alert validator let
+  through (checked again here: plain names, booleans, small counts); they are written to `env/extravars`;
+- environment: the allow-listed variables of `runner.env_passthrough`, `runner.envvars` and what
+  ansible-runner sets for itself. Anything whose name looks like a secret, and any value equal to a
+  known secret (the bearer token), is dropped before the runner writes its `command` artifact, which
+  otherwise stores the whole environment.
+After the run every artifact file is scrubbed of known secret values once more.
+
+Engine-facing API: `AnsibleRunner.run(request, on_event, cancel) -> StepOutcome`; tests substitute any
+object with the same `run` method (see `Runner`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from fleetheal.contracts import PLAYBOOK_VARS
+from fleetheal.remediator import config as cfgmod
+from fleetheal.remediator.store import incident_ref
+
+#: Values a playbook variable may take: names, ids, indexes (never spaces, quotes, braces or `$`).
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}|")
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY|AUTH", re.IGNORECASE)
+#: Environment ansible-runner sets for itself; kept when the runner set or changed it.
+_RUNNER_PREFIXES = ("ANSIBLE_", "AWX_", "RUNNER_", "ORIGINAL_STDOUT_CALLBACK")
+MASK = "***"
+
+
+class RunnerInputError(ValueError):
+    """A step request that must not reach Ansible (unknown variable, unsafe value, playbook outside)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    incident_id: int
+    step_id: int
+    attempt: int
+    action: str
+    playbook: str  # file name under runner.playbook_dir (from the taxonomy)
+    extravars: Mapping[str, str | bool | int]
+
+    @property
+    def ref(self) -> str:
+        return incident_ref(self.incident_id)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    status: str  # successful | failed | timeout | canceled | error
+    rc: int | None
+    detail: str
+    run_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "successful"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerEvent:
+    kind: str  # process, playbook_start, task_start, task_ok, task_changed, task_failed, unreachable, stats
+    detail: str
+    pid: int | None = None
+
+
+class Runner(Protocol):
+    def run(
+        self, request: StepRequest, on_event: Callable[[RunnerEvent], None], cancel: Callable[[], bool]
+    ) -> StepOutcome: ...
+
+
+def check_extravars(extravars: Mapping[str, Any]) -> dict[str, str | bool | int]:
+    """The variables as they may be given to a playbook; RunnerInputError otherwise."""
+    out: dict[str, str | bool | int] = {}
+    for name, value in extravars.items():
+        if name not in PLAYBOOK_VARS:
+            raise RunnerInputError(f"{name!r} is not a playbook variable (contracts.PLAYBOOK_VARS)")
+        plain_int = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1_000_000
+        plain_str = isinstance(value, str) and _SAFE_VALUE.fullmatch(value) is not None
+        if not (isinstance(value, bool) or plain_int or plain_str):
+            raise RunnerInputError(f"{name}: value {str(value)[:40]!r} is not a plain name, boolean or count")
+        out[name] = value
+    return out
+
+
+def run_dir_for(run_root: str, request: StepRequest) -> Path:
+    return Path(run_root) / request.ref / f"step{request.step_id}-attempt{request.attempt}"
+
+
+# --- processes -------------------------------------------------------------------------------------------
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _processes_using(path: str) -> list[int]:
+    """Pids whose command line mentions `path` (the private run dir of an interrupted step)."""
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if path in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def kill_leftovers(run_dir: str, timeout_s: float = 5.0) -> list[int]:
+    """Kill what still runs of an interrupted step (after a crash), so a retry never runs beside it."""
+    if not run_dir:
+        return []
+    marker = os.path.join(os.path.abspath(run_dir), "")
+    pids = _processes_using(marker)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if os.path.exists(f"/proc/{p}") and _is_alive(p)]
+        if pids:
+            time.sleep(0.05)
+    return pids
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+# --- scrubbing ---------------------------------------------------------------------------------------------
+
+
+def environment_secrets(
+    env: Mapping[str, str], extra: Iterable[str] = (), allowed: Iterable[str] = ()
+) -> tuple[str, ...]:
+    """Values to keep out of artifacts: `extra` plus every secret-named variable of `env` (8+ chars)
+    except the `allowed` names an operator handed to Ansible on purpose."""
+    keep = set(allowed)
+    values = {v for v in extra if v}
+    values.update(v for k, v in env.items() if _SECRET_NAME.search(k) and k not in keep and len(v) >= 8)
+    return tuple(sorted(values, key=len, reverse=True))
+
+
+def _scrub_value(value: Any, secrets: Sequence[str]) -> Any:
+    if isinstance(value, str):
+        for s in secrets:
+            if s in value:
+                value = value.replace(s, MASK)
+        return value
+    if isinstance(value, dict):
+        for k in list(value):
+            value[k] = _scrub_value(value[k], secrets)
+        return value
+    if isinstance(value, list):
+        return [_scrub_value(v, secrets) for v in value]
+    return value
+
+
+def scrub_tree(root: Path, secrets: Sequence[str]) -> int:
+    """Replace secret values in every file under `root`; returns how many files changed."""
+    if not secrets:
+        return 0
+    needles = [s.encode() for s in secrets]
+    changed = 0
+    for path in root.rglob("*"):
+        if not path.is_file() or path.is_symlink():
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        new = data
+        for n in needles:
+            new = new.replace(n, MASK.encode())
+        if new != data:
+            path.write_bytes(new)
+            changed += 1
+    return changed
+
+
+class AnsibleRunner:
+    """Runs the playbook an action maps to, one private directory per step attempt."""
+
+    def __init__(self, cfg: cfgmod.RunnerConfig, secrets: Iterable[str] = ()) -> None:
+        self.cfg = cfg
+        self.configured = frozenset((*cfg.env_passthrough, *cfg.envvars))
+        self.secrets = environment_secrets(os.environ, secrets, self.configured)
+
+    def warm_up(self) -> None:
+        """Import ansible_runner ahead of the first alert (it takes a few hundred milliseconds)."""
+        import ansible_runner  # noqa: F401
+
+    # --- inputs ----------------------------------------------------------------------------------------
+
+    def playbook_path(self, playbook: str) -> Path:
+        base = Path(self.cfg.playbook_dir).resolve()
+        path = (base / playbook).resolve()
+        if path.parent != base and base not in path.parents:
+            raise RunnerInputError(f"playbook {playbook!r} is outside {base}")
+        if not path.is_file():
+            raise RunnerInputError(f"playbook {path} does not exist")
+        return path
+
+    def environment(self) -> dict[str, str]:
+        """What the runner adds to the environment: allow-listed variables, the configured ones, PATH."""
+        env = {k: os.environ[k] for k in self.cfg.env_passthrough if k in os.environ}
+        env.update(self.cfg.envvars)
+        # ansible-playbook lives next to this interpreter (the virtualenv), which may not be on PATH.
+        bindir = os.path.dirname(sys.executable)
+        path = env.get("PATH", os.defpath)
+        if bindir not in path.split(os.pathsep):
+            env["PATH"] = bindir + os.pathsep + path
+        if self.cfg.ansible_cfg:
+            env["ANSIBLE_CONFIG"] = self.cfg.ansible_cfg
+        # Names configured on purpose pass; a value equal to a known secret (the token) never does.
+        return {k: v for k, v in env.items() if not any(s in v for s in self.secrets)}
+
+    def scrub_env(self, env: Mapping[str, str], added: Mapping[str, str]) -> dict[str, str]:
+        """The final environment: ours (`added`) plus what ansible-runner set, nothing else."""
+        out: dict[str, str] = {}
+        for key, value in env.items():
+            ours = key in added
+            runners = key.startswith(_RUNNER_PREFIXES) and os.environ.get(key) != value
+            if not (ours or runners):
+                continue
+            if (not ours and _SECRET_NAME.search(key)) or any(s in value for s in self.secrets):
+                continue
+            out[key] = value
+        return out
+
+    def _prepare_dir(self, request: StepRequest, extravars: Mapping[str, str | bool | int]) -> Path:
+        private = run_dir_for(self.cfg.run_dir, request)
+        if private.exists():  # a leftover of a crash before this attempt was recorded: start clean
+            shutil.rmtree(private)
+        (private / "env").mkdir(parents=True, mode=0o700)
+        os.chmod(private.parent, 0o700)
+        fd = os.open(private / "env" / "extravars", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(dict(extravars), f, sort_keys=True)
+        if self.cfg.inventory is None:
+            (private / "inventory").mkdir(mode=0o700)
+            # The remediation playbooks run on the control host, group fleetheal_control.
+            (private / "inventory" / "hosts").write_text(
+                "[fleetheal_control]\n"
+                f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n",
+                encoding="utf-8",
+            )
+        return private
+
+    # --- the run ---------------------------------------------------------------------------------------
+
+    def run(
+        self, request: StepRequest, on_event: Callable[[RunnerEvent], None], cancel: Callable[[], bool]
+    ) -> StepOutcome:
+        extravars = check_extravars(request.extravars)
+        playbook = self.playbook_path(request.playbook)
+        private = self._prepare_dir(request, extravars)
+
+        import ansible_runner  # only here: importing it costs ~0.3 s and the agent never needs it
+
+        added = self.environment()
+        seen_pid: list[int] = []
+        secrets = self.secrets
+
+        def handler(event: dict[str, Any]) -> bool:
+            _scrub_value(event, secrets)
+            pid = event.get("pid")
+            if isinstance(pid, int) and not seen_pid:
+                seen_pid.append(pid)
+                on_event(RunnerEvent("process", f"ansible-playbook pid {pid}", pid))
+            converted = _convert_event(event)
+            if converted is not None:
+                on_event(converted)
+            return True  # keep the (scrubbed) event in the artifacts
+
+        rc = ansible_runner.RunnerConfig(
+            private_data_dir=str(private),
+            playbook=str(playbook),
+            inventory=self.cfg.inventory or str(private / "inventory"),
+            roles_path=self.cfg.roles_path,
+            envvars=added,
+            ident="run",
+            timeout=self.cfg.timeout_s,
+            quiet=True,
+            suppress_env_files=True,
+            settings={"pexpect_timeout": 0.5, "suppress_ansible_output": True},
+        )
+        rc.prepare()
+        rc.env = self.scrub_env(rc.env, added)
+        runner = ansible_runner.Runner(config=rc, event_handler=handler, cancel_callback=cancel)
+        try:
+            runner.run()
+        finally:
+            scrub_tree(private, secrets)
+        status = str(runner.status)
+        detail = {
+            "successful": "playbook succeeded",
+            "failed": f"playbook failed (rc {runner.rc})",
+            "timeout": f"playbook killed after {self.cfg.timeout_s} s",
+            "canceled": "playbook canceled",
+        }.get(status, f"runner status {status}")
+        return StepOutcome(status, runner.rc, detail, str(private))
+
+
+def _convert_event(event: Mapping[str, Any]) -> RunnerEvent | None:
+    name = event.get("event")
+    data = event.get("event_data") or {}
+    task = str(data.get("task") or "")[:200]
+    host = str(data.get("host") or "")[:100]
+    if name == "playbook_on_start":
+        return RunnerEvent("playbook_start", str(data.get("playbook") or "")[:200])
+    if name == "playbook_on_task_start":
+        return RunnerEvent("task_start", task)
+    if name == "runner_on_ok":
+        changed = bool((data.get("res") or {}).get("changed"))
+        return RunnerEvent("task_changed" if changed else "task_ok", f"{task} ({host})")
+    if name == "runner_on_failed":
+        res = data.get("res") or {}
+        msg = str(res.get("msg") or res.get("stderr") or "")[:300]
+        ignored = " (ignored)" if data.get("ignore_errors") else ""
+        return RunnerEvent("task_failed", f"{task} ({host}){ignored}: {msg}")
+    if name == "runner_on_unreachable":
+        return RunnerEvent("unreachable", f"{task} ({host})")
+    if name == "playbook_on_stats":
+        keys = ("ok", "changed", "failures", "dark", "skipped", "rescued")
+        counts = {k: sum((data.get(k) or {}).values()) for k in keys if isinstance(data.get(k), dict)}
+        return RunnerEvent("stats", " ".join(f"{k}={v}" for k, v in counts.items()))
+    return None

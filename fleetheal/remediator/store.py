@@ -1,0 +1,613 @@
+"""Durable state of the remediator: incidents, their steps and events, and the gate's ledger (SQLite, WAL).
+
+One connection guarded by a lock serves the event loop and the playbook threads; every change is one
+transaction, so a SIGKILL leaves either the old or the new state. The same alert twice (fingerprint and
+start time) is one incident (a UNIQUE constraint, not a check in Python).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetheal.remediator.alerts import Alert
+
+#: Incident states, in order (the state machine of engine.py).
+STATES = ("received", "classified", "gated", "acting", "done", "failed")
+TERMINAL = ("done", "failed")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS incidents (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    fingerprint   TEXT NOT NULL,
+    starts_at     TEXT NOT NULL,
+    starts_at_ts  REAL NOT NULL,
+    cluster       TEXT NOT NULL,
+    node          TEXT NOT NULL,
+    gpu           TEXT NOT NULL,
+    fault_id      TEXT NOT NULL,
+    class         TEXT NOT NULL,
+    action        TEXT NOT NULL,
+    severity      TEXT NOT NULL,
+    job_id        TEXT NOT NULL DEFAULT '',
+    alertname     TEXT NOT NULL DEFAULT '',
+    state         TEXT NOT NULL,
+    decision      TEXT,
+    hold_reason   TEXT,
+    outcome       TEXT,
+    run_job_id    TEXT,
+    dry_run       INTEGER NOT NULL DEFAULT 0,
+    budget_remaining INTEGER NOT NULL DEFAULT 0,
+    received_at   REAL NOT NULL,
+    updated_at    REAL NOT NULL,
+    resolved_at   REAL,
+    ends_at_ts    REAL,
+    UNIQUE (fingerprint, starts_at)
+);
+CREATE INDEX IF NOT EXISTS incidents_state ON incidents(state);
+CREATE INDEX IF NOT EXISTS incidents_node ON incidents(node);
+CREATE TABLE IF NOT EXISTS steps (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    incident_id  INTEGER NOT NULL REFERENCES incidents(id),
+    name         TEXT NOT NULL,
+    attempt      INTEGER NOT NULL DEFAULT 1,
+    started_at   REAL NOT NULL,
+    ended_at     REAL,
+    result       TEXT,
+    detail       TEXT NOT NULL DEFAULT '',
+    pid          INTEGER,
+    pid_start    INTEGER,
+    run_dir      TEXT
+);
+CREATE INDEX IF NOT EXISTS steps_incident ON steps(incident_id);
+CREATE TABLE IF NOT EXISTS events (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    incident_id  INTEGER NOT NULL REFERENCES incidents(id),
+    step_id      INTEGER,
+    ts           REAL NOT NULL,
+    kind         TEXT NOT NULL,
+    detail       TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS events_incident ON events(incident_id);
+CREATE TABLE IF NOT EXISTS audit (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts           REAL NOT NULL,
+    incident_id  INTEGER,
+    node         TEXT,
+    action       TEXT,
+    decision     TEXT NOT NULL,
+    reason       TEXT NOT NULL,
+    facts        TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS isolations (
+    node         TEXT PRIMARY KEY,
+    domain       TEXT NOT NULL,
+    incident_id  INTEGER NOT NULL,
+    since        REAL NOT NULL,
+    dry_run      INTEGER NOT NULL DEFAULT 0,
+    quarantined  INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS isolation_history (
+    node         TEXT NOT NULL,
+    ts           REAL NOT NULL,
+    incident_id  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS isolation_history_node ON isolation_history(node, ts);
+CREATE TABLE IF NOT EXISTS storm (
+    ts           REAL NOT NULL,
+    node         TEXT NOT NULL,
+    incident_id  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS storm_ts ON storm(ts);
+CREATE TABLE IF NOT EXISTS job_requeues (
+    job_id       TEXT NOT NULL,
+    incident_id  INTEGER NOT NULL,
+    ts           REAL NOT NULL,
+    PRIMARY KEY (job_id, incident_id)
+);
+CREATE TABLE IF NOT EXISTS kv (
+    key          TEXT PRIMARY KEY,
+    value        TEXT NOT NULL
+);
+"""
+
+
+def incident_ref(incident_id: int) -> str:
+    """The incident's public name, e.g. inc-000042 (also fleetheal_incident_id in playbooks)."""
+    return f"inc-{incident_id:06d}"
+
+
+def parse_ref(ref: str) -> int:
+    """The numeric id of `inc-000042` or `42`; ValueError otherwise."""
+    text = ref.removeprefix("inc-")
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"{ref!r} is not an incident id (inc-NNNNNN)")
+    return int(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    id: int
+    fingerprint: str
+    starts_at: str
+    starts_at_ts: float
+    cluster: str
+    node: str
+    gpu: str
+    fault_id: str
+    fault_class: str
+    action: str
+    severity: str
+    job_id: str
+    alertname: str
+    state: str
+    decision: str | None
+    hold_reason: str | None
+    outcome: str | None
+    run_job_id: str | None
+    dry_run: bool
+    budget_remaining: int
+    received_at: float
+    updated_at: float
+    resolved_at: float | None
+    ends_at_ts: float | None
+
+    @property
+    def ref(self) -> str:
+        return incident_ref(self.id)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.ref,
+            "state": self.state,
+            "node": self.node,
+            "gpu": self.gpu,
+            "fault_id": self.fault_id,
+            "class": self.fault_class,
+            "action": self.action,
+            "severity": self.severity,
+            "job_id": self.job_id,
+            "decision": self.decision,
+            "hold_reason": self.hold_reason,
+            "outcome": self.outcome,
+            "dry_run": self.dry_run,
+            "starts_at": self.starts_at,
+            "received_at": self.received_at,
+            "resolved_at": self.resolved_at,
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    id: int
+    incident_id: int
+    name: str
+    attempt: int
+    started_at: float
+    ended_at: float | None
+    result: str | None
+    detail: str
+    pid: int | None
+    pid_start: int | None
+    run_dir: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: int
+    incident_id: int
+    step_id: int | None
+    ts: float
+    kind: str
+    detail: str
+
+
+@dataclass(slots=True)
+class IngestResult:
+    created: list[int] = field(default_factory=list)
+    duplicates: int = 0
+    resolved: list[int] = field(default_factory=list)
+    resolved_unknown: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Isolation:
+    node: str
+    domain: str
+    incident_id: int
+    since: float
+    dry_run: bool
+    quarantined: bool
+
+
+_INCIDENT_COLS = (
+    "id, fingerprint, starts_at, starts_at_ts, cluster, node, gpu, fault_id, class, action, severity, job_id, "
+    "alertname, state, decision, hold_reason, outcome, run_job_id, dry_run, budget_remaining, received_at, updated_at, "
+    "resolved_at, "
+    "ends_at_ts"
+)
+_STEP_COLS = "id, incident_id, name, attempt, started_at, ended_at, result, detail, pid, pid_start, run_dir"
+
+
+def _incident(row: Sequence[Any]) -> Incident:
+    values = list(row)
+    values[18] = bool(values[18])
+    return Incident(*values)
+
+
+class Store:
+    """The remediator's SQLite database. Safe to share between the event loop and runner threads."""
+
+    def __init__(self, path: str, synchronous: str = "FULL", clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.clock = clock
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        with self._lock:
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE ... COMMIT, rolled back on error)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # --- incidents -------------------------------------------------------------------------------------
+
+    def ingest(self, alerts: Sequence[Alert]) -> IngestResult:
+        """Persist validated alerts in one transaction: new firing alerts become incidents."""
+        now = self.clock()
+        result = IngestResult()
+        with self.tx() as db:
+            for a in alerts:
+                if a.status == "firing":
+                    cur = db.execute(
+                        "INSERT OR IGNORE INTO incidents (fingerprint, starts_at, starts_at_ts, cluster, node, gpu, "
+                        "fault_id, class, action, severity, job_id, alertname, state, received_at, updated_at) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,'received',?,?)",
+                        (
+                            a.fingerprint,
+                            a.starts_at,
+                            a.starts_at_ts,
+                            a.cluster,
+                            a.node,
+                            a.gpu,
+                            a.fault_id,
+                            a.fault_class,
+                            a.action,
+                            a.severity,
+                            a.job_id,
+                            a.alertname,
+                            now,
+                            now,
+                        ),
+                    )
+                    if cur.rowcount == 1 and cur.lastrowid is not None:
+                        iid = cur.lastrowid
+                        result.created.append(iid)
+                        db.execute(
+                            "INSERT INTO steps (incident_id, name, started_at, ended_at, result, detail) "
+                            "VALUES (?, 'receive', ?, ?, 'ok', ?)",
+                            (iid, a.starts_at_ts, now, f"alert {a.alertname or a.fault_id} firing since {a.starts_at}"),
+                        )
+                    else:
+                        result.duplicates += 1
+                    continue
+                row = db.execute(
+                    "SELECT id, resolved_at FROM incidents WHERE fingerprint = ? AND starts_at = ?",
+                    (a.fingerprint, a.starts_at),
+                ).fetchone()
+                if row is None:
+                    result.resolved_unknown += 1
+                elif row[1] is None:
+                    db.execute(
+                        "UPDATE incidents SET resolved_at = ?, ends_at_ts = ?, updated_at = ? WHERE id = ?",
+                        (now, a.ends_at_ts, now, row[0]),
+                    )
+                    db.execute(
+                        "INSERT INTO events (incident_id, ts, kind, detail) VALUES (?, ?, 'resolved', ?)",
+                        (row[0], now, "alert resolved in Alertmanager"),
+                    )
+                    result.resolved.append(row[0])
+                else:
+                    result.duplicates += 1
+        return result
+
+    def get(self, incident_id: int) -> Incident | None:
+        rows = self._query(f"SELECT {_INCIDENT_COLS} FROM incidents WHERE id = ?", (incident_id,))  # noqa: S608 - constant columns, bound values
+        return _incident(rows[0]) if rows else None
+
+    def incidents(self, state: str | None = None, limit: int = 100, node: str | None = None) -> list[Incident]:
+        where, args = [], []
+        if state:
+            where.append("state = ?")
+            args.append(state)
+        if node:
+            where.append("node = ?")
+            args.append(node)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = self._query(f"SELECT {_INCIDENT_COLS} FROM incidents {clause} ORDER BY id DESC LIMIT ?", (*args, limit))  # noqa: S608 - constant columns, bound values
+        return [_incident(r) for r in rows]
+
+    def unfinished(self) -> list[Incident]:
+        rows = self._query(f"SELECT {_INCIDENT_COLS} FROM incidents WHERE state NOT IN ('done', 'failed') ORDER BY id")  # noqa: S608 - constant columns, bound values
+        return [_incident(r) for r in rows]
+
+    def held(self) -> list[Incident]:
+        """Incidents waiting at the gate, oldest first (the queue)."""
+        rows = self._query(
+            f"SELECT {_INCIDENT_COLS} FROM incidents WHERE state = 'classified' AND hold_reason IS NOT NULL ORDER BY id"  # noqa: S608 - constant columns, bound values
+        )
+        return [_incident(r) for r in rows]
+
+    def set_state(self, incident_id: int, state: str, **fields: Any) -> None:
+        """Move an incident to `state`, updating the named columns in the same transaction."""
+        if state not in STATES:
+            raise ValueError(f"unknown state {state!r}")
+        allowed = {"decision", "hold_reason", "outcome", "run_job_id", "dry_run"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"cannot set {sorted(bad)}")
+        cols = ["state = ?", "updated_at = ?"] + [f"{k} = ?" for k in fields]
+        with self.tx() as db:
+            db.execute(
+                f"UPDATE incidents SET {', '.join(cols)} WHERE id = ?",  # noqa: S608 - constant columns, bound values
+                (state, self.clock(), *fields.values(), incident_id),
+            )
+
+    def set_hold(self, incident_id: int, reason: str | None) -> None:
+        with self.tx() as db:
+            db.execute(
+                "UPDATE incidents SET hold_reason = ?, updated_at = ? WHERE id = ?", (reason, self.clock(), incident_id)
+            )
+
+    def counts(self) -> list[tuple[str, str, int]]:
+        """(state, class, number of incidents)."""
+        return [
+            (r[0], r[1], int(r[2]))
+            for r in self._query("SELECT state, class, count(*) FROM incidents GROUP BY state, class")
+        ]
+
+    def held_count(self) -> int:
+        rows = self._query("SELECT count(*) FROM incidents WHERE state = 'classified' AND hold_reason IS NOT NULL")
+        return int(rows[0][0])
+
+    # --- steps and events ------------------------------------------------------------------------------
+
+    def start_step(self, incident_id: int, name: str, attempt: int = 1, detail: str = "") -> int:
+        with self.tx() as db:
+            cur = db.execute(
+                "INSERT INTO steps (incident_id, name, attempt, started_at, detail) VALUES (?, ?, ?, ?, ?)",
+                (incident_id, name, attempt, self.clock(), detail),
+            )
+            assert cur.lastrowid is not None
+            return cur.lastrowid
+
+    def end_step(
+        self,
+        step_id: int,
+        result: str,
+        detail: str | None = None,
+        incident_state: tuple[int, str, dict[str, Any]] | None = None,
+    ) -> None:
+        """End a step; with `incident_state` (id, state, fields) the incident moves in the same transaction."""
+        now = self.clock()
+        with self.tx() as db:
+            if detail is None:
+                db.execute("UPDATE steps SET ended_at = ?, result = ? WHERE id = ?", (now, result, step_id))
+            else:
+                db.execute(
+                    "UPDATE steps SET ended_at = ?, result = ?, detail = ? WHERE id = ?", (now, result, detail, step_id)
+                )
+            if incident_state is not None:
+                iid, state, fields = incident_state
+                cols = ["state = ?", "updated_at = ?"] + [f"{k} = ?" for k in fields]
+                db.execute(f"UPDATE incidents SET {', '.join(cols)} WHERE id = ?", (state, now, *fields.values(), iid))  # noqa: S608 - constant columns, bound values
+
+    def set_step_process(self, step_id: int, pid: int, pid_start: int | None, run_dir: str | None = None) -> None:
+        with self.tx() as db:
+            db.execute(
+                "UPDATE steps SET pid = ?, pid_start = ?, run_dir = coalesce(?, run_dir) WHERE id = ?",
+                (pid, pid_start, run_dir, step_id),
+            )
+
+    def set_step_run_dir(self, step_id: int, run_dir: str) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE steps SET run_dir = ? WHERE id = ?", (run_dir, step_id))
+
+    def step(self, step_id: int) -> Step | None:
+        rows = self._query(f"SELECT {_STEP_COLS} FROM steps WHERE id = ?", (step_id,))  # noqa: S608 - constant columns, bound values
+        return Step(*rows[0]) if rows else None
+
+    def steps(self, incident_id: int) -> list[Step]:
+        rows = self._query(f"SELECT {_STEP_COLS} FROM steps WHERE incident_id = ? ORDER BY id", (incident_id,))  # noqa: S608 - constant columns, bound values
+        return [Step(*r) for r in rows]
+
+    def add_event(self, incident_id: int, kind: str, detail: str = "", step_id: int | None = None) -> None:
+        with self.tx() as db:
+            db.execute(
+                "INSERT INTO events (incident_id, step_id, ts, kind, detail) VALUES (?, ?, ?, ?, ?)",
+                (incident_id, step_id, self.clock(), kind, detail),
+            )
+
+    def events(self, incident_id: int) -> list[Event]:
+        rows = self._query(
+            "SELECT id, incident_id, step_id, ts, kind, detail FROM events WHERE incident_id = ? ORDER BY id",
+            (incident_id,),
+        )
+        return [Event(*r) for r in rows]
+
+    # --- the gate's ledger -----------------------------------------------------------------------------
+
+    def isolations(self) -> dict[str, Isolation]:
+        rows = self._query("SELECT node, domain, incident_id, since, dry_run, quarantined FROM isolations")
+        return {r[0]: Isolation(r[0], r[1], r[2], r[3], bool(r[4]), bool(r[5])) for r in rows}
+
+    def isolations_since(self, node: str, since: float) -> int:
+        rows = self._query("SELECT count(*) FROM isolation_history WHERE node = ? AND ts >= ?", (node, since))
+        return int(rows[0][0])
+
+    def storm_nodes(self, since: float) -> int:
+        rows = self._query("SELECT count(DISTINCT node) FROM storm WHERE ts >= ?", (since,))
+        return int(rows[0][0])
+
+    def last_storm_arrival(self) -> float | None:
+        rows = self._query("SELECT max(ts) FROM storm")
+        return None if rows[0][0] is None else float(rows[0][0])
+
+    def record_arrival(self, node: str, incident_id: int, prune_before: float) -> None:
+        with self.tx() as db:
+            db.execute("INSERT INTO storm (ts, node, incident_id) VALUES (?, ?, ?)", (self.clock(), node, incident_id))
+            db.execute("DELETE FROM storm WHERE ts < ?", (prune_before,))
+
+    def job_requeues(self, job_id: str) -> int:
+        rows = self._query("SELECT count(*) FROM job_requeues WHERE job_id = ?", (job_id,))
+        return int(rows[0][0])
+
+    def kv_get(self, key: str) -> str | None:
+        rows = self._query("SELECT value FROM kv WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
+
+    def kv_set(self, key: str, value: str | None) -> None:
+        with self.tx() as db:
+            if value is None:
+                db.execute("DELETE FROM kv WHERE key = ?", (key,))
+            else:
+                db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, value))
+
+    def audit(
+        self,
+        decision: str,
+        reason: str,
+        incident_id: int | None = None,
+        *,
+        node: str | None = None,
+        action: str | None = None,
+        facts: dict[str, Any] | None = None,
+        db: sqlite3.Connection | None = None,
+    ) -> None:
+        args = (self.clock(), incident_id, node, action, decision, reason, json.dumps(facts or {}, sort_keys=True))
+        sql = "INSERT INTO audit (ts, incident_id, node, action, decision, reason, facts) VALUES (?,?,?,?,?,?,?)"
+        if db is not None:
+            db.execute(sql, args)
+            return
+        with self.tx() as conn:
+            conn.execute(sql, args)
+
+    def audit_log(self, incident_id: int | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        clause, args = ("WHERE incident_id = ?", (incident_id,)) if incident_id is not None else ("", ())
+        rows = self._query(
+            f"SELECT ts, incident_id, node, action, decision, reason, facts FROM audit {clause} ORDER BY id LIMIT ?",  # noqa: S608 - constant columns, bound values
+            (*args, limit),
+        )
+        return [
+            {
+                "ts": r[0],
+                "incident": None if r[1] is None else incident_ref(r[1]),
+                "node": r[2],
+                "action": r[3],
+                "decision": r[4],
+                "reason": r[5],
+                "facts": json.loads(r[6]),
+            }
+            for r in rows
+        ]
+
+    def record_decision(
+        self,
+        incident: Incident,
+        state: str,
+        decision: str,
+        reason: str,
+        facts: dict[str, Any],
+        *,
+        isolate_domain: str | None = None,
+        count_isolation: bool = False,
+        quarantine: bool = False,
+        requeue_job: str | None = None,
+        run_job_id: str = "",
+        dry_run: bool = False,
+        budget_remaining: int = 0,
+        outcome: str | None = None,
+        step_id: int | None = None,
+    ) -> None:
+        """A final gate decision, its audit record and the ledger changes, in one transaction."""
+        now = self.clock()
+        with self.tx() as db:
+            if isolate_domain is not None:
+                db.execute(
+                    "INSERT OR IGNORE INTO isolations (node, domain, incident_id, since, dry_run) VALUES (?,?,?,?,?)",
+                    (incident.node, isolate_domain, incident.id, now, int(dry_run)),
+                )
+            if count_isolation:
+                db.execute(
+                    "INSERT INTO isolation_history (node, ts, incident_id) VALUES (?, ?, ?)",
+                    (incident.node, now, incident.id),
+                )
+            if quarantine:
+                db.execute("UPDATE isolations SET quarantined = 1 WHERE node = ?", (incident.node,))
+            if requeue_job:
+                db.execute(
+                    "INSERT OR IGNORE INTO job_requeues (job_id, incident_id, ts) VALUES (?, ?, ?)",
+                    (requeue_job, incident.id, now),
+                )
+            db.execute(
+                "UPDATE incidents SET state = ?, decision = ?, hold_reason = NULL, run_job_id = ?, dry_run = ?, "
+                "budget_remaining = ?, outcome = coalesce(?, outcome), updated_at = ? WHERE id = ?",
+                (state, decision, run_job_id, int(dry_run), budget_remaining, outcome, now, incident.id),
+            )
+            if step_id is not None:
+                db.execute(
+                    "UPDATE steps SET ended_at = ?, result = ?, detail = ? WHERE id = ?",
+                    (now, decision, reason, step_id),
+                )
+            self.audit(decision, reason, incident.id, node=incident.node, action=incident.action, facts=facts, db=db)
+
+    def node_busy(self, node: str, actions: Sequence[str]) -> bool:
+        """True while an incident on `node` with one of `actions` is unfinished or its alert still fires."""
+        if not actions:
+            return False
+        marks = ",".join("?" * len(actions))
+        rows = self._query(
+            f"SELECT count(*) FROM incidents WHERE node = ? AND action IN ({marks}) "  # noqa: S608 - constant columns, bound values
+            "AND (resolved_at IS NULL OR state NOT IN ('done', 'failed'))",
+            (node, *actions),
+        )
+        return int(rows[0][0]) > 0
+
+    def release(self, node: str, reason: str, only_if_not_quarantined: bool = False) -> bool:
+        """Drop a node's isolation (it no longer counts against the budget); audited. False if none."""
+        with self.tx() as db:
+            row = db.execute("SELECT incident_id, quarantined FROM isolations WHERE node = ?", (node,)).fetchone()
+            if row is None or (only_if_not_quarantined and row[1]):
+                return False
+            db.execute("DELETE FROM isolations WHERE node = ?", (node,))
+            self.audit("release", reason, row[0], node=node, facts={"quarantined": bool(row[1])}, db=db)
+            return True

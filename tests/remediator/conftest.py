@@ -1,0 +1,170 @@
+"""Fixtures of the remediator tests: configs, Alertmanager payloads, and a recording runner (test double)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetheal.remediator import config as cfgmod
+from fleetheal.remediator.runner import RunnerEvent, StepOutcome, StepRequest, check_extravars
+
+HERE = Path(__file__).resolve().parent
+TEST_PLAYBOOKS = HERE / "playbooks"
+TOKEN = "test-token-0123456789abcdef"
+CLUSTER = "lab"
+
+
+def nodes(count: int = 8, per_domain: int = 4) -> dict[str, str]:
+    """gpu-000 ... -> rack-0, rack-1, ... (`per_domain` nodes each)."""
+    return {f"gpu-{i:03d}": f"rack-{i // per_domain}" for i in range(count)}
+
+
+def make_config(tmp_path: Path, env: dict[str, str] | None = None, **sections: Any) -> cfgmod.Config:
+    """A valid config in `tmp_path`; keyword arguments replace or extend whole sections."""
+    doc: dict[str, Any] = {
+        "cluster": {"name": CLUSTER, "nodes": nodes()},
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "store": {"path": str(tmp_path / "remediator.sqlite"), "synchronous": "NORMAL"},
+        "runner": {
+            "playbook_dir": str(TEST_PLAYBOOKS),
+            "run_dir": str(tmp_path / "runs"),
+            "backoff_s": 0.0,
+            "envvars": {"FLEETHEAL_TEST_RECORD": str(tmp_path / "record.jsonl")},
+        },
+        "gate": {"recheck_interval_s": 0.05},
+    }
+    for name, value in sections.items():
+        if isinstance(value, dict) and isinstance(doc.get(name), dict):
+            merged = copy.deepcopy(doc[name])
+            for k, v in value.items():
+                if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                    merged[k] = {**merged[k], **v}
+                else:
+                    merged[k] = v
+            doc[name] = merged
+        else:
+            doc[name] = value
+    return cfgmod.from_mapping(doc, env={"FLEETHEAL_REMEDIATOR_TOKEN": TOKEN, **(env or {})}, source="test")
+
+
+def alert(
+    *,
+    node: str = "gpu-000",
+    gpu: str = "0",
+    fault_id: str = "xid-79",
+    status: str = "firing",
+    fingerprint: str | None = None,
+    starts_at: str = "2026-11-29T17:37:02.139Z",
+    job_id: str | None = None,
+    **labels: str,
+) -> dict[str, Any]:
+    """One alert as Alertmanager sends it for a fleetheal rule (labels from the taxonomy)."""
+    from fleetheal import taxonomy
+
+    fault = taxonomy.load().fault(fault_id)
+    all_labels = {
+        "alertname": f"Fleetheal{fault_id.replace('-', '').title()}",
+        "cluster": CLUSTER,
+        "node": node,
+        "gpu": gpu,
+        "fault_id": fault_id,
+        "class": fault.fault_class,
+        "action": fault.action,
+        "severity": fault.severity,
+        "instance": "127.0.0.1:9400",
+        "job": "fleetheal-agent",
+    }
+    if job_id is not None:
+        all_labels["job_id"] = job_id
+    all_labels.update(labels)
+    if fingerprint is None:
+        fingerprint = hashlib.sha256(f"{node}|{gpu}|{fault_id}".encode()).hexdigest()[:16]
+    return {
+        "status": status,
+        "labels": all_labels,
+        "annotations": {"summary": f"{node} GPU {gpu}: {fault.name}"},
+        "startsAt": starts_at,
+        "endsAt": "0001-01-01T00:00:00Z" if status == "firing" else "2026-11-29T17:40:00Z",
+        "generatorURL": "http://127.0.0.1:9090/graph",
+        "fingerprint": fingerprint,
+    }
+
+
+def payload(*alerts: dict[str, Any], status: str | None = None) -> dict[str, Any]:
+    """A webhook body (version 4) around `alerts`."""
+    status = status or ("resolved" if all(a.get("status") == "resolved" for a in alerts) else "firing")
+    return {
+        "receiver": "fleetheal-remediator",
+        "status": status,
+        "alerts": list(alerts),
+        "groupLabels": {},
+        "commonLabels": {},
+        "commonAnnotations": {},
+        "externalURL": "http://127.0.0.1:9093",
+        "version": "4",
+        "groupKey": '{}:{alertname="x"}',
+        "truncatedAlerts": 0,
+    }
+
+
+def body(*alerts: dict[str, Any]) -> bytes:
+    return json.dumps(payload(*alerts)).encode()
+
+
+class RecordingRunner:
+    """Test double of runner.AnsibleRunner: records each request, answers at once (or as told).
+
+    `outcomes` maps an attempt number to a status (default successful); `delay_s` simulates a run.
+    It checks the extra variables exactly like the real runner does.
+    """
+
+    def __init__(self, delay_s: float = 0.0, outcomes: dict[int, str] | None = None) -> None:
+        self.delay_s = delay_s
+        self.outcomes = outcomes or {}
+        self.requests: list[StepRequest] = []
+        self.running = 0
+        self.max_running = 0
+        self._lock = threading.Lock()
+
+    def run(
+        self, request: StepRequest, on_event: Callable[[RunnerEvent], None], cancel: Callable[[], bool]
+    ) -> StepOutcome:
+        check_extravars(request.extravars)
+        with self._lock:
+            self.requests.append(request)
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            on_event(RunnerEvent("playbook_start", request.playbook))
+            deadline = time.monotonic() + self.delay_s
+            while time.monotonic() < deadline:
+                if cancel():
+                    return StepOutcome("canceled", 254, "canceled")
+                time.sleep(0.01)
+            status = self.outcomes.get(request.attempt, "successful")
+            on_event(RunnerEvent("stats", f"status={status}"))
+            return StepOutcome(status, 0 if status == "successful" else 2, f"recorded ({status})")
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> cfgmod.Config:
+    return make_config(tmp_path)
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()

@@ -1,0 +1,119 @@
+"""Configuration: one YAML file plus environment overrides, strict, with the token kept secret."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetheal.remediator import config as cfgmod
+from tests.remediator.conftest import TOKEN, make_config
+
+EXAMPLE = Path(cfgmod.__file__).with_name("example.yaml")
+
+
+def test_the_example_file_is_complete_and_valid():
+    cfg = cfgmod.load(EXAMPLE, env={})
+    assert cfg.cluster.name == "lab"
+    assert cfg.cluster.domains() == {"rack-a": 2, "rack-b": 2}
+    # The example lists every key of every section.
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    for section in ("listen", "auth", "webhook", "store", "runner", "gate"):
+        fields = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+        assert set(doc[section]) == fields, section
+    for sub in ("budget", "breaker", "lemon"):
+        fields = {f.name for f in dataclasses.fields(getattr(cfg.gate, sub))}
+        assert set(doc["gate"][sub]) == fields, sub
+
+
+def test_the_examples_defaults_are_the_code_defaults():
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    defaults = cfgmod.Config()
+    examples = {"cluster", "token_file", "playbook_dir", "pause_file"}  # marked "example" in the file
+    for section in ("listen", "webhook", "store", "runner", "gate"):
+        for key, value in doc[section].items():
+            if key in examples or (isinstance(value, dict) and key not in ("envvars",)):
+                continue
+            expected = getattr(getattr(defaults, section), key)
+            if isinstance(expected, tuple):
+                expected = list(expected)
+            if key in ("envvars",):
+                expected = dict(expected)
+            if key == "roles_path":
+                continue  # depends on the checkout
+            assert value == expected, f"{section}.{key}"
+    for sub in ("budget", "breaker", "lemon"):
+        for key, value in doc["gate"][sub].items():
+            assert value == getattr(getattr(defaults.gate, sub), key), f"gate.{sub}.{key}"
+
+
+def test_environment_overrides_scalars(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        env={
+            "FLEETHEAL_REMEDIATOR_GATE_DRY_RUN": "true",
+            "FLEETHEAL_REMEDIATOR_GATE_BUDGET_MAX_ISOLATED": "3",
+            "FLEETHEAL_REMEDIATOR_LISTEN_PORT": "9200",
+            "FLEETHEAL_REMEDIATOR_RUNNER_ENV_PASSTHROUGH": "PATH,HOME",
+        },
+    )
+    assert cfg.gate.dry_run is True
+    assert cfg.gate.budget.max_isolated == 3
+    assert cfg.listen.port == 9200
+    assert cfg.runner.env_passthrough == ("PATH", "HOME")
+
+
+def test_a_bad_environment_value_names_the_variable(tmp_path):
+    with pytest.raises(cfgmod.ConfigError, match=r"gate.budget.max_isolated \(from FLEETHEAL_REMEDIATOR_GATE_BUDGET"):
+        make_config(tmp_path, env={"FLEETHEAL_REMEDIATOR_GATE_BUDGET_MAX_ISOLATED": "many"})
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"gate": {"budgett": {}}}, "gate: unknown key 'budgett'"),
+        ({"cluster": {"name": "lab", "nodes": {"Bad_Name": "r"}}}, "is not an RFC 1123 node name"),
+        ({"gate": {"budget": {"max_isolated_fraction": 2}}}, "must be between 0 and 1"),
+        ({"gate": {"dry_run": "perhaps"}}, "gate.dry_run: expected true or false"),
+        ({"listen": {"tls_cert_file": "/x.pem"}}, "set both for TLS"),
+        ({"store": {"synchronous": "OFF"}}, "store.synchronous"),
+        ({"runner": {"envvars": {"bad name": "x"}}}, "is not an environment variable name"),
+        ({"bogus": {}}, "unknown section 'bogus'"),
+    ],
+)
+def test_invalid_configs_name_the_key(tmp_path, sections, message):
+    with pytest.raises(cfgmod.ConfigError, match=message):
+        make_config(tmp_path, **sections)
+
+
+def test_a_cluster_needs_its_nodes():
+    with pytest.raises(cfgmod.ConfigError, match=r"cluster\.nodes: list the cluster's nodes"):
+        cfgmod.from_mapping({"cluster": {"name": "lab"}}, env={})
+
+
+def test_the_token_comes_from_a_file_or_the_environment_and_is_never_printed(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file-0123456789\n")
+    cfg = cfgmod.from_mapping({"cluster": {"nodes": {"n1": "r"}}, "auth": {"token_file": str(token_file)}}, env={})
+    assert cfg.token == "from-the-file-0123456789"
+    assert "from-the-file" not in repr(cfg)
+    env_cfg = cfgmod.from_mapping(
+        {"cluster": {"nodes": {"n1": "r"}}, "auth": {"token_file": str(token_file)}},
+        env={"FLEETHEAL_REMEDIATOR_TOKEN": TOKEN},
+    )
+    assert env_cfg.token == TOKEN
+    assert TOKEN not in repr(env_cfg) and TOKEN not in str(env_cfg)
+
+
+def test_a_short_or_missing_token_refuses_to_serve(tmp_path):
+    cfg = cfgmod.from_mapping({"cluster": {"nodes": {"n1": "r"}}}, env={"FLEETHEAL_REMEDIATOR_TOKEN": "short"})
+    with pytest.raises(cfgmod.ConfigError, match="at least 16 characters"):
+        cfgmod.require_token(cfg)
+
+
+def test_node_names():
+    assert cfgmod.is_node_name("gpu-001.rack-a.example")
+    for bad in ("", "-a", "a-", "A", "a_b", "a..b", "a" * 64, "a\n", "é"):
+        assert not cfgmod.is_node_name(bad), bad

@@ -1,0 +1,204 @@
+"""The incident state machine: steps on the timeline, retries with backoff, resuming after a crash."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fleetheal import taxonomy
+from fleetheal.remediator.alerts import validate_alert
+from fleetheal.remediator.engine import Engine
+from fleetheal.remediator.runner import RunnerInputError
+from fleetheal.remediator.store import Store
+from tests.remediator.conftest import RecordingRunner, alert, make_config
+
+TAX = taxonomy.load()
+
+
+async def start(cfg, runner, sleeps=None):
+    store = Store(cfg.store.path)
+
+    async def fake_sleep(seconds):
+        if sleeps is not None:
+            sleeps.append(seconds)
+
+    engine = Engine(cfg, store, runner, TAX, sleep=fake_sleep)
+    await engine.start(workers=2)
+    return store, engine
+
+
+async def send(store, engine, cfg, *alerts):
+    result = store.ingest([validate_alert(a, cfg, TAX) for a in alerts])
+    engine.submit(result.created)
+    await engine.wait_idle()
+    return result.created
+
+
+def test_a_successful_incident_has_every_step_on_its_timeline(cfg):
+    async def main():
+        runner = RecordingRunner()
+        store, engine = await start(cfg, runner)
+        (iid,) = await send(store, engine, cfg, alert(node="gpu-002", gpu="7", job_id="31"))
+        await engine.stop()
+        inc = store.get(iid)
+        assert inc.state == "done" and inc.decision == "allow"
+        assert inc.outcome == "ran isolate_and_relocate.yml for ISOLATE_AND_RELOCATE on gpu-002: successful"
+        steps = store.steps(iid)
+        assert [(s.name, s.result) for s in steps] == [
+            ("receive", "ok"),
+            ("classify", "ok"),
+            ("gate", "allow"),
+            ("playbook", "successful"),
+        ]
+        assert all(s.ended_at is not None and s.ended_at >= s.started_at for s in steps)
+        assert steps[1].detail.startswith("xid-79 (GPU has fallen off the bus): class hardware")
+        assert [e.kind for e in store.events(iid)] == ["playbook_start", "stats"]
+        (request,) = runner.requests
+        assert dict(request.extravars) == {
+            "fleetheal_incident_id": "inc-000001",
+            "fleetheal_node": "gpu-002",
+            "fleetheal_fault_id": "xid-79",
+            "fleetheal_fault_class": "hardware",
+            "fleetheal_action": "ISOLATE_AND_RELOCATE",
+            "fleetheal_cluster": "lab",
+            "fleetheal_dry_run": False,
+            "fleetheal_job_id": "31",
+            "fleetheal_gpu": "7",
+            "fleetheal_paused": False,
+            "fleetheal_budget_remaining": 1,  # 8 nodes * 0.05 -> 1 in the cluster; this node's slot
+        }
+
+    asyncio.run(main())
+
+
+def test_failed_attempts_are_retried_with_exponential_backoff(tmp_path):
+    cfg = make_config(tmp_path, runner={"retries": 2, "backoff_s": 5})
+
+    async def main():
+        sleeps: list[float] = []
+        runner = RecordingRunner(outcomes={1: "failed", 2: "timeout"})
+        store, engine = await start(cfg, runner, sleeps)
+        (iid,) = await send(store, engine, cfg, alert())
+        await engine.stop()
+        assert store.get(iid).state == "done"
+        runs = [(s.attempt, s.result) for s in store.steps(iid) if s.name == "playbook"]
+        assert runs == [(1, "failed"), (2, "timeout"), (3, "successful")]
+        assert sleeps == [5, 10]
+        assert [e.detail for e in store.events(iid) if e.kind == "backoff"] == [
+            "retry in 5 s (attempt 2)",
+            "retry in 10 s (attempt 3)",
+        ]
+
+    asyncio.run(main())
+
+
+def test_retries_exhausted_fail_the_incident(tmp_path):
+    cfg = make_config(tmp_path, runner={"retries": 1})
+
+    async def main():
+        runner = RecordingRunner(outcomes={1: "failed", 2: "failed"})
+        store, engine = await start(cfg, runner)
+        (iid,) = await send(store, engine, cfg, alert())
+        await engine.stop()
+        inc = store.get(iid)
+        assert inc.state == "failed" and inc.outcome == "playbook failed: retries exhausted after 2 attempts"
+        assert len(runner.requests) == 2
+
+    asyncio.run(main())
+
+
+def test_a_runner_that_refuses_its_input_fails_without_retry(cfg):
+    class Refusing(RecordingRunner):
+        def run(self, request, on_event, cancel):
+            self.requests.append(request)
+            raise RunnerInputError("playbook /x does not exist")
+
+    async def main():
+        runner = Refusing()
+        store, engine = await start(cfg, runner)
+        (iid,) = await send(store, engine, cfg, alert())
+        await engine.stop()
+        inc = store.get(iid)
+        assert inc.state == "failed" and "refused to run: playbook /x does not exist" in inc.outcome
+        assert len(runner.requests) == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("crash_state", ["received", "classified", "gated", "acting-open", "acting-done"])
+def test_resume_after_a_crash_in_every_state_finishes_once(cfg, crash_state):
+    """Build the database a crash would leave behind, restart, and check nothing finished runs again."""
+    store = Store(cfg.store.path)
+    (iid,) = store.ingest([validate_alert(alert(), cfg, TAX)]).created
+    inc = store.get(iid)
+    if crash_state != "received":
+        step = store.start_step(iid, "classify")
+        store.end_step(step, "ok", "classified before the crash", (iid, "classified", {}))
+    if crash_state in ("gated", "acting-open", "acting-done"):
+        gate_step = store.start_step(iid, "gate")
+        store.record_decision(
+            inc,
+            "gated",
+            "allow",
+            "before the crash",
+            {},
+            isolate_domain="rack-0",
+            count_isolation=True,
+            step_id=gate_step,
+        )
+    if crash_state.startswith("acting"):
+        store.set_state(iid, "acting")
+        run = store.start_step(iid, "playbook", 1, "isolate_and_relocate.yml")
+        store.set_step_run_dir(run, str(cfg.runner.run_dir) + "/never-started")
+        if crash_state == "acting-done":
+            store.end_step(run, "successful", "finished before the crash")
+    store.close()
+
+    async def main():
+        runner = RecordingRunner()
+        store2, engine = await start(cfg, runner)
+        await engine.wait_idle()
+        await engine.stop()
+        return store2, runner
+
+    store2, runner = asyncio.run(main())
+    inc = store2.get(iid)
+    assert inc.state == "done"
+    names = [(s.name, s.result) for s in store2.steps(iid)]
+    assert names.count(("classify", "ok")) == 1
+    assert sum(1 for n, _ in names if n == "gate") == 1
+    expected_runs = {"acting-done": 0, "acting-open": 1}.get(crash_state, 1)
+    assert len(runner.requests) == expected_runs
+    if crash_state == "acting-open":
+        assert [r for n, r in names if n == "playbook"] == ["interrupted", "successful"]
+        assert runner.requests[0].attempt == 2
+    assert len(store2.isolations()) == 1  # the gate's ledger is not counted twice
+
+
+def test_shutdown_cancels_a_running_playbook_and_the_next_start_resumes_it(cfg):
+    async def first():
+        runner = RecordingRunner(delay_s=30)
+        store, engine = await start(cfg, runner)
+        (iid,) = store.ingest([validate_alert(alert(), cfg, TAX)]).created
+        engine.submit([iid])
+        while not runner.requests:
+            await asyncio.sleep(0.01)
+        await engine.stop(grace_s=0.1)
+        return store, iid
+
+    store, iid = asyncio.run(first())
+    assert store.get(iid).state == "acting"
+    assert [s.result for s in store.steps(iid) if s.name == "playbook"] == ["interrupted"]
+    store.close()
+
+    async def second():
+        runner = RecordingRunner()
+        store2, engine = await start(cfg, runner)
+        await engine.wait_idle()
+        await engine.stop()
+        return store2, runner
+
+    store2, runner = asyncio.run(second())
+    assert store2.get(iid).state == "done"
+    assert [r.attempt for r in runner.requests] == [2]

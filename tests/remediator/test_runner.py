@@ -1,0 +1,187 @@
+"""The ansible-runner wrapper, with real ansible-runner and the recording test playbook."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fleetheal.remediator.runner import (
+    AnsibleRunner,
+    RunnerInputError,
+    StepRequest,
+    check_extravars,
+    kill_leftovers,
+    run_dir_for,
+    scrub_tree,
+)
+from tests.remediator.conftest import TOKEN, make_config
+
+SECRET = "aws-secret-value-0123456789"
+
+
+def request(incident=1, step=1, attempt=1, node="gpu-001", **extra):
+    extravars = {
+        "fleetheal_incident_id": f"inc-{incident:06d}",
+        "fleetheal_node": node,
+        "fleetheal_fault_id": "xid-79",
+        "fleetheal_fault_class": "hardware",
+        "fleetheal_action": "ISOLATE_AND_RELOCATE",
+        "fleetheal_cluster": "lab",
+        "fleetheal_dry_run": False,
+        "fleetheal_job_id": "",
+        "fleetheal_gpu": "3",
+        "fleetheal_paused": False,
+        "fleetheal_budget_remaining": 2,
+        **extra,
+    }
+    return StepRequest(incident, step, attempt, "ISOLATE_AND_RELOCATE", "isolate_and_relocate.yml", extravars)
+
+
+def records(tmp_path):
+    path = tmp_path / "record.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def secret_env(monkeypatch):
+    monkeypatch.setenv("FLEETHEAL_REMEDIATOR_TOKEN", TOKEN)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("FLEETHEAL_UNRELATED", "not-for-ansible")
+
+
+def test_a_run_gets_exactly_the_validated_variables_and_feeds_the_timeline(tmp_path, secret_env):
+    cfg = make_config(tmp_path)
+    runner = AnsibleRunner(cfg.runner, secrets=[TOKEN])
+    events = []
+    outcome = runner.run(request(), events.append, lambda: False)
+    assert outcome.ok, outcome
+    start, finish = records(tmp_path)
+    assert start["phase"] == "start" and finish["phase"] == "finish"
+    assert start["node"] == "gpu-001" and start["gpu"] == "3" and start["action"] == "ISOLATE_AND_RELOCATE"
+    assert start["dry_run"] is False and start["incident"] == "inc-000001"
+    assert start["extra_vars"] == sorted(request().extravars)
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "process" and events[0].pid
+    assert "playbook_start" in kinds and "task_start" in kinds and "task_changed" in kinds
+    assert events[-1].kind == "stats" and "failures=0" in events[-1].detail
+    assert outcome.run_dir == str(run_dir_for(cfg.runner.run_dir, request()))
+
+
+def test_artifacts_keep_no_secret_and_not_the_whole_environment(tmp_path, secret_env):
+    cfg = make_config(tmp_path)
+    runner = AnsibleRunner(cfg.runner, secrets=[TOKEN])
+    outcome = runner.run(request(), lambda e: None, lambda: False)
+    assert outcome.ok
+    run_dir = run_dir_for(cfg.runner.run_dir, request())
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        assert TOKEN.encode() not in data, path
+        assert SECRET.encode() not in data, path
+        assert b"not-for-ansible" not in data, path
+    command = json.loads((run_dir / "artifacts" / "run" / "command").read_text())
+    env = command["env"]
+    assert "FLEETHEAL_UNRELATED" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert "FLEETHEAL_REMEDIATOR_TOKEN" not in env
+    assert env["FLEETHEAL_TEST_RECORD"] == str(tmp_path / "record.jsonl")  # configured on purpose
+    assert set(env) <= set(cfg.runner.env_passthrough) | {"FLEETHEAL_TEST_RECORD"} | {
+        k for k in env if k.startswith(("ANSIBLE_", "AWX_", "RUNNER_", "ORIGINAL_STDOUT_CALLBACK"))
+    }
+    assert oct((run_dir / "env" / "extravars").stat().st_mode & 0o777) == "0o600"
+
+
+def test_every_step_attempt_has_its_own_private_directory(tmp_path):
+    cfg = make_config(tmp_path)
+    runner = AnsibleRunner(cfg.runner)
+    first = runner.run(request(incident=1, step=1, node="gpu-001"), lambda e: None, lambda: False)
+    second = runner.run(request(incident=2, step=2, node="gpu-002"), lambda e: None, lambda: False)
+    assert first.ok and second.ok and first.run_dir != second.run_dir
+    nodes = [r["node"] for r in records(tmp_path) if r["phase"] == "start"]
+    assert nodes == ["gpu-001", "gpu-002"]  # no variable leaked from the first run into the second
+
+
+def test_a_run_past_its_timeout_is_killed(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        runner={
+            "timeout_s": 2,
+            "envvars": {"FLEETHEAL_TEST_RECORD": str(tmp_path / "r"), "FLEETHEAL_TEST_HOLD_S": "60"},
+        },
+    )
+    t0 = time.monotonic()
+    outcome = AnsibleRunner(cfg.runner).run(request(), lambda e: None, lambda: False)
+    assert outcome.status == "timeout" and outcome.detail == "playbook killed after 2 s"
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_failing_playbook_reports_the_failed_task(tmp_path):
+    cfg = make_config(tmp_path)
+    events = []
+    # A fault id whose taxonomy action differs: the playbook's own assertion fails.
+    outcome = AnsibleRunner(cfg.runner).run(request(fleetheal_fault_id="xid-13"), events.append, lambda: False)
+    assert outcome.status == "failed"
+    failed = [e.detail for e in events if e.kind == "task_failed"]
+    assert failed and "Check the inputs like a real remediation playbook" in failed[0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"fleetheal_node": "gpu-001 -e @/etc/shadow"},
+        {"fleetheal_node": "{{ lookup('pipe', 'id') }}"},
+        {"fleetheal_job_id": "1;reboot"},
+        {"ansible_connection": "ssh"},
+        {"fleetheal_gpu": 3.0},
+        {"fleetheal_budget_remaining": -1},
+        {"fleetheal_budget_remaining": "1 -e x=y"},
+    ],
+)
+def test_unvalidated_variables_never_reach_ansible(tmp_path, extra):
+    cfg = make_config(tmp_path)
+    with pytest.raises(RunnerInputError):
+        AnsibleRunner(cfg.runner).run(request(**extra), lambda e: None, lambda: False)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_check_extravars_accepts_the_contract():
+    assert check_extravars(request().extravars)["fleetheal_dry_run"] is False
+
+
+def test_a_playbook_outside_the_playbook_dir_is_refused(tmp_path):
+    cfg = make_config(tmp_path)
+    runner = AnsibleRunner(cfg.runner)
+    with pytest.raises(RunnerInputError, match="outside"):
+        runner.playbook_path("../../etc/passwd")
+    with pytest.raises(RunnerInputError, match="does not exist"):
+        runner.playbook_path("missing.yml")
+
+
+def test_leftovers_of_an_interrupted_step_are_killed(tmp_path):
+    run_dir = tmp_path / "runs" / "inc-000001" / "step3-attempt1"
+    run_dir.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", str(run_dir / "env" / "extravars")],
+        start_new_session=True,
+    )
+    try:
+        assert kill_leftovers(str(run_dir)) == []
+        assert proc.wait(timeout=5) == -9
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    other = tmp_path / "runs" / "inc-000001" / "step3-attempt10"  # a prefix must not match
+    assert kill_leftovers(str(other)) == []
+
+
+def test_scrub_tree_masks_secret_values(tmp_path):
+    (tmp_path / "a").write_text(f"x {SECRET} y")
+    (tmp_path / "b").write_text("clean")
+    assert scrub_tree(tmp_path, [SECRET]) == 1
+    assert (tmp_path / "a").read_text() == "x *** y"
+    assert os.path.exists(tmp_path / "b")
