@@ -13,7 +13,7 @@ set -euo pipefail
 image=${FLEETHEAL_MOLECULE_IMAGE:-localhost/fleetheal-molecule:bookworm}
 cache=${FLEETHEAL_CACHE_DIR:-/var/cache/fleetheal}
 # Bump when the package list changes, so a stale cached tarball is not reused.
-version=3
+version=4
 tarball="$cache/molecule-rootfs-bookworm-v$version.tar"
 mirror=${FLEETHEAL_DEBIAN_MIRROR:-}
 if [[ -z "$mirror" ]]; then
@@ -23,9 +23,9 @@ if [[ -z "$mirror" ]]; then
 fi
 
 # Packages the roles and their Molecule verify steps need inside the container:
-# systemd as init; python3-apt for ansible.builtin.apt; python3-venv for the fleetheal virtualenvs;
+# systemd as init; python3-apt for ansible.builtin.apt; python3-venv and python3-packaging (ansible.builtin.pip) for the fleetheal virtualenvs;
 # gpg for apt keyrings; iproute2 (ss) and procps (ps) for verify; sudo for become_user tasks.
-packages=python3,python3-apt,python3-venv,systemd,systemd-sysv,dbus,gpg,iproute2,procps,sudo,ca-certificates
+packages=python3,python3-apt,python3-venv,python3-packaging,systemd,systemd-sysv,dbus,gpg,iproute2,procps,sudo,ca-certificates
 
 if [[ "${FLEETHEAL_IMAGE_REBUILD:-0}" != 1 ]] && podman image exists "$image"; then
   echo "image $image exists (FLEETHEAL_IMAGE_REBUILD=1 to rebuild)"

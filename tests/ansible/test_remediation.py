@@ -1,0 +1,307 @@
+"""The remediation playbooks, run through ansible-runner against a real private Slurm cluster.
+
+Every test starts its own slurmctld + 3 slurmd (fixture `slurm`), plants a situation (a running job,
+a standby node, a foreign drain), runs one playbook and checks Slurm's state afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetheal import contracts, taxonomy
+from fleetheal.lab.slurm import SlurmCluster
+
+from .conftest import FIXTURE_BIN, Playbooks, allocated_nodes, job_json, job_log, node_json, submit_running, wait_until
+
+pytestmark = pytest.mark.slurm
+
+
+def _isolate_vars(pb: Playbooks, node: str, **kw: object) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "fleetheal_node": node,
+        "fleetheal_fault_id": "xid-79",
+        "fleetheal_fault_class": "hardware",
+        "fleetheal_action": "ISOLATE_AND_RELOCATE",
+        "fleetheal_gpu": "1",
+    }
+    fields.update(kw)
+    return pb.base_vars(**fields)
+
+
+def test_isolate_and_relocate_drains_requeues_boosts_and_promotes(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    job, node = submit_running(slurm)
+    other, _ = submit_running(slurm)
+    standby = next(n for n in slurm.node_names if n not in (node, slurm.job(other)["NodeList"]))
+    slurm.scontrol("update", f"nodename={standby}", "state=drain", "reason=fleetheal:standby incident=inc-0")
+
+    run = playbooks.run("isolate_and_relocate.yml", _isolate_vars(playbooks, node))
+    assert run.rc == 0, run.stdout[-4000:]
+
+    info = slurm.node(node)
+    assert info.drained
+    assert info.reason == contracts.drain_reason("xid-79", "inc-1", gpu="1")
+    assert contracts.owns_reason(info.reason)
+
+    entry = job_json(slurm, job)
+    assert entry["restart_cnt"] == 1
+    assert entry["job_state"] in ("PENDING", "RUNNING")
+    assert node not in allocated_nodes(entry)
+    assert "incident=inc-1" in entry["comment"].split()
+    # The boost puts the requeued job above every other job.
+    assert entry["priority"] > job_json(slurm, other)["priority"]
+    assert "got USR1 at restart 0" in job_log(slurm, job)
+
+    assert not slurm.node(standby).drained
+    assert node_json(slurm, standby)["comment"] == f"fleetheal: promoted for {node} incident=inc-1"
+    assert run.report is not None and run.report["status"] == "done"
+    assert [s["outcome"] for s in run.steps("standby_promote")] == ["done"]
+    assert run.steps("k8s_isolate")[0]["outcome"] == "skipped"
+    assert "no Kubernetes API configured" in run.steps("k8s_isolate")[0]["detail"]
+
+    # Idempotent per incident: a second run changes nothing.
+    again = playbooks.run("isolate_and_relocate.yml", _isolate_vars(playbooks, node))
+    assert again.rc == 0, again.stdout[-4000:]
+    assert job_json(slurm, job)["restart_cnt"] == 1
+    assert "already drained by fleetheal" in again.steps("slurm_drain")[0]["detail"]
+    assert "already promoted" in again.steps("standby_promote")[0]["detail"]
+    assert again.stats.get("changed", {}) == {}
+
+
+def test_dry_run_reports_would_and_changes_nothing(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    job, node = submit_running(slurm)
+    run = playbooks.run("isolate_and_relocate.yml", _isolate_vars(playbooks, node, fleetheal_dry_run=True))
+    assert run.rc == 0, run.stdout[-4000:]
+    assert run.report is not None and run.report["status"] == "dry_run"
+    drain = run.steps("slurm_drain")[0]
+    assert drain["outcome"] == "would"
+    assert drain["detail"].startswith(f"would drain {node} with reason 'fleetheal:xid-79 incident=inc-1 gpu=1'")
+    assert run.steps("slurm_requeue")[0]["detail"].startswith(f"would send USR1 to job {job}")
+    assert not slurm.node(node).drained
+    entry = job_json(slurm, job)
+    assert (entry["job_state"], entry["restart_cnt"]) == ("RUNNING", 0)
+    assert "got USR1" not in job_log(slurm, job)
+
+
+def test_check_mode_is_a_dry_run(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    job, node = submit_running(slurm)
+    run = playbooks.run("isolate_and_relocate.yml", _isolate_vars(playbooks, node), cmdline="--check")
+    assert run.rc == 0, run.stdout[-4000:]
+    assert run.report is not None and run.report["dry_run"] is True
+    assert {s["outcome"] for s in run.report["steps"]} <= {"would", "skipped"}
+    assert not slurm.node(node).drained
+    assert job_json(slurm, job)["restart_cnt"] == 0
+
+
+def test_action_the_taxonomy_does_not_map_is_refused(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    _, node = submit_running(slurm)
+    # Xid 31 is a user fault (REFUSE_AND_REPORT): isolating the node for it must be refused.
+    assert taxonomy.load().get("xid-31").action == "REFUSE_AND_REPORT"
+    run = playbooks.run(
+        "isolate_and_relocate.yml", _isolate_vars(playbooks, node, fleetheal_fault_id="xid-31", fleetheal_fault_class="user")
+    )
+    assert run.rc != 0
+    assert run.report is not None and run.report["status"] == "failed"
+    assert "maps xid-31 (user) to REFUSE_AND_REPORT, not ISOLATE_AND_RELOCATE" in run.report["error"]
+    assert not slurm.node(node).drained
+
+
+def test_playbook_for_another_action_is_refused(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    _, node = submit_running(slurm)
+    run = playbooks.run("reset_gpu.yml", _isolate_vars(playbooks, node))
+    assert run.rc != 0
+    assert run.report is not None
+    assert "isolate_and_relocate.yml runs ISOLATE_AND_RELOCATE" in run.report["error"]
+    assert not slurm.node(node).drained
+
+
+def test_missing_node_variable_hits_no_host(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    _, node = submit_running(slurm)
+    extravars = _isolate_vars(playbooks, node)
+    del extravars["fleetheal_node"]
+    run = playbooks.run("isolate_and_relocate.yml", extravars)
+    assert run.rc == 0
+    assert "no hosts matched" in run.stdout
+    assert run.report is None  # not one task ran
+    assert not slurm.node(node).drained
+
+
+def test_destructive_action_needs_the_safety_gate_budget(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    _, node = submit_running(slurm)
+    extravars = _isolate_vars(playbooks, node)
+    del extravars["fleetheal_budget_remaining"]
+    run = playbooks.run("isolate_and_relocate.yml", extravars)
+    assert run.rc != 0
+    assert run.report is not None and "isolation budget is spent" in run.report["error"]
+    assert not slurm.node(node).drained
+    paused = playbooks.run("isolate_and_relocate.yml", _isolate_vars(playbooks, node, fleetheal_paused=True))
+    assert paused.rc != 0 and not slurm.node(node).drained
+
+
+def test_foreign_drain_is_never_taken_over_or_undrained(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    node = slurm.node_names[0]
+    slurm.scontrol("update", f"nodename={node}", "state=drain", "reason=admin: PSU swap RT#4711")
+    run = playbooks.run("isolate_and_relocate.yml", _isolate_vars(playbooks, node))
+    assert run.rc == 0, run.stdout[-4000:]
+    assert run.steps("slurm_drain")[0]["outcome"] == "skipped"
+    assert slurm.node(node).reason == "admin: PSU swap RT#4711"
+
+    rejoin = playbooks.run(
+        "rejoin.yml", playbooks.base_vars(fleetheal_node=node, fleetheal_fault_id="xid-79", fleetheal_action="REJOIN")
+    )
+    assert rejoin.rc != 0
+    assert rejoin.report is not None and "which fleetheal does not own" in rejoin.report["error"]
+    info = slurm.node(node)
+    assert info.drained and info.reason == "admin: PSU swap RT#4711"
+
+
+def test_refuse_and_report_tells_the_job_and_keeps_the_node(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    job, node = submit_running(slurm)
+    extravars = playbooks.base_vars(
+        fleetheal_node=node,
+        fleetheal_fault_id="xid-31",
+        fleetheal_fault_class="user",
+        fleetheal_action="REFUSE_AND_REPORT",
+        fleetheal_job_id=job,
+        fleetheal_explanation="MMU fault from the application: check array bounds",
+    )
+    run = playbooks.run("refuse_and_report.yml", extravars)
+    assert run.rc == 0, run.stdout[-4000:]
+    entry = job_json(slurm, job)
+    assert entry["comment"].startswith("fleetheal: not requeued: xid-31 (user)")
+    assert "incident=inc-1" in entry["comment"].split()
+    assert (entry["job_state"], entry["restart_cnt"]) == ("RUNNING", 0)
+    assert not slurm.node(node).drained
+    assert "check array bounds" in job_log(slurm, job)
+
+    again = playbooks.run("refuse_and_report.yml", extravars)
+    assert again.rc == 0
+    assert job_log(slurm, job).count("fleetheal: not requeued") == 1
+    assert again.stats.get("changed", {}) == {}
+
+
+def test_restart_in_place_requeues_on_the_same_node_within_the_limit(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    job, node = submit_running(slurm)
+    base = {
+        "fleetheal_node": node,
+        "fleetheal_fault_id": "nccl-timeout",
+        "fleetheal_fault_class": "transient",
+        "fleetheal_action": "RESTART_IN_PLACE",
+        "fleetheal_job_id": job,
+        "fleetheal_max_restarts": 1,
+    }
+    run = playbooks.run("restart_in_place.yml", playbooks.base_vars(**base))
+    assert run.rc == 0, run.stdout[-4000:]
+    assert not slurm.node(node).drained
+    assert wait_until(lambda: job_json(slurm, job)["job_state"] == "RUNNING", timeout=20)
+    entry = job_json(slurm, job)
+    assert entry["restart_cnt"] == 1
+    assert allocated_nodes(entry) == [node]
+
+    # A second incident on the same job is over the per-job limit: no requeue.
+    limited = playbooks.run("restart_in_place.yml", playbooks.base_vars(fleetheal_incident_id="inc-2", **base))
+    assert limited.rc == 0, limited.stdout[-4000:]
+    assert "restart limit reached (1 of 1)" in limited.steps("slurm_requeue")[0]["detail"]
+    assert job_json(slurm, job)["restart_cnt"] == 1
+
+
+def test_observe_changes_nothing(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    job, node = submit_running(slurm)
+    run = playbooks.run(
+        "observe.yml",
+        playbooks.base_vars(fleetheal_node=node, fleetheal_fault_id="unknown", fleetheal_action="OBSERVE"),
+    )
+    assert run.rc == 0, run.stdout[-4000:]
+    assert run.steps("observe")[0]["detail"].startswith("observed unknown (unknown")
+    assert not slurm.node(node).drained
+    assert job_json(slurm, job)["restart_cnt"] == 0
+
+
+def _fixture_vars() -> dict[str, str]:
+    return {
+        "node_validation_nvidia_smi": str(FIXTURE_BIN / "nvidia-smi"),
+        "node_validation_dcgmi": str(FIXTURE_BIN / "dcgmi"),
+        "node_validation_nccl_binary": str(FIXTURE_BIN / "all_reduce_perf"),
+    }
+
+
+def test_revalidate_without_gpus_fails_closed_to_quarantine(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    node = slurm.node_names[0]
+    slurm.scontrol("update", f"nodename={node}", "state=drain", "reason=fleetheal:xid-79 incident=inc-1")
+    extravars = playbooks.base_vars(
+        fleetheal_node=node,
+        fleetheal_fault_id="xid-79",
+        fleetheal_action="REVALIDATE",
+        node_validation_report_path=str(playbooks.work / "nv.json"),
+    )
+    run = playbooks.run("revalidate.yml", extravars)
+    assert run.rc == 0, run.stdout[-4000:]
+    assert "fail (gpu_present: no NVIDIA GPU" in run.steps("revalidate")[0]["detail"]
+    info = slurm.node(node)
+    assert info.drained and info.reason == "fleetheal:quarantine incident=inc-1"
+
+    rejoin = playbooks.run("rejoin.yml", dict(extravars, fleetheal_action="REJOIN"))
+    assert rejoin.rc != 0
+    assert rejoin.report is not None and "run REVALIDATE first" in rejoin.report["error"]
+    assert slurm.node(node).drained
+
+
+def test_revalidate_pass_goes_to_standby_then_rejoins(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    node = slurm.node_names[1]
+    slurm.scontrol("update", f"nodename={node}", "state=drain", "reason=fleetheal:xid-48 incident=inc-7")
+    extravars = playbooks.base_vars(
+        fleetheal_incident_id="inc-7",
+        fleetheal_node=node,
+        fleetheal_fault_id="xid-48",
+        fleetheal_action="REVALIDATE",
+        node_validation_expected_gpus=8,
+        node_validation_report_path=str(playbooks.work / "nv.json"),
+        **_fixture_vars(),
+    )
+    run = playbooks.run("revalidate.yml", extravars)
+    assert run.rc == 0, run.stdout[-4000:]
+    assert run.steps("revalidate")[0]["detail"].startswith(f"node validation on {node}: pass")
+    assert slurm.node(node).reason == "fleetheal:standby incident=inc-7"
+
+    rejoin = playbooks.run("rejoin.yml", dict(extravars, fleetheal_action="REJOIN"))
+    assert rejoin.rc == 0, rejoin.stdout[-4000:]
+    assert wait_until(lambda: not slurm.node(node).drained)
+    assert run.report is not None and rejoin.report is not None
+    assert rejoin.report["status"] == "done"
+
+
+def test_reset_gpu_returns_the_node_when_it_revalidates(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    job, node = submit_running(slurm)
+    extravars = playbooks.base_vars(
+        fleetheal_node=node,
+        fleetheal_fault_id="xid-119",
+        fleetheal_action="RESET_GPU",
+        fleetheal_gpu="0",
+        fleetheal_nvidia_smi=str(FIXTURE_BIN / "nvidia-smi"),
+        node_validation_report_path=str(playbooks.work / "nv.json"),
+        **_fixture_vars(),
+    )
+    assert taxonomy.load().get("xid-119").action == "RESET_GPU"
+    run = playbooks.run("reset_gpu.yml", extravars)
+    assert run.rc == 0, run.stdout[-4000:]
+    assert "was successfully reset" in run.steps("gpu_reset")[0]["detail"]
+    assert job_json(slurm, job)["restart_cnt"] == 1
+    assert [s["outcome"] for s in run.steps("slurm_resume")] == ["done"]
+    assert not slurm.node(node).drained
+
+
+def test_reset_gpu_failure_leaves_the_node_drained_and_owned(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    node = slurm.node_names[2]
+    extravars = playbooks.base_vars(
+        fleetheal_node=node,
+        fleetheal_fault_id="xid-119",
+        fleetheal_action="RESET_GPU",
+        fleetheal_gpu="0",
+        fleetheal_slurm_retries=0,
+        fleetheal_nvidia_smi="/nonexistent/nvidia-smi",
+    )
+    run = playbooks.run("reset_gpu.yml", extravars)
+    assert run.rc != 0
+    assert run.report is not None and run.report["status"] == "failed"
+    assert "GPU reset" in run.report["error"]
+    info = slurm.node(node)
+    assert info.drained and info.reason == "fleetheal:xid-119 incident=inc-1 gpu=0"
