@@ -131,7 +131,11 @@ class Watcher:
                 if detail is not None:
                     outcome.milestones[key] = now
                     self.out(f"  + {now:5.1f}s  {label}: {detail}")
-            if done():
+            try:
+                is_done = done()
+            except Exception:
+                is_done = False
+            if is_done:
                 return
             if now > timeout:
                 missing = [label for key, label, _ in checks if key not in outcome.milestones]
@@ -143,7 +147,7 @@ class Watcher:
                     f"      ... {now:.0f}s: job {self.job} {info.get('JobState')} on {info.get('NodeList')}, "
                     f"restarts {info.get('Restarts')}"
                 )
-            time.sleep(0.2)
+            time.sleep(0.5)
 
 
 def _starts(run_dir: Path) -> list[dict[str, Any]]:
@@ -269,7 +273,7 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         ("running", "job running again", running_again),
         ("resumed", "resumed", resumed),
     ]
-    w.run(o, checks, finished, timeout=180)
+    w.run(o, checks, finished, timeout=300)
     o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []
     o.ok = o.incidents[0].get("state") == "done" if o.incidents else False
     return o
@@ -300,12 +304,15 @@ def scenario_xid31(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         inc = _incident_for(lab, node, "xid-31", t_inject)
         return bool(inc and inc.get("state") in ("done", "failed")) and "told" in o.milestones
 
-    w.run(o, [("incident", "incident", detected), ("told", "user told", told)], finished, timeout=120)
+    w.run(o, [("incident", "incident", detected), ("told", "user told", told)], finished, timeout=240)
     n = lab.slurm().node(node)
     info = w.job_info()
     o.details["node_drained"] = n.drained
     o.details["restarts"] = int(info.get("Restarts", "0")) - restarts0
     o.details["job_state"] = info.get("JobState")
+    shown = lab.slurm().scontrol("show", "job", "-o", w.job)
+    m = re.search(r"\bComment=(.*?)(?= [A-Z][A-Za-z]+=|$)", shown.strip())
+    o.details["comment"] = m.group(1) if m else ""
     out(f"  result: {node} {n.state}{'+DRAIN' if n.drained else ''} (not drained), job {w.job} {info.get('JobState')} "
         f"with {o.details['restarts']} new restarts")  # fmt: skip
     o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []
@@ -357,7 +364,7 @@ def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         ("running", "restarted in place", running_again),
         ("resumed", "resumed", resumed),
     ]
-    w.run(o, checks, finished, timeout=150)
+    w.run(o, checks, finished, timeout=240)
     o.details["same_nodes"] = sorted(o.details.get("new_nodes", [])) == sorted(nodes)
     o.details["node_drained"] = lab.slurm().node(node).drained
     o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []

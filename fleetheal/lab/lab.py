@@ -30,6 +30,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -570,20 +571,32 @@ class Lab:
             )
         return out
 
-    def incidents(self) -> list[dict[str, Any]]:
-        out = subprocess.run(
-            [*REMEDIATOR_CLI, "incidents", "list", "--config", str(self.remediator_config), "--json"],
-            capture_output=True, text=True, timeout=30, check=False, env=self._agent_env(),
-        )  # fmt: skip
-        if out.returncode != 0:
-            raise LabError(f"fleetheal incidents list failed: {out.stderr.strip()}")
-        doc: list[dict[str, Any]] = json.loads(out.stdout or "[]")
-        return doc
+    def incidents(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Recent incidents, newest first, read from the remediator's store (what `fleetheal incidents list
+        --json` prints), in this process: the demo polls it several times a second."""
+        from fleetheal.remediator.config import load
+        from fleetheal.remediator.store import Store
+
+        cfg = load(self.remediator_config)
+        if not Path(cfg.store.path).exists():
+            return []
+        for attempt in range(5):
+            try:
+                store = Store(cfg.store.path, cfg.store.synchronous)
+                try:
+                    return [inc.as_dict() for inc in store.incidents(limit=limit)]
+                finally:
+                    store.close()
+            except sqlite3.OperationalError as exc:  # the remediator is creating or writing the database
+                if attempt == 4:
+                    raise LabError(f"cannot read the remediator's incidents from {cfg.store.path}: {exc}") from exc
+                time.sleep(0.2 * (attempt + 1))
+        return []
 
     def incident(self, ref: str) -> dict[str, Any]:
         out = subprocess.run(
             [*REMEDIATOR_CLI, "incidents", "show", ref, "--config", str(self.remediator_config), "--json"],
-            capture_output=True, text=True, timeout=30, check=False, env=self._agent_env(),
+            capture_output=True, text=True, timeout=120, check=False, env=self._agent_env(),
         )  # fmt: skip
         if out.returncode != 0:
             raise LabError(f"fleetheal incidents show {ref} failed: {out.stderr.strip()}")
