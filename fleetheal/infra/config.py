@@ -454,3 +454,34 @@ def stack_values(stack: str, root: Path = REPO_ROOT) -> dict[str, Any]:
 
 def list_stacks(root: Path = REPO_ROOT) -> list[str]:
     return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in root.glob("Pulumi.*.yaml"))
+
+
+def reference_markdown(project_file: Path = PROJECT_FILE) -> str:
+    """docs/pulumi-config.md, generated from the declarations in Pulumi.yaml (a test checks it is current)."""
+
+    def show(value: Any) -> str:
+        if value is None:
+            return ""
+        return "`" + json.dumps(value, separators=(", ", ": ")) + "`"
+
+    lines = [
+        "# Stack configuration reference",
+        "",
+        "<!-- GENERATED from Pulumi.yaml by fleetheal.infra.config.reference_markdown(); do not edit. -->",
+        "",
+        "Every setting of the fleetheal Pulumi program, declared once in `Pulumi.yaml`. A stack file",
+        "(`Pulumi.<stack>.yaml`) only overrides: `pulumi config set fleetheal:KEY VALUE` (`--path` for",
+        "objects and lists, `--secret` for secrets). A bad value stops `pulumi up` before any resource is",
+        "registered, with a message naming `fleetheal:KEY` and what it accepts.",
+        "",
+        "| key | type | default | description |",
+        "|---|---|---|---|",
+    ]
+    for d in declarations(project_file).values():
+        typ = f"{d.type}<{d.items}>" if d.items else d.type
+        if d.secret:
+            typ += " (secret)"
+        default = show(d.default) if d.has_default else "(none)"
+        desc = d.description.replace("|", "\\|")
+        lines.append(f"| `{d.key}` | {typ} | {default} | {desc} |")
+    return "\n".join(lines) + "\n"

@@ -184,3 +184,11 @@ def test_pulumi_main_reads_the_engine_config_and_builds_the_stack(dev_values: di
     assert {"Controller", "NodeSet", "DaemonSet", "PrometheusRule", "AlertmanagerConfig"} <= kinds
     nodesets = [r.inputs["metadata"]["name"] for r in mocks_.records if r.inputs.get("kind") == "NodeSet"]
     assert sorted(nodesets) == ["lab-a100", "lab-h100"]
+
+
+def test_config_reference_doc_is_current() -> None:
+    doc = REPO / "docs" / "pulumi-config.md"
+    assert doc.read_text() == config.reference_markdown(), (
+        "docs/pulumi-config.md is stale: run .venv/bin/python -c 'from fleetheal.infra import config; "
+        "open(\"docs/pulumi-config.md\", \"w\").write(config.reference_markdown())'"
+    )
