@@ -4,11 +4,14 @@ The components live in the importable package `fleetheal.infra` (tests build the
 this folder has no __init__.py on purpose: it would shadow the `pulumi` SDK.
 """
 
+from pathlib import Path
+
 import pulumi
 
 from fleetheal.infra import config, program
 
-cfg = config.from_pulumi()
+# Pulumi.yaml beside this folder holds every key's declaration (type, default, description).
+cfg = config.from_pulumi(Path(__file__).resolve().parent.parent / "Pulumi.yaml")
 fleet = program.build(cfg)
 
 pulumi.export("clusterName", cfg.cluster_name)

@@ -190,5 +190,5 @@ def test_config_reference_doc_is_current() -> None:
     doc = REPO / "docs" / "pulumi-config.md"
     assert doc.read_text() == config.reference_markdown(), (
         "docs/pulumi-config.md is stale: run .venv/bin/python -c 'from fleetheal.infra import config; "
-        "open(\"docs/pulumi-config.md\", \"w\").write(config.reference_markdown())'"
+        'open("docs/pulumi-config.md", "w").write(config.reference_markdown())\''
     )
