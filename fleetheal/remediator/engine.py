@@ -45,6 +45,8 @@ from fleetheal.remediator.store import TERMINAL, Incident, Step, Store
 log = logging.getLogger("fleetheal.remediator.engine")
 
 MAX_INTERRUPTIONS = 5
+#: Held incidents are looked at again at least this often even when nothing seems to have changed.
+FULL_RECHECK_S = 30.0
 PLAYBOOK_STEP = "playbook"
 
 
@@ -75,6 +77,8 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=cfg.runner.max_concurrent, thread_name_prefix="playbook")
         self._cancel = threading.Event()
         self._stopping = False
+        self._hold_state: tuple[bool, bool, int] | None = None
+        self._last_recheck = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -166,8 +170,19 @@ class Engine:
                 log.exception("gate tick failed")
 
     def tick(self) -> None:
-        """Close a quiet breaker and put held incidents back in the queue, oldest first."""
+        """Close a quiet breaker; when what holds incidents changed, put them back in the queue, oldest first.
+
+        Held incidents wait on the pause switch, the breaker or the budget; looking at hundreds of them
+        every interval during a storm would cost more than the storm, so they are looked at again only
+        when one of those changed (or every FULL_RECHECK_S, in case something else did).
+        """
         self.gate.tick()
+        state = (self.cfg.paused(), self.gate.breaker_open(), len(self.store.isolations()))
+        now = time.monotonic()
+        if state == self._hold_state and now - self._last_recheck < FULL_RECHECK_S:
+            return
+        self._hold_state = state
+        self._last_recheck = now
         self.submit(inc.id for inc in self.store.held() if inc.id not in self._inflight)
 
     # --- the state machine ------------------------------------------------------------------------------
