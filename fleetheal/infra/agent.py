@@ -12,6 +12,7 @@ from typing import Any, TypedDict
 
 import pulumi
 import pulumi_kubernetes as k8s
+import yaml
 
 from fleetheal import contracts
 from fleetheal.infra import common
@@ -35,6 +36,24 @@ class HealthAgentArgs(TypedDict):
     """Labels that make the Prometheus operator select the ServiceMonitor."""
     runtime_class: str
     """RuntimeClass that injects GPUs (usually `nvidia`); empty to use the node default."""
+
+
+CONFIG_MOUNT = "/etc/fleetheal"
+
+
+def agent_config(port: int) -> dict[str, Any]:
+    """The agent's YAML config (fleetheal/agent/config.py schema) for the DaemonSet.
+
+    In a pod the agent taints its own Kubernetes node on the fast path; it has no Slurm client, so
+    the Slurm side goes through the health file: the Slurm HealthCheckProgram (every
+    HealthCheckInterval) and the prolog read it and drain the node or refuse the job.
+    """
+    return {
+        "health_file": contracts.AGENT_HEALTH_FILE,
+        "metrics": {"listen": "0.0.0.0", "port": port},  # noqa: S104 - scraped by Prometheus
+        "training": {"socket": f"{contracts.AGENT_STATE_DIR}/training.sock"},
+        "fastpath": {"slurm": {"enabled": False}, "kubernetes": {"enabled": True}},
+    }
 
 
 def node_affinity() -> dict[str, Any]:
@@ -84,6 +103,12 @@ class HealthAgent(pulumi.ComponentResource):
             subjects=[{"kind": "ServiceAccount", "name": NAME, "namespace": ns}],
             opts=child,
         )
+        self.config_map = k8s.core.v1.ConfigMap(
+            f"{name}-config",
+            metadata={"name": NAME, "namespace": ns, "labels": labels},
+            data={"agent.yaml": yaml.safe_dump(agent_config(port), sort_keys=True)},
+            opts=child,
+        )
         pod_spec: dict[str, Any] = {
             "serviceAccountName": NAME,
             "hostNetwork": True,
@@ -95,9 +120,10 @@ class HealthAgent(pulumi.ComponentResource):
                 {
                     "name": "agent",
                     "image": a["image"],
-                    "args": ["agent", f"--listen=0.0.0.0:{port}", f"--state-dir={contracts.AGENT_STATE_DIR}"],
+                    "args": ["agent", "run", "--config", f"{CONFIG_MOUNT}/agent.yaml"],
                     "env": [
-                        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        # the Kubernetes node name, which is also the Slurm node name in fleetheal
+                        {"name": "FLEETHEAL_AGENT_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
                         {"name": "FLEETHEAL_CLUSTER", "value": a["cluster_name"]},
                         # The NVIDIA container runtime mounts these GPUs' device nodes and NVML.
                         {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
@@ -119,12 +145,14 @@ class HealthAgent(pulumi.ComponentResource):
                     "volumeMounts": [
                         {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True},
                         {"name": "state", "mountPath": contracts.AGENT_STATE_DIR},
+                        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
                     ],
                 }
             ],
             "volumes": [
                 {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}},
                 {"name": "state", "hostPath": {"path": contracts.AGENT_STATE_DIR, "type": "DirectoryOrCreate"}},
+                {"name": "config", "configMap": {"name": NAME}},
             ],
         }
         if a["runtime_class"]:
@@ -137,7 +165,8 @@ class HealthAgent(pulumi.ComponentResource):
                 "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
                 "template": {"metadata": {"labels": {**labels, **sel}}, "spec": pod_spec},
             },
-            opts=child,
+            # a changed config must reach the pods: the DaemonSet waits for the ConfigMap
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.config_map]),
         )
         self.service = k8s.core.v1.Service(
             f"{name}-svc",

@@ -75,7 +75,7 @@ def slurm_conf_lines(grace_seconds: int, large_min_nodes: int, nodesets: list[st
         # admin DOWN was undone within 40 ms on Slurm 22.05.
         "ReturnToService=1",
         f"HealthCheckProgram={HOOKS_MOUNT}/{HEALTHCHECK}",
-        "HealthCheckInterval=60",
+        "HealthCheckInterval=30",
         "HealthCheckNodeState=ANY,CYCLE",
         # Requeued jobs get a priority boost from the remediator; multifactor makes it count.
         "PriorityType=priority/multifactor",

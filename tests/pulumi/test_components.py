@@ -255,3 +255,40 @@ def test_component_outputs_resolve_under_the_test_decorator() -> None:
         return pulumi.Output.all(storage.urn, storage.claim.spec).apply(check)
 
     body()
+
+
+def test_agent_config_map_is_a_valid_agent_config(run_mocked: Runner, tmp_path: Any) -> None:
+    from fleetheal.agent.config import load_config
+
+    cls, args = COMPONENTS["HealthAgent"]
+    records = run_mocked(lambda: cls("x", args))
+    (cm,) = by_kind(records, "ConfigMap")
+    (ds,) = by_kind(records, "DaemonSet")
+    path = tmp_path / "agent.yaml"
+    path.write_text(cm["data"]["agent.yaml"])
+    env = {e["name"]: "gpu-node-7" for e in ds["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e}
+    cfg = load_config(path, env=env)
+    assert cfg.node == "gpu-node-7"
+    assert cfg.health_file == contracts.AGENT_HEALTH_FILE
+    assert cfg.metrics.port == args["port"]
+    assert cfg.fastpath.kubernetes.enabled and not cfg.fastpath.slurm.enabled
+    assert ds["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "agent",
+        "run",
+        "--config",
+        "/etc/fleetheal/agent.yaml",
+    ]
+
+
+def test_remediator_config_map_is_a_valid_remediator_config(run_mocked: Runner) -> None:
+    import yaml
+
+    from fleetheal.remediator.config import from_mapping
+
+    cls, args = COMPONENTS["Remediator"]
+    records = run_mocked(lambda: cls("x", args))
+    (cm,) = by_kind(records, "ConfigMap")
+    cfg = from_mapping(yaml.safe_load(cm["data"]["remediator.yaml"]), env={"FLEETHEAL_REMEDIATOR_TOKEN": "t" * 32})
+    assert cfg.cluster.name == "c1" and dict(cfg.cluster.nodes) == {"n1": "fd0"}
+    assert cfg.listen.port == 9105 and cfg.gate.dry_run is True
+    assert cfg.auth.token_file == "/var/run/secrets/fleetheal/token"
