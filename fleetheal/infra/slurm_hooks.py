@@ -2,6 +2,7 @@
 
 They talk to the agent through the host directory in `contracts.AGENT_STATE_DIR` (mounted into
 slurmd pods), not over the network, so a hung API or DNS never blocks a job start.
+`FLEETHEAL_STATE_DIR` overrides that directory (tests, bare-metal installs).
 """
 
 from __future__ import annotations
@@ -20,19 +21,25 @@ def healthcheck_script() -> str:
     return f"""#!/usr/bin/env bash
 # fleetheal HealthCheckProgram: drain this node when the fleetheal agent reports a fault.
 set -euo pipefail
-health_file={contracts.AGENT_HEALTH_FILE}
+state_dir="${{FLEETHEAL_STATE_DIR:-{contracts.AGENT_STATE_DIR}}}"
+health_file="$state_dir/health"
 node="${{SLURMD_NODENAME:-$(hostname -s)}}"
+log() {{ logger -t fleetheal-healthcheck "$*" 2>/dev/null || echo "fleetheal-healthcheck: $*" >&2; }}
 if [[ ! -r "$health_file" ]]; then
-  logger -t fleetheal-healthcheck "no agent health file at $health_file; not draining $node"
+  log "no agent health file at $health_file; not draining $node"
   exit 0
 fi
 state="$(head -c 200 "$health_file" | tr -cd 'A-Za-z0-9_.:=-')"
 if [[ "$state" == "ok" ]]; then
   exit 0
 fi
+# Already drained (by fleetheal or by a person): keep that reason, never overwrite it.
+if scontrol show node -o "$node" 2>/dev/null | grep -Eq 'State=[A-Z_+]*DRAIN'; then
+  exit 1
+fi
 reason="{contracts.DRAIN_REASON_PREFIX}${{state:-unknown}} incident=healthcheck-${{node}}"
 scontrol update nodename="$node" state=drain reason="$reason"
-logger -t fleetheal-healthcheck "drained $node: $reason"
+log "drained $node: $reason"
 exit 1
 """
 
@@ -41,8 +48,9 @@ def prolog_script() -> str:
     return f"""#!/usr/bin/env bash
 # fleetheal prolog part: tell the agent which job runs here (and on which GPUs), refuse unhealthy nodes.
 set -euo pipefail
-jobs_dir={contracts.AGENT_JOBS_DIR}
-health_file={contracts.AGENT_HEALTH_FILE}
+state_dir="${{FLEETHEAL_STATE_DIR:-{contracts.AGENT_STATE_DIR}}}"
+jobs_dir="$state_dir/jobs"
+health_file="$state_dir/health"
 if [[ -r "$health_file" && "$(head -c 200 "$health_file")" != ok* ]]; then
   echo "fleetheal: node unhealthy ($(head -c 200 "$health_file")); job ${{SLURM_JOB_ID}} goes elsewhere" >&2
   exit 1
@@ -59,7 +67,8 @@ def epilog_script() -> str:
     return f"""#!/usr/bin/env bash
 # fleetheal epilog part: the job left this node.
 set -euo pipefail
-rm -f "{contracts.AGENT_JOBS_DIR}/${{SLURM_JOB_ID}}"
+state_dir="${{FLEETHEAL_STATE_DIR:-{contracts.AGENT_STATE_DIR}}}"
+rm -f "$state_dir/jobs/${{SLURM_JOB_ID}}"
 """
 
 
