@@ -1,0 +1,73 @@
+"""Every Molecule scenario under molecule/, run as `molecule test` (converge, idempotence, verify).
+
+Needs the podman image from `molecule/image/build.sh` and the wheelhouse from
+`molecule/image/wheelhouse.sh` (the Makefile prepares both); a missing one fails the test with the
+command to run. The remediation scenario starts a real Slurm on this machine instead of a container.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = sorted(p.parent.name for p in (REPO / "molecule").glob("*/molecule.yml"))
+IMAGE = os.environ.get("FLEETHEAL_MOLECULE_IMAGE", "localhost/fleetheal-molecule:bookworm")
+WHEELHOUSE = Path(os.environ.get("FLEETHEAL_WHEELHOUSE", "/var/cache/fleetheal/wheels"))
+#: Scenarios that run on this machine (localhost), without a container.
+LOCAL = {"remediation"}
+
+
+def _environment() -> dict[str, str]:
+    import ansible_collections
+
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = f"{bindir}:{env.get('PATH', '')}"
+    # Galaxy is unreachable: the collections are the ones the `ansible` package installed.
+    env["ANSIBLE_COLLECTIONS_PATH"] = str(Path(next(iter(ansible_collections.__path__))).parent)
+    env["ANSIBLE_NOCOLOR"] = "1"
+    env["ANSIBLE_FORCE_COLOR"] = "0"
+    env["NO_COLOR"] = "1"
+    env["PY_COLORS"] = "0"
+    return env
+
+
+def test_every_role_has_a_scenario() -> None:
+    roles = sorted(p.name for p in (REPO / "roles").iterdir() if (p / "tasks" / "main.yml").exists())
+    assert roles == ["dcgm", "gpu_health_agent", "node_validation", "remediator", "slurm_node_health"]
+    assert set(roles) <= set(SCENARIOS)
+    for name in SCENARIOS:
+        verify = (REPO / "molecule" / name / "verify.yml").read_text()
+        assert "that: true" not in verify.replace("'", "").replace('"', "")
+        assert "assert" in verify or "failed_when" in verify, f"molecule/{name}/verify.yml checks nothing"
+
+
+@pytest.mark.molecule
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenario(scenario: str) -> None:
+    if scenario not in LOCAL:
+        if shutil.which("podman") is None:
+            pytest.fail("podman is not installed (Debian package podman, with runc)")
+        if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
+            pytest.fail(f"podman image {IMAGE} is missing: run molecule/image/build.sh")
+        if not any(WHEELHOUSE.glob("PyYAML-*.whl")):
+            pytest.fail(f"wheelhouse {WHEELHOUSE} is empty: run molecule/image/wheelhouse.sh")
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "molecule"), "-c", "molecule/shared/base.yml", "test", "-s", scenario],
+        cwd=REPO,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for step in ("converge", "idempotence", "verify"):
+        assert f"{step}: Executed: Successful" in out, f"{step} did not run:\n{out[-3000:]}"
