@@ -400,7 +400,7 @@ def print_status(lab: Lab, out: Callable[[str], None] = print) -> None:
             f" +{len(n.k8s_taints)} taint" if n.k8s_taints else ""
         )
         out(f"  {n.name:5} {n.pool:10} {n.slurm_state:18} {k8s:26} {n.health:12} {n.reason or ''}")
-    jobs = lab.slurm().squeue("-h", "-o", "%i %j %T %N restarts=%r").strip()
+    jobs = lab.slurm().squeue("-h", "-o", "%i %j %T %N %r").strip()
     out("  jobs: " + (jobs.replace("\n", "\n        ") if jobs else "none"))
     try:
         incs = [i for i in lab.incidents() if i.get("state") not in ("done", "failed")]

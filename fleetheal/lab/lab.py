@@ -98,15 +98,43 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid` (through /proc's children lists), with its command line."""
+    out: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            for kid in kids:
+                if kid not in out:
+                    out[kid] = _cmdline(kid)
+                    todo.append(kid)
+    return out
+
+
 def stop_process(pid: int, marker: str, timeout: float = 10.0) -> bool:
-    """SIGTERM the process group led by `pid` (if its command line still contains `marker`), then SIGKILL."""
+    """Stop the process `pid` (if its command line still contains `marker`) and everything below it.
+
+    SIGTERM to its process group, SIGKILL after `timeout`; then SIGKILL for any descendant that had
+    moved to a session of its own (ansible-runner starts ansible-playbook on a pseudo-terminal).
+    """
     if not _alive(pid) or marker not in _cmdline(pid):
         return False
+    below = _descendants(pid)
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
-            return True
+            break
         except PermissionError:
             os.kill(pid, sig)
         deadline = time.monotonic() + wait
@@ -114,8 +142,14 @@ def stop_process(pid: int, marker: str, timeout: float = 10.0) -> bool:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
             if not _alive(pid):
-                return True
+                break
             time.sleep(0.05)
+        if not _alive(pid):
+            break
+    for kid, cmd in below.items():
+        if _alive(kid) and _cmdline(kid) == cmd:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kid, signal.SIGKILL)
     return True
 
 
@@ -607,10 +641,12 @@ class Lab:
 def _lab_monitoring() -> type[Any]:
     """Monitoring with one inhibition on top of its routing.
 
-    A GPU that falls off the bus shows twice: the Xid 79 event and NVML's GPU-lost reads. Both map to
-    ISOLATE_AND_RELOCATE; without this rule each opens an incident, and the job is requeued and a
-    standby promoted twice. While the Xid 79 alert fires, the GPU-lost alert of the same GPU is
-    inhibited, so one fault makes one incident.
+    One hardware fault shows several times: a GPU that falls off the bus is the Xid 79 event and NVML's
+    GPU-lost reads; an uncorrectable ECC error is Xid 48 and the ECC counters. Each maps to the same
+    action, and without this rule each opens an incident: the job is requeued and a standby promoted
+    once per alert. While an Xid alert fires on a GPU, the counter alerts asking the same action of
+    the same GPU are inhibited, so one fault makes one incident. (The remediator could instead fold
+    alerts for an open incident's node, GPU and action into it.)
     """
     from fleetheal.lab.monitoring import Monitoring
 
@@ -619,9 +655,9 @@ def _lab_monitoring() -> type[Any]:
             cfg: dict[str, Any] = super().alertmanager_config()
             cfg["inhibit_rules"] = [
                 {
-                    "source_matchers": ['fault_id="xid-79"'],
-                    "target_matchers": ['fault_id="gpu-lost"'],
-                    "equal": ["cluster", "node", "gpu"],
+                    "source_matchers": ['fault_id=~"xid-.+"'],
+                    "target_matchers": ['fault_id!~"xid-.+"'],
+                    "equal": ["cluster", "node", "gpu", "action"],
                 }
             ]
             return cfg
