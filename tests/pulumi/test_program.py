@@ -242,3 +242,22 @@ def test_vendored_crds_equal_the_released_ones() -> None:
         upstream = yaml.safe_load((SCHEMAS / "slinky/crds" / name).read_text())
         assert shipped[upstream["metadata"]["name"]] == upstream, name
     assert len(shipped) == len(list(Path(SCHEMAS / "slinky/crds").glob("*.yaml")))
+
+
+def test_prometheus_rule_groups_pass_promtool(
+    run_mocked: Runner, dev_config: config.StackConfig, tmp_path: Path
+) -> None:
+    import shutil
+    import subprocess
+
+    import pytest
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("SKIPPED LOUDLY: promtool (Debian package prometheus) is not installed")
+    (rule,) = by_kind(_build(run_mocked, dev_config), "PrometheusRule")
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
