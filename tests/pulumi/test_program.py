@@ -97,7 +97,10 @@ def test_controller_turns_requeue_on_and_wires_the_agent_hooks(
     cms = {o["metadata"]["name"]: o for o in by_kind(records, "ConfigMap")}
     assert ctl["spec"]["prologScriptRefs"] == [{"name": "lab-fleetheal-prolog"}]
     assert cms["lab-fleetheal-prolog"]["data"]["10-fleetheal-agent.sh"].startswith("#!/usr/bin/env bash")
-    assert contracts.AGENT_HEALTH_FILE in cms["lab-fleetheal-hooks"]["data"]["healthcheck.sh"]
+    assert (
+        f'state_dir="${{FLEETHEAL_STATE_DIR:-{contracts.AGENT_STATE_DIR}}}"'
+        in (cms["lab-fleetheal-hooks"]["data"]["healthcheck.sh"])
+    )
 
 
 def test_prometheus_rule_is_the_taxonomy(run_mocked: Runner, dev_config: config.StackConfig) -> None:
