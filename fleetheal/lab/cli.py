@@ -13,7 +13,6 @@ Every command takes `--dir` (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab)
 from __future__ import annotations
 
 import argparse
-import importlib
 import shutil
 import sys
 from typing import Any
@@ -134,25 +133,3 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from fleetheal.lab.demo import run_demo
 
     return run_demo(args.dir, keep=args.keep)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m fleetheal.lab.cli MODULE ARGS...`: run one subsystem's commands even when that module is
-    not (yet) listed in fleetheal.cli.COMMANDS; the lab starts the remediator this way."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        print("usage: python -m fleetheal.lab.cli MODULE ARGS...", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser(prog="fleetheal")
-    sub = parser.add_subparsers(dest="command", required=True)
-    importlib.import_module(argv[0]).register(sub)
-    args = parser.parse_args(argv[1:])
-    try:
-        code: int = args.func(args)
-    except UsageError as exc:
-        parser.error(str(exc))
-    return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

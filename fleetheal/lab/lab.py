@@ -63,9 +63,8 @@ LAB_PLAYBOOK_VARS = {
 }
 
 
-#: `fleetheal remediator ...` / `fleetheal incidents ...`, through the lab's shim so that they work whether
-#: or not fleetheal.cli.COMMANDS lists the remediator's module yet.
-REMEDIATOR_CLI = (sys.executable, "-m", "fleetheal.lab.cli", "fleetheal.remediator.cli")
+#: `fleetheal remediator ...` / `fleetheal incidents ...` with this interpreter.
+REMEDIATOR_CLI = (sys.executable, "-m", "fleetheal")
 
 
 class LabError(RuntimeError):
@@ -428,7 +427,8 @@ class Lab:
         (bindir / "lab-playbook-vars.json").write_text(json.dumps(overrides, indent=2) + "\n")
         real = Path(sys.executable).parent / "ansible-playbook"
         wrapper = bindir / "ansible-playbook"
-        wrapper.write_text(f'#!/bin/sh\nexec {real} "$@" -e @{bindir / "lab-playbook-vars.json"}\n')
+        # The lab's -e comes first: whatever the remediator passes (a later -e) wins over it.
+        wrapper.write_text(f'#!/bin/sh\nexec {real} -e @{bindir / "lab-playbook-vars.json"} "$@"\n')
         wrapper.chmod(0o755)
         return bindir
 
