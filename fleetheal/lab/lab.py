@@ -265,9 +265,11 @@ class Lab:
             raise LabError("--standby must be >= 0 and --gpus >= 1")
         if self.dir.exists() and self.running():
             raise LabError(f"a lab is already running in {self.dir}; run `fleetheal lab down` first")
-        if self.dir.exists():
-            shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
+        if self.dir.exists() and any(self.dir.iterdir()):
+            if not self.meta_path.exists():
+                raise LabError(f"{self.dir} is not empty and holds no lab (no lab.json): choose another --dir")
+            shutil.rmtree(self.dir)  # a stopped lab: every lab starts from an empty directory
+        self.dir.mkdir(parents=True, exist_ok=True)
         names = [f"n{i}" for i in range(1, nodes + standby + 1)]
         self.meta = {
             "nodes": names,
