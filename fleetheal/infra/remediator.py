@@ -15,7 +15,7 @@ from fleetheal.infra import common
 COMPONENT = "Remediator"
 NAME = "fleetheal-remediator"
 PORT = 9105  # fleetheal.remediator.config.ListenConfig.port
-WEBHOOK_PATH = "/alerts"
+WEBHOOK_PATH = "/webhook"  # fleetheal.remediator.app.WEBHOOK_PATH (a test keeps them equal)
 TOKEN_MOUNT = "/var/run/secrets/fleetheal"  # noqa: S105 - a mount path
 CONFIG_MOUNT = "/etc/fleetheal"
 STATE_DIR = "/var/lib/fleetheal"
@@ -160,7 +160,7 @@ class Remediator(pulumi.ComponentResource):
                             {
                                 "name": "remediator",
                                 "image": a["image"],
-                                "args": ["remediator", f"--config={CONFIG_MOUNT}/remediator.yaml"],
+                                "args": ["remediator", "serve", "--config", f"{CONFIG_MOUNT}/remediator.yaml"],
                                 "ports": [{"name": "webhook", "containerPort": PORT}],
                                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": PORT}},
                                 "resources": {

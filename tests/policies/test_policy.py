@@ -166,7 +166,7 @@ def am_config() -> Props:
                     "name": "fleetheal-remediator",
                     "webhookConfigs": [
                         {
-                            "url": "http://r:9105/alerts",
+                            "url": "http://r:9105/webhook",
                             "httpConfig": {
                                 "authorization": {
                                     "type": "Bearer",

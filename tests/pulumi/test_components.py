@@ -81,7 +81,7 @@ COMPONENTS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
         {
             "namespace": "sys",
             "rule_groups": RULES,
-            "webhook_url": "http://r:9105/alerts",
+            "webhook_url": "http://r:9105/webhook",
             "token_secret": "tok",
             "monitoring_labels": {},
         },
@@ -292,3 +292,21 @@ def test_remediator_config_map_is_a_valid_remediator_config(run_mocked: Runner) 
     assert cfg.cluster.name == "c1" and dict(cfg.cluster.nodes) == {"n1": "fd0"}
     assert cfg.listen.port == 9105 and cfg.gate.dry_run is True
     assert cfg.auth.token_file == "/var/run/secrets/fleetheal/token"
+
+
+def test_container_commands_parse_with_the_real_fleetheal_cli(run_mocked: Runner) -> None:
+    """The agent and remediator images run `fleetheal ARGS`: the args the program sets must parse."""
+    from fleetheal import cli
+    from fleetheal.remediator import app
+
+    parser = cli.build_parser()
+    for component, kind in (("HealthAgent", "DaemonSet"), ("Remediator", "Deployment")):
+        cls, args = COMPONENTS[component]
+        (workload,) = by_kind(run_mocked(lambda cls=cls, args=args: cls("x", args)), kind)
+        argv = workload["spec"]["template"]["spec"]["containers"][0]["args"]
+        parsed = parser.parse_args(argv)
+        assert callable(parsed.func), argv
+    assert Remediator.__module__ == "fleetheal.infra.remediator"
+    from fleetheal.infra import remediator as infra_remediator
+
+    assert infra_remediator.WEBHOOK_PATH == app.WEBHOOK_PATH

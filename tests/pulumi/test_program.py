@@ -116,7 +116,7 @@ def test_alertmanager_routes_to_the_remediator_with_the_secret_token(
     records = _build(run_mocked, dev_config)
     (amc,) = by_kind(records, "AlertmanagerConfig")
     hook = amc["spec"]["receivers"][0]["webhookConfigs"][0]
-    assert hook["url"] == "http://fleetheal-remediator.fleetheal-system.svc.cluster.local:9105/alerts"
+    assert hook["url"] == "http://fleetheal-remediator.fleetheal-system.svc.cluster.local:9105/webhook"
     assert hook["httpConfig"]["authorization"]["credentials"] == {"name": "fleetheal-remediator-token", "key": "token"}
     # no Secret is created from config when the token is not set: it must exist already
     assert not [o for o in by_kind(records, "Secret") if o["metadata"]["name"] == "fleetheal-remediator-token"]
