@@ -509,3 +509,27 @@ def test_whole_pack_fails_each_mutated_example_stack(
 ) -> None:
     violations = policy.evaluate(_mutate(example_graph, kind, name, mutation))
     assert {p for p, _ in violations} == {expected_policy}, violations
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"slinkyMode": "helm"},
+        {
+            "nodeProvider": "eks",
+            "eksClusterName": "prod",
+            "eksNodeRoleArn": "arn:aws:iam::1:role/n",
+            "eksSubnetIds": ["subnet-1"],
+            "gpuPools": [
+                {"name": "p5", "gpuType": "h100", "gpusPerNode": 8, "nodes": 64, "instanceType": "p5.48xlarge"}
+            ],
+        },
+    ],
+)
+def test_whole_pack_passes_the_other_modes(overrides: Props) -> None:
+    cfg = config.from_values({**config.stack_values("dev"), **overrides})
+    records = mocks.run(lambda: program.build(cfg))
+    graph = [(r.type, r.name, r.inputs) for r in records if r.custom]
+    assert policy.evaluate(graph) == []
+    # and the standby rule sees the cloud node groups / the requeue rule the Helm values
+    assert policy.evaluate(graph, {"standby-pool-minimum": {"standbyMinNodes": 100}})
