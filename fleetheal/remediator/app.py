@@ -23,7 +23,8 @@ import sqlite3
 import ssl
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -34,7 +35,7 @@ from fleetheal.remediator.config import Config, require_token
 from fleetheal.remediator.engine import Engine
 from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
 from fleetheal.remediator.runner import AnsibleRunner, Runner
-from fleetheal.remediator.store import Store, incident_ref
+from fleetheal.remediator.store import IngestResult, Store, incident_ref
 
 log = logging.getLogger("fleetheal.remediator")
 
@@ -71,6 +72,54 @@ def setup_logging(level: str = "INFO") -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+class GroupCommit:
+    """Requests that arrive while a commit is on its way to disk share the next one.
+
+    Every 202 still waits for its own alerts to be durable, but one fsync serves many requests. What is
+    committed is handed to `on_committed` here, not by the request handler, so an incident is queued for
+    the engine even if its client went away before the answer.
+    """
+
+    def __init__(self, store: Store, on_committed: Callable[[IngestResult], None]) -> None:
+        self.store = store
+        self.on_committed = on_committed
+        self._pending: list[tuple[Sequence[alerts.Alert], asyncio.Future[IngestResult]]] = []
+        self._running = False
+        self._task: asyncio.Task[None] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest")
+
+    async def ingest(self, batch: Sequence[alerts.Alert]) -> IngestResult:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[IngestResult] = loop.create_future()
+        self._pending.append((batch, future))
+        if not self._running:
+            self._running = True
+            self._task = loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                group, self._pending = self._pending, []
+                try:
+                    results = await loop.run_in_executor(self._executor, self.store.ingest_many, [b for b, _ in group])
+                except Exception as exc:
+                    for _, future in group:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (_, future), result in zip(group, results, strict=True):
+                    self.on_committed(result)
+                    if not future.done():
+                        future.set_result(result)
+        finally:
+            self._running = False
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
 def _error(status: int, reason: str, **extra: Any) -> web.Response:
     return web.json_response({"error": reason, **extra}, status=status)
 
@@ -92,6 +141,7 @@ class Service:
         self.runner: Runner = runner if runner is not None else AnsibleRunner(cfg.runner, secrets=[cfg.token])
         self.engine = Engine(cfg, self.store, self.runner, self.taxonomy, metrics=self.metrics, clock=clock)
         self.metrics.attach_gate(self.engine.gate)
+        self.ingest = GroupCommit(self.store, self._committed)
 
     # --- the application -------------------------------------------------------------------------------
 
@@ -112,6 +162,7 @@ class Service:
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.engine.stop()
+        self.ingest.close()
         self.store.close()
 
     @web.middleware
@@ -172,16 +223,10 @@ class Service:
         if payload.truncated_alerts:
             log.warning("webhook: Alertmanager truncated alerts", extra={"truncated": payload.truncated_alerts})
         try:
-            result = self.store.ingest(payload.alerts)
+            result = await self.ingest.ingest(payload.alerts)
         except sqlite3.Error as exc:
             log.error("webhook: cannot persist", extra={"error": str(exc)})
             return _error(503, "cannot persist the alerts now; retry")
-        self.metrics.alerts("accepted", len(result.created))
-        self.metrics.alerts("duplicate", result.duplicates)
-        self.metrics.alerts("resolved", len(result.resolved))
-        self.metrics.alerts("resolved_unknown", result.resolved_unknown)
-        self.engine.submit(result.created)
-        self.engine.resolved(result.resolved)
         return web.json_response(
             {
                 "created": [incident_ref(i) for i in result.created],
@@ -192,6 +237,14 @@ class Service:
             },
             status=202,
         )
+
+    def _committed(self, result: IngestResult) -> None:
+        self.metrics.alerts("accepted", len(result.created))
+        self.metrics.alerts("duplicate", result.duplicates)
+        self.metrics.alerts("resolved", len(result.resolved))
+        self.metrics.alerts("resolved_unknown", result.resolved_unknown)
+        self.engine.submit(result.created)
+        self.engine.resolved(result.resolved)
 
     async def healthz(self, request: web.Request) -> web.Response:
         try:

@@ -254,7 +254,11 @@ class Store:
         self._lock = threading.RLock()
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        # Alerts are committed at the configured durability before their 202 (ingest_many); the state
+        # machine's own writes use NORMAL: in WAL mode they survive a process crash, and what a power loss
+        # could take (the last state changes) is redone on resume from the durable prefix.
+        self._ingest_sync = synchronous.upper()
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         with self._lock:
             self._db.executescript(SCHEMA)
@@ -283,61 +287,78 @@ class Store:
 
     def ingest(self, alerts: Sequence[Alert]) -> IngestResult:
         """Persist validated alerts in one transaction: new firing alerts become incidents."""
+        return self.ingest_many([alerts])[0]
+
+    def ingest_many(self, batches: Sequence[Sequence[Alert]]) -> list[IngestResult]:
+        """Persist several requests' alerts in one durable transaction (group commit); one result each."""
         now = self.clock()
+        results = []
+        with self._lock:
+            if self._ingest_sync != "NORMAL":
+                self._db.execute(f"PRAGMA synchronous={self._ingest_sync}")
+            try:
+                with self.tx() as db:
+                    for alerts in batches:
+                        results.append(self._ingest(db, alerts, now))
+            finally:
+                if self._ingest_sync != "NORMAL":
+                    self._db.execute("PRAGMA synchronous=NORMAL")
+        return results
+
+    def _ingest(self, db: sqlite3.Connection, alerts: Sequence[Alert], now: float) -> IngestResult:
         result = IngestResult()
-        with self.tx() as db:
-            for a in alerts:
-                if a.status == "firing":
-                    cur = db.execute(
-                        "INSERT OR IGNORE INTO incidents (fingerprint, starts_at, starts_at_ts, cluster, node, gpu, "
-                        "fault_id, class, action, severity, job_id, alertname, state, received_at, updated_at) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,'received',?,?)",
-                        (
-                            a.fingerprint,
-                            a.starts_at,
-                            a.starts_at_ts,
-                            a.cluster,
-                            a.node,
-                            a.gpu,
-                            a.fault_id,
-                            a.fault_class,
-                            a.action,
-                            a.severity,
-                            a.job_id,
-                            a.alertname,
-                            now,
-                            now,
-                        ),
-                    )
-                    if cur.rowcount == 1 and cur.lastrowid is not None:
-                        iid = cur.lastrowid
-                        result.created.append(iid)
-                        db.execute(
-                            "INSERT INTO steps (incident_id, name, started_at, ended_at, result, detail) "
-                            "VALUES (?, 'receive', ?, ?, 'ok', ?)",
-                            (iid, a.starts_at_ts, now, f"alert {a.alertname or a.fault_id} firing since {a.starts_at}"),
-                        )
-                    else:
-                        result.duplicates += 1
-                    continue
-                row = db.execute(
-                    "SELECT id, resolved_at FROM incidents WHERE fingerprint = ? AND starts_at = ?",
-                    (a.fingerprint, a.starts_at),
-                ).fetchone()
-                if row is None:
-                    result.resolved_unknown += 1
-                elif row[1] is None:
+        for a in alerts:
+            if a.status == "firing":
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO incidents (fingerprint, starts_at, starts_at_ts, cluster, node, gpu, "
+                    "fault_id, class, action, severity, job_id, alertname, state, received_at, updated_at) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,'received',?,?)",
+                    (
+                        a.fingerprint,
+                        a.starts_at,
+                        a.starts_at_ts,
+                        a.cluster,
+                        a.node,
+                        a.gpu,
+                        a.fault_id,
+                        a.fault_class,
+                        a.action,
+                        a.severity,
+                        a.job_id,
+                        a.alertname,
+                        now,
+                        now,
+                    ),
+                )
+                if cur.rowcount == 1 and cur.lastrowid is not None:
+                    iid = cur.lastrowid
+                    result.created.append(iid)
                     db.execute(
-                        "UPDATE incidents SET resolved_at = ?, ends_at_ts = ?, updated_at = ? WHERE id = ?",
-                        (now, a.ends_at_ts, now, row[0]),
+                        "INSERT INTO steps (incident_id, name, started_at, ended_at, result, detail) "
+                        "VALUES (?, 'receive', ?, ?, 'ok', ?)",
+                        (iid, a.starts_at_ts, now, f"alert {a.alertname or a.fault_id} firing since {a.starts_at}"),
                     )
-                    db.execute(
-                        "INSERT INTO events (incident_id, ts, kind, detail) VALUES (?, ?, 'resolved', ?)",
-                        (row[0], now, "alert resolved in Alertmanager"),
-                    )
-                    result.resolved.append(row[0])
                 else:
                     result.duplicates += 1
+                continue
+            row = db.execute(
+                "SELECT id, resolved_at FROM incidents WHERE fingerprint = ? AND starts_at = ?",
+                (a.fingerprint, a.starts_at),
+            ).fetchone()
+            if row is None:
+                result.resolved_unknown += 1
+            elif row[1] is None:
+                db.execute(
+                    "UPDATE incidents SET resolved_at = ?, ends_at_ts = ?, updated_at = ? WHERE id = ?",
+                    (now, a.ends_at_ts, now, row[0]),
+                )
+                db.execute(
+                    "INSERT INTO events (incident_id, ts, kind, detail) VALUES (?, ?, 'resolved', ?)",
+                    (row[0], now, "alert resolved in Alertmanager"),
+                )
+                result.resolved.append(row[0])
+            else:
+                result.duplicates += 1
         return result
 
     def get(self, incident_id: int) -> Incident | None:

@@ -170,6 +170,9 @@ def test_leftovers_of_an_interrupted_step_are_killed(tmp_path):
         start_new_session=True,
     )
     try:
+        deadline = time.monotonic() + 10  # until the child has exec'ed (its command line names the run dir)
+        while str(run_dir) not in open(f"/proc/{proc.pid}/cmdline").read() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert kill_leftovers(str(run_dir)) == []
         assert proc.wait(timeout=5) == -9
     finally:
