@@ -117,3 +117,19 @@ def test_node_names():
     assert cfgmod.is_node_name("gpu-001.rack-a.example")
     for bad in ("", "-a", "a-", "A", "a_b", "a..b", "a" * 64, "a\n", "é"):
         assert not cfgmod.is_node_name(bad), bad
+
+
+def _keys(cls, prefix):
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or f.name in ("budget", "breaker", "lemon"):
+            sub = {"budget": cfgmod.BudgetConfig, "breaker": cfgmod.BreakerConfig, "lemon": cfgmod.LemonConfig}[f.name]
+            yield from _keys(sub, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+def test_every_key_is_documented_with_its_default():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "remediator.md").read_text()
+    for section, cls in cfgmod._SECTIONS.items():
+        for key in _keys(cls, f"{section}."):
+            assert f"| `{key}` |" in doc, f"document {key} in docs/remediator.md"
