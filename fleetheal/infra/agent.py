@@ -192,7 +192,12 @@ class HealthAgent(pulumi.ComponentResource):
                         "path": "/metrics",
                         "interval": "15s",
                         # The node label carries the Kubernetes node name the remediator acts on.
-                        "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}],
+                        "relabelings": [
+                            {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
+                            # Every fleetheal alert must carry `cluster` (the remediator checks it); set
+                            # here it does not depend on the Prometheus server's external labels.
+                            {"action": "replace", "targetLabel": "cluster", "replacement": a["cluster_name"]},
+                        ],
                     }
                 ],
             },

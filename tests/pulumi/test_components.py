@@ -310,3 +310,18 @@ def test_container_commands_parse_with_the_real_fleetheal_cli(run_mocked: Runner
     from fleetheal.infra import remediator as infra_remediator
 
     assert infra_remediator.WEBHOOK_PATH == app.WEBHOOK_PATH
+
+
+def test_agent_metrics_carry_node_and_cluster_labels(run_mocked: Runner, k8s_schemas: SchemaSet) -> None:
+    cls, args = COMPONENTS["HealthAgent"]
+    records = run_mocked(lambda: cls("x", args))
+    (sm,) = by_kind(records, "ServiceMonitor")
+    relabel = sm["spec"]["endpoints"][0]["relabelings"]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in relabel
+    assert {"action": "replace", "targetLabel": "cluster", "replacement": "c1"} in relabel
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    bad = {
+        **sm,
+        "spec": {**sm["spec"], "endpoints": [{**sm["spec"]["endpoints"][0], "relabelings": [{"action": "rename"}]}]},
+    }
+    assert k8s_schemas.errors(bad)
