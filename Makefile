@@ -6,10 +6,11 @@ PY := $(VENV)/bin/python
 SHARED ?= ../shared
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test lint unit generate bench clean
+.PHONY: help setup demo demo-classify test lint unit generate bench clean
 
 help:
-	@echo "make demo      show a GPU failure being classified and healed (local lab)"
+	@echo "make demo      the local lab heals a GPU failure live (real Slurm, Prometheus, Alertmanager)"
+	@echo "make demo-classify   classify the real log lines in $(SHARED)/fixtures"
 	@echo "make test      lint + every test (what CI runs)"
 	@echo "make lint      ruff, mypy --strict, yamllint, ansible-lint, generated files up to date"
 	@echo "make bench     benchmarks -> benchmarks/results/latest.{json,md}"
@@ -19,7 +20,13 @@ help:
 setup:
 	@VENV=$(VENV) scripts/bootstrap.sh
 
+# The local lab: real Slurm, Prometheus, Alertmanager, agents on simulated GPUs, the remediator and
+# the real playbooks; heals an Xid 79, refuses to relocate an Xid 31, restarts an NCCL timeout in place.
 demo: setup
+	$(PY) -m fleetheal lab demo
+
+# What `make demo` showed before the lab: the classifier over real log lines.
+demo-classify: setup
 	$(PY) -m fleetheal classify --file $(SHARED)/fixtures/xid-log-lines.txt
 	@echo
 	$(PY) -m fleetheal classify --file $(SHARED)/fixtures/fault-log-lines.txt
