@@ -1,9 +1,9 @@
 """Start or stop the remediation scenario's private Slurm cluster (fleetheal.lab.slurm.SlurmCluster).
 
-    slurm_lab.py up STATE_DIR    start 3 nodes with 2 fake GPUs each and plant the situation:
-                                 job A (requeueable, logs its grace signal) on n1, job B on n2,
-                                 n3 drained as a warm standby; prints the facts as JSON
-    slurm_lab.py down STATE_DIR  stop the cluster (by the PID recorded in STATE_DIR), if it runs
+slurm_lab.py up STATE_DIR    start 3 nodes with 2 fake GPUs each and plant the situation:
+                             job A (requeueable, logs its grace signal) on n1, job B on n2,
+                             n3 drained as a warm standby; prints the facts as JSON
+slurm_lab.py down STATE_DIR  stop the cluster (by the PID recorded in STATE_DIR), if it runs
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def _submit(cluster: SlurmCluster, name: str, node: str) -> str:
     others = [n for n in cluster.node_names if n != node and not cluster.node(n).drained]
     for n in others:
         cluster.scontrol("update", f"nodename={n}", "state=drain", "reason=placing test jobs")
-    job = cluster.sbatch(JOB, "--gres=gpu:2", "--requeue", "--open-mode=append", f"--output={out}", f"--job-name={name}")
+    args = ("--gres=gpu:2", "--requeue", "--open-mode=append", f"--output={out}", f"--job-name={name}")
+    job = cluster.sbatch(JOB, *args)
     cluster.wait_for(f"job {job} running", lambda: cluster.job(job).get("JobState") == "RUNNING", timeout=30)
     for n in others:
         cluster.scontrol("update", f"nodename={n}", "state=resume")

@@ -45,8 +45,17 @@ def slurm_node(sinfo: Any, name: str, owned_prefix: str = "fleetheal:") -> dict[
                 "reason_owned": reason.startswith(owned_prefix),
                 "comment": str(node.get("comment") or ""),
             }
-    return {"found": False, "name": name, "state": "", "flags": [], "drained": False, "responding": False,
-            "reason": "", "reason_owned": False, "comment": ""}
+    return {
+        "found": False,
+        "name": name,
+        "state": "",
+        "flags": [],
+        "drained": False,
+        "responding": False,
+        "reason": "",
+        "reason_owned": False,
+        "comment": "",
+    }
 
 
 def slurm_nodes_with_reason(sinfo: Any, prefix: str) -> list[str]:

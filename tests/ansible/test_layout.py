@@ -56,7 +56,9 @@ def test_role_defaults_are_prefixed_and_documented(role: Path) -> None:
         documented = options[key]
         assert documented.get("description"), f"{key} has no description"
         if "default" in documented:
-            assert documented["default"] == value, f"{key}: argument_specs default {documented['default']!r} != {value!r}"
+            assert documented["default"] == value, (
+                f"{key}: argument_specs default {documented['default']!r} != {value!r}"
+            )
 
 
 @pytest.mark.parametrize("role", ROLES, ids=lambda p: p.name)
@@ -70,7 +72,9 @@ def test_role_tasks_read_as_a_table_of_contents(role: Path) -> None:
         first = text.splitlines()[1] if text.startswith("#!") else text.splitlines()[0]
         assert first.startswith("{{ ansible_managed | comment"), f"{template.name} does not start with ansible_managed"
     internal = re.findall(r"\b(__[a-z_]+)\b", "".join(p.read_text() for p in role.rglob("*.yml")))
-    assert all(v.startswith(f"__{role.name}_") for v in internal), sorted({v for v in internal if not v.startswith(f"__{role.name}_")})
+    assert all(v.startswith(f"__{role.name}_") for v in internal), sorted(
+        {v for v in internal if not v.startswith(f"__{role.name}_")}
+    )
 
 
 def test_handlers_are_named_restart_service() -> None:

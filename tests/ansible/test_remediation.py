@@ -97,7 +97,8 @@ def test_action_the_taxonomy_does_not_map_is_refused(slurm: SlurmCluster, playbo
     # Xid 31 is a user fault (REFUSE_AND_REPORT): isolating the node for it must be refused.
     assert taxonomy.load().get("xid-31").action == "REFUSE_AND_REPORT"
     run = playbooks.run(
-        "isolate_and_relocate.yml", _isolate_vars(playbooks, node, fleetheal_fault_id="xid-31", fleetheal_fault_class="user")
+        "isolate_and_relocate.yml",
+        _isolate_vars(playbooks, node, fleetheal_fault_id="xid-31", fleetheal_fault_class="user"),
     )
     assert run.rc != 0
     assert run.report is not None and run.report["status"] == "failed"

@@ -15,7 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 def _run_role(tmp_path: Path, role: str, role_vars: dict[str, object], cmdline: str = "") -> tuple[int, str, dict]:
     import ansible_runner
 
-    play = [{"name": f"role {role}", "hosts": "localhost", "gather_facts": False, "roles": [{"role": role, "vars": role_vars}]}]
+    play = [
+        {
+            "name": f"role {role}",
+            "hosts": "localhost",
+            "gather_facts": False,
+            "roles": [{"role": role, "vars": role_vars}],
+        }
+    ]
     project = tmp_path / "project"
     project.mkdir()
     (project / "play.yml").write_text(json.dumps(play))
@@ -58,7 +65,9 @@ def test_dcgm_preflight_names_a_bad_input(tmp_path: Path) -> None:
 def test_node_validation_fails_closed_without_gpus(tmp_path: Path) -> None:
     report = tmp_path / "nv.json"
     rc, out, _ = _run_role(
-        tmp_path, "node_validation", {"node_validation_report_path": str(report), "node_validation_nvidia_smi": "/nonexistent/nvidia-smi"}
+        tmp_path,
+        "node_validation",
+        {"node_validation_report_path": str(report), "node_validation_nvidia_smi": "/nonexistent/nvidia-smi"},
     )
     assert rc != 0
     assert "Node validation failed on localhost: gpu_present: no NVIDIA GPU or driver" in out

@@ -5,6 +5,7 @@ of datacenter-gpu-manager, for the dcgm role's Molecule scenario.
 Usage: build-test-double-repo.py SOURCE_DIR REPO_DIR VERSION
 Writes REPO_DIR/{*.deb, Packages, Release, InRelease, key.asc}; the key is a throwaway one.
 """
+
 import email.utils
 import hashlib
 import os
@@ -23,7 +24,7 @@ with tempfile.TemporaryDirectory() as tmp:
     shutil.copy(os.path.join(src, "dcgmi"), os.path.join(root, "usr/bin/dcgmi"))
     shutil.copy(os.path.join(src, "nvidia-dcgm.service"), os.path.join(root, "lib/systemd/system/nvidia-dcgm.service"))
     for f in ("usr/bin/nv-hostengine", "usr/bin/dcgmi"):
-        os.chmod(os.path.join(root, f), 0o755)
+        os.chmod(os.path.join(root, f), 0o755)  # noqa: S103 - programs in /usr/bin are world-executable
     with open(os.path.join(root, "DEBIAN/control"), "w") as fh:
         fh.write(
             "Package: datacenter-gpu-manager\n"
@@ -38,12 +39,14 @@ with tempfile.TemporaryDirectory() as tmp:
     deb = os.path.join(repo, deb_name)
     subprocess.run(["dpkg-deb", "--root-owner-group", "--build", root, deb], check=True, stdout=subprocess.DEVNULL)
     control = subprocess.run(["dpkg-deb", "-f", deb], check=True, capture_output=True, text=True).stdout
-    data = open(deb, "rb").read()
+    with open(deb, "rb") as fh:
+        data = fh.read()
     stanza = control.rstrip("\n").split("\nDescription:")[0]
     desc = "Description:" + control.rstrip("\n").split("\nDescription:")[1]
     packages = (
         f"{stanza}\nFilename: ./{deb_name}\nSize: {len(data)}\n"
-        f"MD5sum: {hashlib.md5(data).hexdigest()}\nSHA256: {hashlib.sha256(data).hexdigest()}\n{desc}\n"
+        f"MD5sum: {hashlib.md5(data, usedforsecurity=False).hexdigest()}\n"
+        f"SHA256: {hashlib.sha256(data).hexdigest()}\n{desc}\n"
     )
     with open(os.path.join(repo, "Packages"), "w") as fh:
         fh.write(packages)
@@ -51,7 +54,7 @@ with tempfile.TemporaryDirectory() as tmp:
     release = (
         "Origin: fleetheal-test-double\nLabel: fleetheal-test-double\n"
         f"Date: {email.utils.formatdate(usegmt=True)}\nArchitectures: all amd64\n"
-        f"MD5Sum:\n {hashlib.md5(pk).hexdigest()} {len(pk)} Packages\n"
+        f"MD5Sum:\n {hashlib.md5(pk, usedforsecurity=False).hexdigest()} {len(pk)} Packages\n"
         f"SHA256:\n {hashlib.sha256(pk).hexdigest()} {len(pk)} Packages\n"
     )
     with open(os.path.join(repo, "Release"), "w") as fh:
@@ -60,6 +63,7 @@ with tempfile.TemporaryDirectory() as tmp:
     os.makedirs(gnupg, mode=0o700)
     gpg = ["gpg", "--homedir", gnupg, "--batch", "--quiet", "--pinentry-mode", "loopback", "--passphrase", ""]
     subprocess.run([*gpg, "--quick-generate-key", "fleetheal test double repo", "ed25519", "sign", "1d"], check=True)
-    subprocess.run([*gpg, "--yes", "--clearsign", "-o", os.path.join(repo, "InRelease"), os.path.join(repo, "Release")], check=True)
+    release_path, inrelease = os.path.join(repo, "Release"), os.path.join(repo, "InRelease")
+    subprocess.run([*gpg, "--yes", "--clearsign", "-o", inrelease, release_path], check=True)
     subprocess.run([*gpg, "--yes", "--armor", "--export", "-o", os.path.join(repo, "key.asc")], check=True)
 print(f"built {deb} and a signed flat repository in {repo}")
