@@ -27,8 +27,9 @@ fi
 # gpg for apt keyrings; iproute2 (ss) and procps (ps) for verify; sudo for become_user tasks.
 packages=python3,python3-apt,python3-venv,python3-packaging,systemd,systemd-sysv,dbus,gpg,iproute2,procps,sudo,ca-certificates
 
-if [[ "${FLEETHEAL_IMAGE_REBUILD:-0}" != 1 ]] && podman image exists "$image"; then
-  echo "image $image exists (FLEETHEAL_IMAGE_REBUILD=1 to rebuild)"
+if [[ "${FLEETHEAL_IMAGE_REBUILD:-0}" != 1 ]] && podman image exists "$image" \
+  && [[ "$(podman image inspect --format '{{ index .Config.Labels "fleetheal.image.version" }}' "$image")" == "$version" ]]; then
+  echo "image $image (version $version) exists (FLEETHEAL_IMAGE_REBUILD=1 to rebuild)"
   exit 0
 fi
 
@@ -50,5 +51,6 @@ podman import \
   --change 'CMD ["/sbin/init"]' \
   --change 'ENV container=podman' \
   --change 'STOPSIGNAL SIGRTMIN+3' \
+  --change "LABEL fleetheal.image.version=$version" \
   "$tarball" "$image"
 echo "built $image from $tarball"

@@ -17,7 +17,14 @@ for name in PyYAML prometheus-client nvidia-ml-py aiohttp jsonschema ansible-run
   pins+=("$pin")
 done
 mkdir -p "$out"
+# Nothing to do (and no network needed) when these exact pins were downloaded before.
+stamp="$out/.pins"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "${pins[*]}" ]]; then
+  echo "wheelhouse: $out is up to date"
+  exit 0
+fi
 "$pip" download --quiet --only-binary=:all: --python-version 3.11 --implementation cp --abi cp311 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any --dest "$out" "${pins[@]}"
+printf '%s' "${pins[*]}" > "$stamp"
 echo "wheelhouse: $(ls "$out" | wc -l) wheels in $out"
