@@ -8,6 +8,7 @@ every stored incident and every playbook request came from an alert that deserve
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -69,39 +70,63 @@ json_value = st.recursive(
 )
 
 
+LABEL_NAMES = [*ALERT_LABELS, "job_id", "alertname"]
+FIELDS = ["status", "fingerprint", "startsAt", "endsAt", "labels"]
+# Strategies are built once: building them inside every draw costs more than the HTTP request.
+base_alert = st.builds(
+    lambda node, gpu, fault_id, status, starts_at: _base(node, gpu, fault_id, status, starts_at),
+    st.sampled_from(list(NODES)),
+    st.sampled_from(["0", "3", "node"]),
+    st.sampled_from(FAULTS),
+    st.sampled_from(["firing", "resolved"]),
+    st.sampled_from(["2026-11-29T17:37:02.139Z", "2026-11-29T18:00:00Z"]),
+)
+label_edits = st.lists(st.tuples(st.sampled_from(LABEL_NAMES), st.none() | label_value), max_size=3)
+field_edits = st.lists(st.tuples(st.sampled_from(FIELDS), st.one_of(json_value, label_value)), max_size=2)
+
+
+@functools.cache
+def _template(node, gpu, fault_id, status, starts_at):
+    return json.dumps(alert(node=node, gpu=gpu, fault_id=fault_id, status=status, starts_at=starts_at))
+
+
+def _base(*key):
+    return json.loads(_template(*key))  # a fresh copy to mutate
+
+
 @st.composite
 def mutated_alert(draw):
-    a = alert(
-        node=draw(st.sampled_from(list(NODES))),
-        gpu=draw(st.sampled_from(["0", "3", "node"])),
-        fault_id=draw(st.sampled_from(FAULTS)),
-        status=draw(st.sampled_from(["firing", "resolved"])),
-        starts_at=draw(st.sampled_from(["2026-11-29T17:37:02.139Z", "2026-11-29T18:00:00Z"])),
-    )
-    for name in draw(st.lists(st.sampled_from([*ALERT_LABELS, "job_id", "alertname"]), max_size=3, unique=True)):
-        if draw(st.booleans()):
-            a["labels"][name] = draw(label_value)
-        else:
+    a = draw(base_alert)
+    for name, value in draw(label_edits):
+        if value is None:
             a["labels"].pop(name, None)
-    for field in draw(st.lists(st.sampled_from(["status", "fingerprint", "startsAt", "endsAt", "labels"]), max_size=2)):
-        a[field] = draw(st.one_of(json_value, label_value))
+        else:
+            a["labels"][name] = value
+    for field, value in draw(field_edits):
+        a[field] = value
     return a
+
+
+alert_lists = st.lists(mutated_alert(), min_size=1, max_size=3)
+raw_bytes = st.binary(max_size=200)
+body_kind = st.sampled_from(["alerts", "alerts", "alerts", "envelope", "json", "bytes"])
+envelope_edits = st.lists(st.tuples(st.sampled_from(sorted(payload(alert()))), st.none() | json_value), max_size=2)
 
 
 @st.composite
 def webhook_body(draw):
-    kind = draw(st.sampled_from(["alerts", "alerts", "alerts", "envelope", "json", "bytes"]))
+    kind = draw(body_kind)
     if kind == "bytes":
-        return draw(st.binary(max_size=200))
+        return draw(raw_bytes)
     if kind == "json":
         return json.dumps(draw(json_value)).encode()
-    doc = payload(*draw(st.lists(mutated_alert(), min_size=1, max_size=3)))
+    doc = payload(*draw(alert_lists))
     if kind == "envelope":
-        for key in draw(st.lists(st.sampled_from(sorted(doc)), min_size=1, max_size=2, unique=True)):
-            if draw(st.booleans()):
-                doc[key] = draw(json_value)
+        for key, value in draw(envelope_edits):
+            if value is None:
+                doc.pop(key, None)
             else:
-                del doc[key]
+                doc[key] = value
     return json.dumps(doc).encode()
 
 
