@@ -15,12 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from fleetheal.lab.slurm import SlurmCluster
+
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted(p.parent.name for p in (REPO / "molecule").glob("*/molecule.yml"))
 IMAGE = os.environ.get("FLEETHEAL_MOLECULE_IMAGE", "localhost/fleetheal-molecule:bookworm")
 WHEELHOUSE = Path(os.environ.get("FLEETHEAL_WHEELHOUSE", "/var/cache/fleetheal/wheels"))
 #: Scenarios that run on this machine (localhost), without a container.
 LOCAL = {"remediation"}
+#: State directory of the remediation scenario's Slurm (molecule/remediation/prepare.yml).
+REMEDIATION_SLURM = Path("/tmp/fleetheal-molecule-remediation/slurm")
 
 
 def _environment() -> dict[str, str]:
@@ -58,15 +62,20 @@ def test_scenario(scenario: str) -> None:
             pytest.fail(f"podman image {IMAGE} is missing: run molecule/image/build.sh")
         if not any(WHEELHOUSE.glob("PyYAML-*.whl")):
             pytest.fail(f"wheelhouse {WHEELHOUSE} is empty: run molecule/image/wheelhouse.sh")
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "molecule"), "-c", "molecule/shared/base.yml", "test", "-s", scenario],
-        cwd=REPO,
-        env=_environment(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    try:
+        proc = subprocess.run(
+            [str(Path(sys.executable).parent / "molecule"), "-c", "molecule/shared/base.yml", "test", "-s", scenario],
+            cwd=REPO,
+            env=_environment(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+    finally:
+        # The scenario's cleanup stops its Slurm; this catches a Molecule that died or timed out first.
+        if scenario == "remediation" and (REMEDIATION_SLURM / "cluster.json").exists():
+            SlurmCluster.attach(REMEDIATION_SLURM).stop()
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for step in ("converge", "idempotence", "verify"):
