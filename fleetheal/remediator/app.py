@@ -304,7 +304,13 @@ async def run_service(cfg: Config, ready: Callable[[str], None] | None = None) -
     url = f"{scheme}://{cfg.listen.host}:{port}"
     log.info(
         "remediator listening",
-        extra={"url": url, "cluster": cfg.cluster.name, "config": cfg.source, "startup_s": process_age()},
+        extra={
+            "url": url,
+            "cluster": cfg.cluster.name,
+            "config": cfg.source,
+            "startup_s": process_age(),
+            "startup_cpu_s": round(sum(os.times()[:2]), 3),
+        },
     )
     if ready is not None:
         ready(url)
