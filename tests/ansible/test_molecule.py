@@ -27,6 +27,29 @@ LOCAL = {"remediation"}
 REMEDIATION_SLURM = Path("/tmp/fleetheal-molecule-remediation/slurm")
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fleetheal's wheel, built once for every scenario: converge and idempotence then install the same
+    bytes even while the shared checkout changes under them."""
+    out = tmp_path_factory.mktemp("wheel")
+    env = dict(os.environ, SOURCE_DATE_EPOCH="315532800")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--quiet",
+        "-w",
+        str(out),
+        str(REPO),
+    ]
+    subprocess.run(cmd, check=True, env=env, timeout=300)
+    (built,) = out.glob("fleetheal-*.whl")
+    return built
+
+
 def _environment() -> dict[str, str]:
     import ansible_collections
 
@@ -54,7 +77,7 @@ def test_every_role_has_a_scenario() -> None:
 
 @pytest.mark.molecule
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_scenario(scenario: str) -> None:
+def test_scenario(scenario: str, wheel: Path) -> None:
     if scenario not in LOCAL:
         if shutil.which("podman") is None:
             pytest.fail("podman is not installed (Debian package podman, with runc)")
@@ -66,7 +89,7 @@ def test_scenario(scenario: str) -> None:
         proc = subprocess.run(
             [str(Path(sys.executable).parent / "molecule"), "-c", "molecule/shared/base.yml", "test", "-s", scenario],
             cwd=REPO,
-            env=_environment(),
+            env=dict(_environment(), FLEETHEAL_WHEEL=str(wheel)),
             capture_output=True,
             text=True,
             timeout=900,
