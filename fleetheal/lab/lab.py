@@ -50,16 +50,12 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
 CLUSTER = "lab"
 STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
-#: Playbook variables the lab sets for every remediation run (lab-speed timers, its kubeconfig).
-#: The remediator passes only the contract variables, so the lab adds these with `-e` (see _playbook_wrapper).
-LAB_PLAYBOOK_VARS = {
+#: Site settings the lab gives every remediation run through the remediator's `runner.site_vars`
+#: (lab-speed timers); its kubeconfig and report dir are added where the lab knows them.
+LAB_SITE_VARS = {
     "fleetheal_grace_seconds": 3,
     "fleetheal_slurm_retry_delay_s": 1,
     "fleetheal_k8s_drain_timeout_s": 30,
-    # The playbooks' guard asserts the safety gate's facts, which the remediator does not pass yet
-    # (fleetheal.contracts.PLAYBOOK_VARS lacks them); its gate has decided before any run starts.
-    "fleetheal_paused": False,
-    "fleetheal_budget_remaining": 1,
 }
 
 
@@ -412,28 +408,6 @@ class Lab:
             f"[{time.monotonic() - t0:.1f}s]"
         )
 
-    def _playbook_wrapper(self) -> Path:
-        """An `ansible-playbook` first on the remediator's PATH that adds the lab's variables with -e.
-
-        The remediator passes playbooks only the contract variables (fleetheal.contracts.PLAYBOOK_VARS);
-        the lab needs a few site settings on top (its kubeconfig, a short grace period, a report dir), and
-        play `vars_files` outrank inventory variables, so extra vars are the one place they can go.
-        """
-        bindir = self.dir / "bin"
-        bindir.mkdir(exist_ok=True)
-        overrides = {
-            **LAB_PLAYBOOK_VARS,
-            "fleetheal_kubeconfig": str(self.kubeconfig),
-            "fleetheal_report_dir": str(self.dir / "remediator" / "reports"),
-        }
-        (bindir / "lab-playbook-vars.json").write_text(json.dumps(overrides, indent=2) + "\n")
-        real = Path(sys.executable).parent / "ansible-playbook"
-        wrapper = bindir / "ansible-playbook"
-        # The lab's -e comes first: whatever the remediator passes (a later -e) wins over it.
-        wrapper.write_text(f'#!/bin/sh\nexec {real} -e @{bindir / "lab-playbook-vars.json"} "$@"\n')
-        wrapper.chmod(0o755)
-        return bindir
-
     def _up_remediator(self) -> None:
         t0 = time.monotonic()
         rdir = self.dir / "remediator"
@@ -464,6 +438,11 @@ class Lab:
                 "backoff_s": 2.0,
                 "max_concurrent": 2,
                 "envvars": {"K8S_AUTH_KUBECONFIG": str(self.kubeconfig)},
+                "site_vars": {
+                    **LAB_SITE_VARS,
+                    "fleetheal_kubeconfig": str(self.kubeconfig),
+                    "fleetheal_report_dir": str(rdir / "reports"),
+                },
             },
             "gate": {
                 "pause_file": str(rdir / "PAUSE"),
@@ -472,9 +451,8 @@ class Lab:
             },
         }  # fmt: skip
         self.remediator_config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        bindir = self._playbook_wrapper()
         env = self._agent_env()
-        env["PATH"] = f"{bindir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
         env["KUBECONFIG"] = str(self.kubeconfig)
         self._spawn(
             "remediator",

@@ -12,6 +12,7 @@ out of `repr()` and is never logged.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import types
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
+
+from fleetheal.contracts import PLAYBOOK_VARS
 
 ENV_PREFIX = "FLEETHEAL_REMEDIATOR_"
 TOKEN_ENV = ENV_PREFIX + "TOKEN"
@@ -33,6 +36,7 @@ _RFC1123_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 RFC1123_NAME = re.compile(rf"(?:{_RFC1123_LABEL}\.)*{_RFC1123_LABEL}")
 _DOMAIN_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+_SITE_VAR = re.compile(r"fleetheal_[a-z0-9_]+")
 
 
 class ConfigError(ValueError):
@@ -134,6 +138,9 @@ class RunnerConfig:
     )
     #: Extra environment for Ansible (non-secret values such as paths).
     envvars: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    #: Site settings for the playbooks (`fleetheal_*` names from playbooks/vars/remediation.yml, e.g. the
+    #: grace period, kubeconfig, report dir). Passed as extra vars; the per-incident contract variables win.
+    site_vars: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -254,6 +261,10 @@ def _convert(where: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
         return tuple(value)
+    if text.startswith("collections.abc.Mapping[str, typing.Any]"):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return types.MappingProxyType(dict(value))
     if text.startswith("collections.abc.Mapping") or text.startswith("Mapping"):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
@@ -323,6 +334,16 @@ def _check(cfg: Config) -> None:
     for name in (*r.env_passthrough, *r.envvars):
         if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"runner: {name!r} is not an environment variable name")
+    for name, value in r.site_vars.items():
+        if not _SITE_VAR.fullmatch(name) or name in PLAYBOOK_VARS:
+            raise ConfigError(
+                f"runner.site_vars: {name!r} is not a site setting (a fleetheal_* name that is not one of the "
+                "per-incident variables in fleetheal.contracts.PLAYBOOK_VARS)"
+            )
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"runner.site_vars.{name}: only strings, numbers, booleans, lists and mappings") from None
     g = cfg.gate
     b = g.budget
     if b.max_isolated < 0 or b.max_isolated_per_domain < 0:

@@ -252,6 +252,7 @@ class Engine:
             facts,
             isolate_domain=domain,
             count_isolation=verdict.isolate,
+            take_over_isolation=verdict.take_over,
             quarantine=verdict.quarantine,
             requeue_job=verdict.run_job_id or None,
             run_job_id=verdict.run_job_id,

@@ -41,11 +41,14 @@ from fleetheal.taxonomy import Taxonomy
 REQUEUE_ACTIONS = frozenset({"ISOLATE_AND_RELOCATE", "RESET_GPU", "RESTART_IN_PLACE"})
 
 _BREAKER_KEY = "breaker_open_since"
+#: The action that covers every other for a node: once it runs, later destructive alerts are duplicates.
+_STRONGEST = "ISOLATE_AND_RELOCATE"
 
 #: Low-cardinality reasons (metric label values).
 REASONS = (
     "ok",
     "already_isolated",
+    "duplicate",
     "budget",
     "breaker",
     "paused",
@@ -66,6 +69,7 @@ class Verdict:
     run_job_id: str = ""  # the job id the playbook may requeue ("" = none)
     dry_run: bool = False
     isolate: bool = False
+    take_over: bool = False  # a stronger action escalates an isolation another incident owns
     quarantine: bool = False
     budget_remaining: int = 0  # isolations the budget allows, this node's included (a fact for the playbook)
 
@@ -215,6 +219,18 @@ class Gate:
                 "allow", "would_run" if dry else "allow", "ok", f"{word} {verb} on {node}{job_note}", job, dry
             )
         if current is not None:
+            owner = self.store.get(current.incident_id)
+            # One failure raises several alerts (Xid 79 and the GPU-lost counter; Xid 48 and the ECC
+            # counters): acting on each would requeue the job and promote a standby twice. A stronger action
+            # than the one under way (RESET_GPU, then ISOLATE_AND_RELOCATE) still runs.
+            if owner is not None and owner.id != incident.id and owner.action in (verb, _STRONGEST):
+                return Verdict(
+                    "deny",
+                    "deny",
+                    "duplicate",
+                    f"{node} is already isolated by {incident_ref(owner.id)} ({owner.action} for "
+                    f"{owner.fault_id}); {incident.fault_id} is recorded here and nothing more is done",
+                )
             return Verdict(
                 "allow",
                 "would_isolate" if dry else "allow",
@@ -222,6 +238,7 @@ class Gate:
                 f"{node} is already isolated by {incident_ref(current.incident_id)}; no further budget{job_note}",
                 job,
                 dry,
+                take_over=owner is not None and owner.id != incident.id,
             )
         if first:
             self._arrival(incident)

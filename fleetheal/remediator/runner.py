@@ -267,7 +267,7 @@ class AnsibleRunner:
             out[key] = value
         return out
 
-    def _prepare_dir(self, request: StepRequest, extravars: Mapping[str, str | bool | int]) -> Path:
+    def _prepare_dir(self, request: StepRequest, extravars: Mapping[str, Any]) -> Path:
         private = run_dir_for(self.cfg.run_dir, request)
         if private.exists():  # a leftover of a crash before this attempt was recorded: start clean
             shutil.rmtree(private)
@@ -291,7 +291,8 @@ class AnsibleRunner:
     def run(
         self, request: StepRequest, on_event: Callable[[RunnerEvent], None], cancel: Callable[[], bool]
     ) -> StepOutcome:
-        extravars = check_extravars(request.extravars)
+        # Site settings first: the incident's own (validated) variables always win.
+        extravars = {**self.cfg.site_vars, **check_extravars(request.extravars)}
         playbook = self.playbook_path(request.playbook)
         private = self._prepare_dir(request, extravars)
 

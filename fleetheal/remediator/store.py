@@ -571,6 +571,7 @@ class Store:
         *,
         isolate_domain: str | None = None,
         count_isolation: bool = False,
+        take_over_isolation: bool = False,
         quarantine: bool = False,
         requeue_job: str | None = None,
         run_job_id: str = "",
@@ -587,6 +588,8 @@ class Store:
                     "INSERT OR IGNORE INTO isolations (node, domain, incident_id, since, dry_run) VALUES (?,?,?,?,?)",
                     (incident.node, isolate_domain, incident.id, now, int(dry_run)),
                 )
+            if take_over_isolation:  # a stronger action now owns the node's isolation
+                db.execute("UPDATE isolations SET incident_id = ? WHERE node = ?", (incident.id, incident.node))
             if count_isolation:
                 db.execute(
                     "INSERT INTO isolation_history (node, ts, incident_id) VALUES (?, ?, ?)",

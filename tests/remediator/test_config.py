@@ -34,12 +34,12 @@ def test_the_examples_defaults_are_the_code_defaults():
     examples = {"cluster", "token_file", "playbook_dir", "pause_file"}  # marked "example" in the file
     for section in ("listen", "webhook", "store", "runner", "gate"):
         for key, value in doc[section].items():
-            if key in examples or (isinstance(value, dict) and key not in ("envvars",)):
+            if key in examples or (isinstance(value, dict) and key not in ("envvars", "site_vars")):
                 continue
             expected = getattr(getattr(defaults, section), key)
             if isinstance(expected, tuple):
                 expected = list(expected)
-            if key in ("envvars",):
+            if key in ("envvars", "site_vars"):
                 expected = dict(expected)
             if key == "roles_path":
                 continue  # depends on the checkout
@@ -80,6 +80,9 @@ def test_a_bad_environment_value_names_the_variable(tmp_path):
         ({"listen": {"tls_cert_file": "/x.pem"}}, "set both for TLS"),
         ({"store": {"synchronous": "OFF"}}, "store.synchronous"),
         ({"runner": {"envvars": {"bad name": "x"}}}, "is not an environment variable name"),
+        ({"runner": {"site_vars": {"fleetheal_node": "gpu-001"}}}, "'fleetheal_node' is not a site setting"),
+        ({"runner": {"site_vars": {"grace": 3}}}, "'grace' is not a site setting"),
+        ({"runner": {"site_vars": {"fleetheal_x": {1, 2}}}}, r"runner.site_vars.fleetheal_x: only strings"),
         ({"bogus": {}}, "unknown section 'bogus'"),
     ],
 )

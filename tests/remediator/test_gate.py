@@ -97,20 +97,15 @@ def test_budget_per_failure_domain_holds_the_rest_and_releases_when_resolved(tmp
         held = h.states()["gpu-002/0"]
         assert held[0] == "classified" and held[2].startswith("budget: 2/2 nodes of failure domain rack-0")
         assert h.engine.queue_depth() == 1
-        # Another GPU of an isolated node costs no budget.
+        # Another GPU of a node already being isolated costs no budget and runs nothing more.
         await h.send(alert(node="gpu-000", gpu="3"))
-        assert h.states()["gpu-000/3"][:2] == ("done", "allow")
+        assert h.states()["gpu-000/3"][:2] == ("done", "deny")
         # gpu-000 resolves (both of its alerts): its isolation is released, the queued incident goes.
         await h.send(alert(node="gpu-000", status="resolved"), alert(node="gpu-000", gpu="3", status="resolved"))
         await h.tick()
         assert h.isolated() == ["gpu-001", "gpu-002"]
         assert h.states()["gpu-002/0"][:2] == ("done", "allow")
-        assert [r.extravars["fleetheal_node"] for r in h.runner.requests] == [
-            "gpu-000",
-            "gpu-001",
-            "gpu-000",
-            "gpu-002",
-        ]
+        assert [r.extravars["fleetheal_node"] for r in h.runner.requests] == ["gpu-000", "gpu-001", "gpu-002"]
         decisions = [(a["node"], a["decision"]) for a in h.store.audit_log()]
         assert ("gpu-002", "hold") in decisions and ("gpu-000", "release") in decisions
         facts = next(a["facts"] for a in h.store.audit_log() if a["decision"] == "hold")
@@ -276,5 +271,36 @@ def test_non_destructive_actions_cost_no_budget(tmp_path, fault):
         await h.send(alert(node="gpu-001", fault_id=fault))
         (inc,) = h.store.incidents()
         assert (inc.state, inc.decision) == ("done", "allow") and h.isolated() == []
+
+    run(scenario, cfg)
+
+
+def test_one_failure_raising_several_alerts_is_acted_on_once(tmp_path):
+    cfg = gate_cfg(tmp_path, budget={"max_isolated": 10, "max_isolated_fraction": 1.0, "max_isolated_per_domain": 4})
+
+    async def scenario(h):
+        # Xid 79 and the GPU-lost reading of the same GPU, then Xid 48 elsewhere on the node: one isolation.
+        await h.send(alert(node="gpu-004", gpu="3", fault_id="xid-79"))
+        await h.send(alert(node="gpu-004", gpu="3", fault_id="gpu-lost"), alert(node="gpu-004", gpu="5", fault_id="xid-48"))
+        assert [(r.extravars["fleetheal_fault_id"], r.action) for r in h.runner.requests] == [
+            ("xid-79", "ISOLATE_AND_RELOCATE")
+        ]
+        denied = [a for a in h.store.audit_log() if a["decision"] == "deny"]
+        assert len(denied) == 2
+        assert all("already isolated by inc-" in a["reason"] and "nothing more is done" in a["reason"] for a in denied)
+        # A GPU reset under way does not hide a later, stronger fault: it escalates to isolation.
+        await h.send(alert(node="gpu-008", fault_id="row-remap-pending"))
+        await h.send(alert(node="gpu-008", fault_id="xid-79"), alert(node="gpu-008", fault_id="retired-pages-pending"))
+        assert [(r.extravars["fleetheal_node"], r.action) for r in h.runner.requests][1:] == [
+            ("gpu-008", "RESET_GPU"),
+            ("gpu-008", "ISOLATE_AND_RELOCATE"),
+        ]
+        assert h.isolated() == ["gpu-004", "gpu-008"]
+        # The escalation now owns the isolation: a late counter alert is folded into it, not run again.
+        await h.send(alert(node="gpu-008", gpu="1", fault_id="gpu-lost"))
+        assert len(h.runner.requests) == 3
+        assert h.store.isolations()["gpu-008"].incident_id == next(
+            i.id for i in h.store.incidents(limit=100) if i.node == "gpu-008" and i.fault_id == "xid-79"
+        )
 
     run(scenario, cfg)

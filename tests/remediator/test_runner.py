@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,18 @@ def test_a_run_gets_exactly_the_validated_variables_and_feeds_the_timeline(tmp_p
     assert "playbook_start" in kinds and "task_start" in kinds and "task_changed" in kinds
     assert events[-1].kind == "stats" and "failures=0" in events[-1].detail
     assert outcome.run_dir == str(run_dir_for(cfg.runner.run_dir, request()))
+
+
+def test_site_vars_reach_the_playbook_beneath_the_incident_variables(tmp_path):
+    site = {"fleetheal_grace_seconds": 3, "fleetheal_slurm_env": {"SLURM_CONF": "/lab/slurm.conf"}}
+    cfg = make_config(tmp_path, runner={"site_vars": site})
+    outcome = AnsibleRunner(cfg.runner).run(request(), lambda e: None, lambda: False)
+    assert outcome.ok, outcome
+    start, _ = records(tmp_path)
+    assert start["extra_vars"] == sorted([*request().extravars, *site])
+    written = json.loads((Path(outcome.run_dir) / "env" / "extravars").read_text())
+    assert written["fleetheal_slurm_env"] == {"SLURM_CONF": "/lab/slurm.conf"}
+    assert written["fleetheal_node"] == "gpu-001"
 
 
 def test_artifacts_keep_no_secret_and_not_the_whole_environment(tmp_path, secret_env):
