@@ -20,6 +20,8 @@ TAINT_STANDBY = K8S_PREFIX + "standby"
 #: Pool membership label: one of POOLS.
 LABEL_POOL = K8S_PREFIX + "pool"
 POOLS = ("active", "standby", "quarantine")
+#: Label naming the fault on a node the agent's fast path took out (value = fault id).
+LABEL_FAULT = K8S_PREFIX + "fault"
 #: Failure-domain label (rack, leaf switch) the safety gate budgets by.
 LABEL_FAILURE_DOMAIN = K8S_PREFIX + "failure-domain"
 

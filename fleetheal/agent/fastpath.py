@@ -22,14 +22,11 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fleetheal.contracts import K8S_PREFIX, TAINT_UNHEALTHY, owns_reason
+from fleetheal.contracts import LABEL_FAULT, TAINT_UNHEALTHY, owns_reason
 from fleetheal.scontrol import NodeInfo, parse_node_line
 
 if TYPE_CHECKING:
     import ssl
-
-#: Label the agent puts on its Node next to the taint: the fault id that isolated it.
-LABEL_FAULT = K8S_PREFIX + "fault"
 
 DONE, ALREADY, KEPT_FOREIGN, WOULD, FAILED = "done", "already", "kept_foreign", "would", "failed"
 

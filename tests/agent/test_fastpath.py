@@ -15,13 +15,12 @@ from fleetheal.agent.fastpath import (
     ALREADY,
     DONE,
     KEPT_FOREIGN,
-    LABEL_FAULT,
     WOULD,
     FastPathError,
     KubeNodeTainter,
     SlurmDrainer,
 )
-from fleetheal.contracts import TAINT_UNHEALTHY, drain_reason
+from fleetheal.contracts import LABEL_FAULT, TAINT_UNHEALTHY, drain_reason
 
 
 class FakeScontrol:
