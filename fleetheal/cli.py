@@ -21,6 +21,7 @@ COMMANDS = (
     "fleetheal.lab.cli",
     "fleetheal.infra.cli",
     "fleetheal.remediator.cli",
+    "fleetheal.ettr",
 )
 
 

@@ -1,0 +1,647 @@
+"""Effective training time ratio (ETTR): simulated (`fleetheal ettr simulate`) and measured on a lab run.
+
+ETTR is the share of a training job's wall time that produced training progress that was kept:
+productive time / allocated time. Everything else is lost work (steps redone after a restart from the last
+checkpoint), checkpoint overhead (time training is blocked writing a checkpoint), detection time (a fault
+has happened, nobody knows yet), recovery time (isolate, requeue, promote a replacement, restart the
+application) and time spent waiting for a replacement node when no warm standby is left.
+
+The simulator is a discrete-event model with the standard library only and a seeded `random.Random`:
+
+* A job on N GPUs (N/8 nodes) runs compute segments of `interval` seconds, each followed by a blocking
+  checkpoint of `checkpoint` seconds. Interruptions arrive as a Poisson process whose rate is the sum of
+  per-component, per-GPU-day rates times N (default: Llama 3 Table 5, see FAILURE_RATES) while the job
+  runs; the failure process is memoryless, so no failure is modelled during a recovery (the usual
+  Young/Daly assumption; at the scales here recovery is a small share of the time between failures).
+* An interruption throws away the compute since the last completed checkpoint (an unfinished checkpoint's
+  time counts as checkpoint overhead). Its component decides how it is noticed (`hw`: the node agent sees
+  an Xid or counter; `crash`: the process exits; `symptom`: a hang, NCCL watchdog or silent corruption
+  that only shows in training progress) and how it is handled: `hardware` -> isolate the node, requeue,
+  take a node from the warm-standby pool (or wait for one), restart; `transient` -> requeue and restart
+  on the same nodes.
+* The standby pool holds `standby` nodes. Every hardware interruption sends its node to repair and orders
+  a replacement that arrives `replace_s` later; when the pool is empty the job waits for the earliest
+  replacement.
+
+See docs/ettr.md for the model, the sources of every default and how to read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+DAY_S = 86_400.0
+GPUS_PER_NODE = 8
+SCALES = (1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072)
+CATEGORIES = ("productive", "lost_work", "checkpoint", "detection", "recovery", "waiting")
+
+# Llama 3 pre-training, 54 days on 16,384 H100 GPUs: the 419 unexpected interruptions of Table 5
+# ("The Llama 3 Herd of Models", arXiv 2407.21783; transcribed in /work/shared/reference/failure-stats.md,
+# section 1). Rate per GPU-day = count / (16,384 GPUs x 54 days). Each component also says how it is
+# noticed (detect) and handled (kind); that mapping is fleetheal's, following the coarse buckets of
+# failure-stats.md note (c): host maintenance is an unplanned node drain, handled like hardware.
+LLAMA3_GPU_DAYS = 16_384 * 54
+LLAMA3_TABLE5: tuple[tuple[str, str, int, str, str], ...] = (
+    # component, category, count, kind, detect
+    ("Faulty GPU", "GPU", 148, "hardware", "hw"),
+    ("GPU HBM3 Memory", "GPU", 72, "hardware", "hw"),
+    ("Software Bug", "Dependency", 54, "transient", "crash"),
+    ("Network Switch/Cable", "Network", 35, "hardware", "hw"),
+    ("Host Maintenance", "Unplanned Maintenance", 32, "hardware", "hw"),
+    ("GPU SRAM Memory", "GPU", 19, "hardware", "hw"),
+    ("GPU System Processor", "GPU", 17, "hardware", "hw"),
+    ("NIC", "Host", 7, "hardware", "hw"),
+    ("NCCL Watchdog Timeouts", "Unknown", 7, "transient", "symptom"),
+    ("Silent Data Corruption", "GPU", 6, "hardware", "symptom"),
+    ("GPU Thermal Interface + Sensor", "GPU", 6, "hardware", "hw"),
+    ("SSD", "Host", 3, "hardware", "hw"),
+    ("Power Supply", "Host", 3, "hardware", "hw"),
+    ("Server Chassis", "Host", 2, "hardware", "hw"),
+    ("IO Expansion Board", "Host", 2, "hardware", "hw"),
+    ("Dependency", "Dependency", 2, "transient", "crash"),
+    ("CPU", "Host", 2, "hardware", "hw"),
+    ("System Memory", "Host", 2, "hardware", "hw"),
+)
+SOURCE = "Llama 3 Table 5 (arXiv 2407.21783): 419 unexpected interruptions, 16,384 GPUs x 54 days"
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    category: str
+    kind: str  # hardware | transient
+    detect: str  # hw | crash | symptom
+    per_gpu_day: float
+
+
+FAILURE_RATES: tuple[Component, ...] = tuple(
+    Component(name, cat, kind, detect, count / LLAMA3_GPU_DAYS) for name, cat, count, kind, detect in LLAMA3_TABLE5
+)
+KINDS = ("hardware", "transient")
+DETECTS = ("hw", "crash", "symptom")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How interruptions are handled; every time in seconds. See docs/ettr.md for each default's source."""
+
+    name: str
+    detect_hw_s: float  # fault -> known (the agent's Xid/counter poll)
+    detect_crash_s: float  # process exit -> known
+    detect_symptom_s: float  # hang, NCCL watchdog, silent corruption -> known
+    isolate_s: float  # known -> node drained and incident opened (hardware only)
+    requeue_s: float  # -> job requeued (alert path, playbook start, grace period, requeue)
+    promote_s: float  # -> a standby node promoted into the job's pool (hardware only)
+    restart_s: float  # -> application training again (launch, collective init, checkpoint load)
+    replace_s: float  # lead time of a replacement node (repair or provisioning)
+    standby_fraction: float  # warm-standby nodes as a share of the job's nodes
+    grace_save: float = 0.0  # share of interruptions whose grace-period checkpoint keeps all work
+
+    def detect_s(self, detect: str) -> float:
+        return {"hw": self.detect_hw_s, "crash": self.detect_crash_s, "symptom": self.detect_symptom_s}[detect]
+
+    def standby_nodes(self, gpus: int) -> int:
+        nodes = gpus // GPUS_PER_NODE
+        return max(0, math.ceil(nodes * self.standby_fraction)) if self.standby_fraction > 0 else 0
+
+
+# fleetheal, automated. Measured in the lab (docs/lab.md, 2-core machine): the agent polls every 1 s and
+# drains its own node (agent benchmark goal p99 < 2 s); Xid 79 -> job RUNNING again on a spare node in
+# 32-42 s, most of it ansible-runner start-up, the playbook's Slurm reads and the 3 s grace period
+# (requeue_s 30 + promote_s 5 + detect/isolate 2 = 37 s, the middle of that range); NCCL timeout ->
+# running again 21-40 s. The hang timeout is the agent's `training.hang_timeout_s` default (300 s).
+# Not measured (assumptions, see docs/ettr.md): restart_s 60 s for a large job's launch + NCCL init +
+# checkpoint load (the lab's toy job restarts in under 1 s); replace_s 4 h; 1% warm standby.
+FLEETHEAL = Profile(
+    name="fleetheal",
+    detect_hw_s=1.0,
+    detect_crash_s=1.0,
+    detect_symptom_s=300.0,
+    isolate_s=1.0,
+    requeue_s=30.0,
+    promote_s=5.0,
+    restart_s=60.0,
+    replace_s=4 * 3600.0,
+    standby_fraction=0.01,
+)
+# Manual-ish recovery, the peer: an interruption is noticed when the job stalls (PyTorch's default NCCL
+# collective timeout, 10 min, for hardware and hangs; a crash is seen when the job exits), an operator
+# triages and drains the node (15 min), resubmits (5 min); the replacement node comes from the cluster's
+# free capacity (no warm standby, no lead time when capacity exists: Llama 3's job ran inside a larger
+# cluster), and the application restarts as in the automated profile.
+MANUAL = Profile(
+    name="manual",
+    detect_hw_s=600.0,
+    detect_crash_s=60.0,
+    detect_symptom_s=600.0,
+    isolate_s=900.0,
+    requeue_s=300.0,
+    promote_s=0.0,
+    restart_s=60.0,
+    replace_s=0.0,
+    standby_fraction=0.0,
+)
+# Llama 3-like: largely automated restarts ("only three interruptions required significant manual
+# intervention") but slow to notice (hang/timeout based), no warm standby pool, spare capacity in the cluster.
+LLAMA3 = Profile(
+    name="llama3",
+    detect_hw_s=300.0,
+    detect_crash_s=60.0,
+    detect_symptom_s=600.0,
+    isolate_s=120.0,
+    requeue_s=120.0,
+    promote_s=0.0,
+    restart_s=120.0,
+    replace_s=0.0,
+    standby_fraction=0.0,
+)
+PROFILES = {p.name: p for p in (FLEETHEAL, MANUAL, LLAMA3)}
+# Blocking part of a checkpoint (assumption: asynchronous checkpointing, snapshot to host memory blocks,
+# the write to storage overlaps training). docs/ettr.md shows how ETTR moves with it.
+CHECKPOINT_S = 2.0
+
+
+class SimulationError(ValueError):
+    """Bad parameters for the model (printed as a usage error)."""
+
+
+@dataclass
+class Result:
+    gpus: int
+    profile: str
+    interval_s: float
+    checkpoint_s: float
+    horizon_s: float
+    interruptions: int
+    hardware: int
+    waited: int
+    mtbf_s: float
+    seconds: dict[str, float]
+
+    @property
+    def ettr(self) -> float:
+        return self.seconds["productive"] / self.horizon_s
+
+    def breakdown(self) -> dict[str, float]:
+        return {k: v / self.horizon_s for k, v in self.seconds.items()}
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ettr"] = self.ettr
+        d["breakdown"] = self.breakdown()
+        return d
+
+
+def total_rate(components: Sequence[Component]) -> float:
+    """Interruptions per GPU-day, all components."""
+    return sum(c.per_gpu_day for c in components)
+
+
+def mtbf_s(gpus: int, components: Sequence[Component] = FAILURE_RATES) -> float:
+    """Mean time between interruptions of a job on `gpus` GPUs, seconds (rates scale linearly with GPUs)."""
+    rate = total_rate(components) * gpus
+    if rate <= 0:
+        raise SimulationError("the failure rates sum to zero: no interruptions to simulate")
+    return DAY_S / rate
+
+
+def young_daly_interval(checkpoint_s: float, mtbf: float) -> float:
+    """Young's optimal checkpoint interval, sqrt(2 C M)."""
+    return math.sqrt(2.0 * checkpoint_s * mtbf)
+
+
+def young_daly_ettr(checkpoint_s: float, mtbf: float, downtime_s: float) -> float:
+    """First-order closed form at the optimal interval: 1 - sqrt(2C/M) - R/M."""
+    return 1.0 - math.sqrt(2.0 * checkpoint_s / mtbf) - downtime_s / mtbf
+
+
+def _check(gpus: int, interval_s: float, checkpoint_s: float, horizon_s: float, profile: Profile) -> None:
+    if gpus < GPUS_PER_NODE or gpus % GPUS_PER_NODE:
+        raise SimulationError(f"--gpus must be a positive multiple of {GPUS_PER_NODE}, got {gpus}")
+    if not interval_s > 0 or not math.isfinite(interval_s):
+        raise SimulationError(f"checkpoint interval must be > 0 s, got {interval_s}")
+    if checkpoint_s < 0 or not math.isfinite(checkpoint_s):
+        raise SimulationError(f"checkpoint cost must be >= 0 s, got {checkpoint_s}")
+    if not horizon_s > 0:
+        raise SimulationError(f"simulated time must be > 0, got {horizon_s}")
+    for f in fields(profile):
+        v = getattr(profile, f.name)
+        if f.name != "name" and (not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v)):
+            raise SimulationError(f"{f.name} must be a finite number >= 0, got {v}")
+    if profile.grace_save > 1 or profile.standby_fraction > 1:
+        raise SimulationError("grace_save and standby_fraction are shares between 0 and 1")
+
+
+def simulate(
+    gpus: int,
+    profile: Profile = FLEETHEAL,
+    *,
+    interval_s: float,
+    checkpoint_s: float = CHECKPOINT_S,
+    horizon_s: float | None = None,
+    events: int = 2_000,
+    seed: int = 0,
+    components: Sequence[Component] = FAILURE_RATES,
+) -> Result:
+    """One run of the discrete-event model; `horizon_s` defaults to the time `events` interruptions take."""
+    mtbf = mtbf_s(gpus, components)
+    horizon = horizon_s if horizon_s is not None else events * mtbf
+    _check(gpus, interval_s, checkpoint_s, horizon, profile)
+    rng = random.Random(seed)  # noqa: S311 -- a seeded model, not cryptography
+    weights = [c.per_gpu_day for c in components]
+    rate = 1.0 / mtbf
+    secs = dict.fromkeys(CATEGORIES, 0.0)
+    standby = profile.standby_nodes(gpus)
+    pool = standby
+    arrivals: list[float] = []  # replacement nodes ordered, by arrival time
+    cycle = interval_s + checkpoint_s
+    t = 0.0
+    n = hw = waited = 0
+    while t < horizon:
+        # Run from a checkpoint (or the start) until the next interruption or the end of the horizon.
+        fail_at = t + rng.expovariate(rate)
+        end = min(fail_at, horizon)
+        d = end - t
+        cycles = math.floor(d / cycle)
+        rem = d - cycles * cycle
+        secs["productive"] += cycles * interval_s
+        secs["checkpoint"] += cycles * checkpoint_s
+        since = min(rem, interval_s)
+        secs["checkpoint"] += rem - since
+        t = end
+        if fail_at >= horizon:
+            secs["productive"] += since  # the run ends without an interruption: its progress counts
+            break
+        n += 1
+        comp = rng.choices(components, weights)[0]
+        if profile.grace_save > 0 and rng.random() < profile.grace_save:
+            secs["productive"] += since  # the grace-period checkpoint saved it
+        else:
+            secs["lost_work"] += since
+        phases: list[tuple[str, float]] = [("detection", profile.detect_s(comp.detect))]
+        if comp.kind == "hardware":
+            hw += 1
+            while arrivals and arrivals[0] <= t:
+                heapq.heappop(arrivals)
+                pool += 1
+            heapq.heappush(arrivals, t + profile.replace_s)
+            phases.append(("recovery", profile.isolate_s + profile.requeue_s))
+            if pool > 0:
+                pool -= 1
+            else:
+                ready = heapq.heappop(arrivals)
+                ready_after = t + profile.detect_s(comp.detect) + profile.isolate_s + profile.requeue_s
+                if ready > ready_after:
+                    waited += 1
+                    phases.append(("waiting", ready - ready_after))
+            phases.append(("recovery", profile.promote_s + profile.restart_s))
+        else:
+            phases.append(("recovery", profile.requeue_s + profile.restart_s))
+        for cat, seconds in phases:
+            take = min(seconds, horizon - t)
+            secs[cat] += take
+            t += take
+    return Result(gpus, profile.name, interval_s, checkpoint_s, horizon, n, hw, waited, mtbf, secs)
+
+
+def downtime_per_interruption(profile: Profile, components: Sequence[Component] = FAILURE_RATES) -> float:
+    """Expected detection + recovery seconds per interruption (no waiting), for the closed form."""
+    total = total_rate(components)
+    r = 0.0
+    for c in components:
+        base = profile.detect_s(c.detect) + profile.requeue_s + profile.restart_s
+        if c.kind == "hardware":
+            base += profile.isolate_s + profile.promote_s
+        r += c.per_gpu_day / total * base
+    return r
+
+
+def best_interval(
+    gpus: int,
+    profile: Profile = FLEETHEAL,
+    *,
+    checkpoint_s: float = CHECKPOINT_S,
+    events: int = 2_000,
+    seed: int = 0,
+    components: Sequence[Component] = FAILURE_RATES,
+    factors: Iterable[float] = (0.25, 0.35, 0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0, 2.8, 4.0),
+) -> tuple[Result, list[Result]]:
+    """Search intervals around Young's sqrt(2CM) with common random numbers; the best run and all runs."""
+    mtbf = mtbf_s(gpus, components)
+    t0 = young_daly_interval(max(checkpoint_s, 1e-3), mtbf)
+    runs = [
+        simulate(
+            gpus, profile, interval_s=t0 * f, checkpoint_s=checkpoint_s, events=events, seed=seed, components=components
+        )
+        for f in factors
+    ]
+    return max(runs, key=lambda r: r.ettr), runs
+
+
+def sweep(
+    scales: Sequence[int],
+    profiles: Sequence[Profile],
+    *,
+    checkpoint_s: float = CHECKPOINT_S,
+    interval_s: float | None = None,
+    events: int = 2_000,
+    seed: int = 0,
+) -> list[Result]:
+    """ETTR per scale and profile, at the best interval (or the given one)."""
+    out = []
+    for gpus in scales:
+        for p in profiles:
+            if interval_s is None:
+                best, _ = best_interval(gpus, p, checkpoint_s=checkpoint_s, events=events, seed=seed)
+            else:
+                best = simulate(gpus, p, interval_s=interval_s, checkpoint_s=checkpoint_s, events=events, seed=seed)
+            out.append(best)
+    return out
+
+
+# --- ETTR measured on a lab run ----------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """A training run's ETTR from its own events (and the incidents that interrupted it)."""
+
+    allocated_s: float
+    productive_s: float
+    lost_work_s: float
+    down_s: float
+    restarts: int
+    incidents: list[dict[str, float]]
+
+    @property
+    def ettr(self) -> float:
+        return self.productive_s / self.allocated_s if self.allocated_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ettr"] = self.ettr
+        return d
+
+
+def measure(
+    events: Sequence[dict[str, Any]], now: float | None = None, incidents: Sequence[dict[str, Any]] = ()
+) -> Measured | None:
+    """ETTR of a lab training run from the job's events (`fleetheal.lab.train`, events.jsonl).
+
+    Allocated time runs from the first start to `now` (or the last event). Productive time is the
+    full-pace time of the steps that were kept (the final step count minus the step the first start
+    resumed from, times the step time); steps computed and then thrown away by a restart from an older
+    checkpoint are lost work; the rest (pending, requeue, restart, checkpoint writes, the grace wait) is
+    down time. Each incident from the remediator (its timeline) adds per-phase offsets from the fault.
+    """
+    from fleetheal.lab.train import ettr as run_ettr  # the lab's own arithmetic: kept steps at full pace / wall
+
+    starts = [e for e in events if e.get("event") == "start"]
+    stepped = [e for e in events if "step" in e and e.get("event") in ("checkpoint", "signal", "end", "progress")]
+    ratio = run_ettr(list(events), now)
+    if not starts or not stepped or ratio is None:
+        return None
+    step_time = float(starts[0]["step_time"])
+    end = float(now if now is not None else stepped[-1]["time"])
+    allocated = end - float(starts[0]["time"])
+    productive = ratio * allocated
+    lost_steps = restarts = 0
+    high = int(starts[0].get("resumed_from", 0))
+    for e in events[events.index(starts[0]) + 1 :]:
+        if e.get("event") == "start":  # a restart: steps beyond the checkpoint it resumed from are redone
+            restarts += 1
+            lost_steps += max(0, high - int(e.get("resumed_from", 0)))
+            high = int(e.get("resumed_from", 0))
+        elif "step" in e and e.get("event") in ("checkpoint", "signal", "end", "progress"):
+            high = max(high, int(e["step"]))
+    lost = min(allocated - productive, lost_steps * step_time)
+    timelines = [incident_phases(inc) for inc in incidents]
+    return Measured(allocated, productive, lost, allocated - productive - lost, restarts, timelines)
+
+
+def incident_phases(inc: dict[str, Any]) -> dict[str, float]:
+    """Per-phase seconds of a remediator incident as `fleetheal incidents show ID --json` reports them
+    (detect, classify, gate, act, total; phases that have not happened are left out)."""
+    return {k: float(v) for k, v in (inc.get("phases") or {}).items() if isinstance(v, (int, float))}
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+
+def _scales(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"scales are GPU counts separated by commas, got {text!r}") from exc
+    if not vals or any(v < GPUS_PER_NODE or v % GPUS_PER_NODE for v in vals):
+        raise argparse.ArgumentTypeError(f"each scale must be a positive multiple of {GPUS_PER_NODE} GPUs: {text!r}")
+    return vals
+
+
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if v < 0 or not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from exc
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def _share(text: str) -> float:
+    v = _nonneg(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"a share between 0 and 1, got {text}")
+    return v
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "ettr",
+        help="effective training time ratio: simulate it at scale",
+        description="Effective training time ratio (ETTR). See docs/ettr.md.",
+    )
+    esub = p.add_subparsers(dest="ettr_command", metavar="SUBCOMMAND", required=True)
+    s = esub.add_parser(
+        "simulate",
+        help="discrete-event model of a training job under Llama 3 failure rates",
+        description=(
+            "Simulate ETTR of a training job on N GPUs with per-component failure rates (Llama 3 Table 5), "
+            "checkpointing, detection, recovery and a warm-standby pool, against a manual-recovery baseline."
+        ),
+    )
+    s.add_argument(
+        "--scales", type=_scales, default=list(SCALES), help="GPU counts, e.g. 1024,16384 (default: 1,024 to 131,072)"
+    )
+    s.add_argument(
+        "--profile", choices=sorted(PROFILES), default="fleetheal", help="recovery profile (default fleetheal)"
+    )
+    s.add_argument("--baseline", choices=sorted(PROFILES), default="manual", help="peer profile (default manual)")
+    s.add_argument(
+        "--checkpoint-cost",
+        type=_nonneg,
+        default=CHECKPOINT_S,
+        metavar="S",
+        help=f"blocking seconds per checkpoint (default {CHECKPOINT_S:g})",
+    )
+    s.add_argument(
+        "--interval", type=_nonneg, default=None, metavar="S", help="checkpoint interval (default: search for the best)"
+    )
+    s.add_argument(
+        "--standby", type=_share, default=None, metavar="SHARE", help="warm-standby nodes as a share of the job's nodes"
+    )
+    s.add_argument("--replace", type=_nonneg, default=None, metavar="S", help="replacement node lead time, seconds")
+    s.add_argument("--restart", type=_nonneg, default=None, metavar="S", help="application restart seconds")
+    s.add_argument("--detect", type=_nonneg, default=None, metavar="S", help="detection seconds for hardware faults")
+    s.add_argument(
+        "--recovery", type=_nonneg, default=None, metavar="S", help="requeue seconds (alert to job requeued)"
+    )
+    s.add_argument(
+        "--grace-save",
+        type=_share,
+        default=None,
+        metavar="SHARE",
+        help="share of interruptions saved by the grace checkpoint",
+    )
+    s.add_argument(
+        "--events", type=_positive_int, default=2_000, help="interruptions per simulated run (default 2,000)"
+    )
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--plot", type=Path, metavar="FILE.png", help="plot ETTR against scale (matplotlib, Agg)")
+    s.set_defaults(func=_cmd_simulate)
+
+
+def _profile_from(args: argparse.Namespace, name: str, tweak: bool) -> Profile:
+    p = PROFILES[name]
+    if not tweak:
+        return p
+    changes: dict[str, Any] = {}
+    for arg, field in (
+        ("standby", "standby_fraction"),
+        ("replace", "replace_s"),
+        ("restart", "restart_s"),
+        ("detect", "detect_hw_s"),
+        ("recovery", "requeue_s"),
+        ("grace_save", "grace_save"),
+    ):
+        v = getattr(args, arg)
+        if v is not None:
+            changes[field] = v
+    return replace(p, **changes) if changes else p
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from fleetheal.cli import UsageError
+
+    if args.interval is not None and args.interval <= 0:
+        raise UsageError("--interval must be > 0 seconds")
+    profile = _profile_from(args, args.profile, True)
+    baseline = _profile_from(args, args.baseline, False)
+    try:
+        results = sweep(
+            args.scales,
+            [profile, baseline],
+            checkpoint_s=args.checkpoint_cost,
+            interval_s=args.interval,
+            events=args.events,
+            seed=args.seed,
+        )
+    except SimulationError as exc:
+        raise UsageError(str(exc)) from exc
+    rows: list[dict[str, Any]] = []
+    for i in range(0, len(results), 2):
+        r, b = results[i], results[i + 1]
+        rows.append(
+            {
+                "gpus": r.gpus,
+                "mtbf_h": r.mtbf_s / 3600,
+                "ettr": r.ettr,
+                "baseline_ettr": b.ettr,
+                "best_interval_s": r.interval_s,
+                "baseline_best_interval_s": b.interval_s,
+                "standby_nodes": profile.standby_nodes(r.gpus),
+                "result": r.as_dict(),
+                "baseline": b.as_dict(),
+            }
+        )
+    doc = {
+        "source": SOURCE,
+        "rates_per_gpu_day": {c.name: c.per_gpu_day for c in FAILURE_RATES},
+        "profile": asdict(profile),
+        "baseline": asdict(baseline),
+        "checkpoint_s": args.checkpoint_cost,
+        "events": args.events,
+        "seed": args.seed,
+        "rows": rows,
+    }
+    if args.plot:
+        plot(rows, args.plot, profile.name, baseline.name)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+        return 0
+    print(
+        f"ETTR simulated: profile {profile.name} vs {baseline.name}; rates: {SOURCE}; "
+        f"checkpoint cost {args.checkpoint_cost:g} s; {args.events} interruptions per run, seed {args.seed}"
+    )
+    head = (
+        f"{'GPUs':>8} {'MTBF':>7} {'ETTR':>7} {'base':>7} {'interval':>9} {'standby':>7} "
+        f"{'lost':>6} {'ckpt':>6} {'detect':>6} {'recov':>6} {'wait':>6}"
+    )
+    print(head)
+    for row in rows:
+        bd = row["result"]["breakdown"]
+        print(
+            f"{row['gpus']:>8,} {row['mtbf_h']:>6.2f}h {row['ettr']:>7.2%} {row['baseline_ettr']:>7.2%} "
+            f"{row['best_interval_s']:>8.0f}s {row['standby_nodes']:>7} {bd['lost_work']:>6.2%} "
+            f"{bd['checkpoint']:>6.2%} {bd['detection']:>6.2%} {bd['recovery']:>6.2%} {bd['waiting']:>6.2%}"
+        )
+    print(
+        "columns lost..wait: share of wall time for the profile; 'base' is the baseline's ETTR at its own best interval"
+    )
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, name: str, baseline: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [r["gpus"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(gpus, [100 * r["ettr"] for r in rows], marker="o", label=name)
+    ax.plot(gpus, [100 * r["baseline_ettr"] for r in rows], marker="s", label=f"{baseline} (baseline)")
+    ax.axhline(98.5, color="grey", linestyle="--", linewidth=1, label="goal 98.5%")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(gpus, [f"{g:,}" for g in gpus], rotation=30)
+    ax.set_xlabel("GPUs in the job")
+    ax.set_ylabel("ETTR at the best checkpoint interval (%)")
+    ax.set_title("Simulated ETTR, Llama 3 Table 5 failure rates")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

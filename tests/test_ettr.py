@@ -1,0 +1,174 @@
+"""fleetheal.ettr: the ETTR simulator against the Young/Daly closed form and Llama 3's published figure,
+monotonicity in standby and recovery speed, the CLI's errors and outputs, and the measured ETTR of a run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fleetheal import ettr
+from fleetheal.cli import main
+from fleetheal.lab.train import ettr as lab_ettr
+
+M = 10 * 3600.0  # MTBF of the simple case: 10 h
+GPUS = 8
+
+
+def one_component(mtbf: float = M) -> tuple[ettr.Component, ...]:
+    """One transient failure mode whose rate gives a job on GPUS GPUs the given MTBF."""
+    return (ettr.Component("x", "x", "transient", "crash", 86_400.0 / mtbf / GPUS),)
+
+
+def fixed_downtime(r: float) -> ettr.Profile:
+    return ettr.Profile("fixed", 0.0, 0.0, 0.0, 0.0, r, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_rates_are_llama3_table5() -> None:
+    assert sum(count for _, _, count, _, _ in ettr.LLAMA3_TABLE5) == 419
+    assert ettr.total_rate(ettr.FAILURE_RATES) == pytest.approx(4.74e-4, rel=0.01)  # failure-stats.md
+    # 54 days x 24 h / 419 interruptions = 3.09 h between interruptions at 16,384 GPUs
+    assert ettr.mtbf_s(16_384) / 3600 == pytest.approx(54 * 24 / 419, rel=1e-9)
+    hw = sum(c.per_gpu_day for c in ettr.FAILURE_RATES if c.kind == "hardware")
+    assert hw * ettr.LLAMA3_GPU_DAYS == pytest.approx(324 + 32)  # hardware rows + host maintenance
+
+
+@pytest.mark.parametrize(("c", "r"), [(60.0, 300.0), (10.0, 60.0)])
+def test_young_daly_closed_form(c: float, r: float) -> None:
+    comps = one_component()
+    t_opt = ettr.young_daly_interval(c, M)
+    assert t_opt == pytest.approx(math.sqrt(2 * c * M))
+    sim = ettr.simulate(GPUS, fixed_downtime(r), interval_s=t_opt, checkpoint_s=c, events=20_000, components=comps)
+    expected = ettr.young_daly_ettr(c, M, r)
+    assert sim.mtbf_s == pytest.approx(M)
+    assert abs(sim.ettr - expected) < 0.005, (sim.ettr, expected)
+    assert sum(sim.seconds.values()) == pytest.approx(sim.horizon_s)
+    # the breakdown is what the closed form says it is: lost work ~ T/2 per failure, checkpoint ~ C/T
+    bd = sim.breakdown()
+    assert bd["checkpoint"] == pytest.approx(c / (t_opt + c), rel=0.05)
+    assert bd["recovery"] == pytest.approx(r / (M + r), rel=0.05)
+    # the searched optimum is no better than Young's interval by more than noise, and lies near it
+    best, runs = ettr.best_interval(GPUS, fixed_downtime(r), checkpoint_s=c, events=20_000, components=comps)
+    at_young = next(x for x in runs if x.interval_s == pytest.approx(t_opt))
+    assert best.ettr - at_young.ettr < 0.002
+    assert 0.5 * t_opt <= best.interval_s <= 2.0 * t_opt
+
+
+def test_llama3_over_90_percent_at_16k() -> None:
+    """Llama 3: > 90% effective training time on 16,384 GPUs, mostly automated but slow recovery."""
+    best, _ = ettr.best_interval(16_384, ettr.LLAMA3, events=3_000)
+    assert 0.90 < best.ettr < 0.97, best.ettr
+    assert best.interruptions == pytest.approx(3_000, rel=0.1)
+    fast, _ = ettr.best_interval(16_384, ettr.FLEETHEAL, events=3_000)
+    manual, _ = ettr.best_interval(16_384, ettr.MANUAL, events=3_000)
+    assert manual.ettr < best.ettr < fast.ettr
+
+
+def test_more_standby_never_lowers_ettr() -> None:
+    p = replace(ettr.FLEETHEAL, replace_s=6 * 3600.0)
+    values = []
+    for share in (0.0, 0.001, 0.003, 0.01, 0.05):
+        r = ettr.simulate(16_384, replace(p, standby_fraction=share), interval_s=200, events=1_500, seed=3)
+        values.append((r.ettr, r.seconds["waiting"]))
+    for (a, wa), (b, wb) in itertools.pairwise(values):
+        assert b >= a - 1e-9 and wb <= wa + 1e-9, values
+    assert values[0][1] > 0 and values[-1][1] == 0  # no standby: the job waits for nodes; enough: never
+
+
+@pytest.mark.parametrize("field", ["detect_hw_s", "isolate_s", "requeue_s", "promote_s", "restart_s", "replace_s"])
+def test_faster_recovery_never_lowers_ettr(field: str) -> None:
+    p = replace(ettr.FLEETHEAL, standby_fraction=0.002)
+    base = getattr(p, field)
+    prev = None
+    for factor in (8.0, 4.0, 1.0, 0.25, 0.0):
+        r = ettr.simulate(16_384, replace(p, **{field: max(base, 30.0) * factor}), interval_s=200, events=800, seed=1)
+        if prev is not None:
+            assert r.ettr >= prev - 1e-9, (field, factor, r.ettr, prev)
+        prev = r.ettr
+
+
+def test_scale_lowers_ettr_and_interval() -> None:
+    rows = ettr.sweep([1_024, 16_384, 131_072], [ettr.FLEETHEAL], events=600)
+    assert rows[0].ettr > rows[1].ettr > rows[2].ettr
+    assert rows[0].interval_s > rows[1].interval_s > rows[2].interval_s
+
+
+def test_bad_model_arguments() -> None:
+    with pytest.raises(ettr.SimulationError, match="multiple of 8"):
+        ettr.simulate(12, interval_s=100)
+    with pytest.raises(ettr.SimulationError, match="interval"):
+        ettr.simulate(64, interval_s=0)
+    with pytest.raises(ettr.SimulationError, match="checkpoint cost"):
+        ettr.simulate(64, interval_s=10, checkpoint_s=-1)
+    with pytest.raises(ettr.SimulationError, match="restart_s"):
+        ettr.simulate(64, replace(ettr.FLEETHEAL, restart_s=-5), interval_s=10)
+    with pytest.raises(ettr.SimulationError, match="zero"):
+        ettr.mtbf_s(64, ())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--scales", "abc"], "GPU counts"),
+        (["--scales", "1001"], "multiple of 8"),
+        (["--checkpoint-cost", "-1"], ">= 0"),
+        (["--interval", "0"], "--interval must be > 0"),
+        (["--standby", "2"], "between 0 and 1"),
+        (["--events", "0"], ">= 1"),
+        (["--profile", "nope"], "invalid choice"),
+    ],
+)
+def test_cli_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["ettr", "simulate", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ettr", "simulate", "--scales", "1024,16384", "--events", "300", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["gpus"] for r in doc["rows"]] == [1024, 16384]
+    for row in doc["rows"]:
+        assert sum(row["result"]["breakdown"].values()) == pytest.approx(1.0)
+        assert row["ettr"] == pytest.approx(row["result"]["breakdown"]["productive"])
+        assert row["baseline_ettr"] < row["ettr"]
+    assert doc["rates_per_gpu_day"]["Faulty GPU"] == pytest.approx(148 / (16_384 * 54))
+    assert main(["ettr", "simulate", "--scales", "2048", "--events", "200", "--standby", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "2,048" in out and "ETTR" in out
+
+
+def test_cli_plot(tmp_path: Path) -> None:
+    png = tmp_path / "ettr.png"
+    assert main(["ettr", "simulate", "--scales", "1024,8192", "--events", "200", "--plot", str(png), "--json"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _run_events() -> list[dict[str, object]]:
+    """events.jsonl of a run (fleetheal.lab.train's format): 0.1 s steps, a restart that loses 20 steps."""
+    ev: list[dict[str, object]] = [{"event": "start", "time": 0.0, "step": 0, "resumed_from": 0, "step_time": 0.1}]
+    ev += [{"event": "progress", "time": float(t), "step": t * 10} for t in range(1, 11)]
+    ev.append({"event": "checkpoint", "time": 8.0, "step": 80})
+    ev.append({"event": "start", "time": 20.0, "step": 80, "resumed_from": 80, "step_time": 0.1})
+    ev += [{"event": "progress", "time": 20.0 + t, "step": 80 + 10 * t} for t in range(1, 11)]
+    return ev
+
+
+def test_measured_ettr_of_a_run() -> None:
+    ev = _run_events()
+    m = ettr.measure(ev, incidents=[{"phases": {"detect": 1.5, "act": 20.0, "total": None}}])
+    assert m is not None
+    assert m.allocated_s == pytest.approx(30.0)
+    assert m.productive_s == pytest.approx(18.0)  # 180 kept steps x 0.1 s
+    assert m.lost_work_s == pytest.approx(2.0)  # steps 80..100 computed, then redone
+    assert m.down_s == pytest.approx(10.0)
+    assert m.restarts == 1
+    assert m.ettr == pytest.approx(0.6)
+    assert m.ettr == pytest.approx(lab_ettr(ev))  # the same arithmetic as the lab demo's
+    assert m.incidents == [{"detect": 1.5, "act": 20.0}]
+    assert ettr.measure([]) is None
