@@ -529,6 +529,18 @@ def register(sub: Any) -> None:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--plot", type=Path, metavar="FILE.png", help="plot ETTR against scale (matplotlib, Agg)")
     s.set_defaults(func=_cmd_simulate)
+    m = esub.add_parser(
+        "measure",
+        help="ETTR of a training run from its events (the lab's jobs/<name>/events.jsonl)",
+        description="Measured ETTR of a run: kept steps at full pace over allocated time (docs/ettr.md).",
+    )
+    m.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="a run directory with events.jsonl")
+    m.add_argument("--now", action="store_true", help="count allocated time up to now (a run still going)")
+    m.add_argument("--json", action="store_true", help="machine-readable output")
+    m.add_argument(
+        "--textfile", type=Path, metavar="FILE.prom", help="write Prometheus gauges for a textfile collector"
+    )
+    m.set_defaults(func=_cmd_measure)
 
 
 def _profile_from(args: argparse.Namespace, name: str, tweak: bool) -> Profile:
@@ -621,6 +633,64 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     )
     if args.plot:
         print(f"plot: {args.plot}")
+    return 0
+
+
+METRIC_RATIO = "fleetheal_ettr_effective_training_time_ratio"
+METRIC_SECONDS = "fleetheal_ettr_job_seconds"
+METRIC_RESTARTS = "fleetheal_ettr_job_restarts"
+
+
+def prometheus_text(measured: dict[str, Measured]) -> str:
+    """Gauges in Prometheus' text format (docs/metrics.md, section ETTR), one series set per job."""
+    lines = [
+        f"# HELP {METRIC_RATIO} Productive (kept, full-pace) training time over allocated time, per job.",
+        f"# TYPE {METRIC_RATIO} gauge",
+        *(f'{METRIC_RATIO}{{job="{_esc(j)}"}} {m.ettr:.6f}' for j, m in measured.items()),
+        f"# HELP {METRIC_SECONDS} Allocated time of a job by category: allocated, productive, lost_work, down.",
+        f"# TYPE {METRIC_SECONDS} gauge",
+    ]
+    for j, m in measured.items():
+        for cat, v in (("allocated", m.allocated_s), ("productive", m.productive_s), ("lost_work", m.lost_work_s),
+                       ("down", m.down_s)):  # fmt: skip
+            lines.append(f'{METRIC_SECONDS}{{job="{_esc(j)}",category="{cat}"}} {v:.3f}')
+    lines += [
+        f"# HELP {METRIC_RESTARTS} Restarts of a job's training process (requeues that ran again).",
+        f"# TYPE {METRIC_RESTARTS} gauge",
+        *(f'{METRIC_RESTARTS}{{job="{_esc(j)}"}} {m.restarts}' for j, m in measured.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _esc(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _cmd_measure(args: argparse.Namespace) -> int:
+    import os
+    import time
+
+    from fleetheal.cli import UsageError
+    from fleetheal.lab.train import read_events
+
+    found: dict[str, Measured] = {}
+    for d in args.run_dirs:
+        if not (d / "events.jsonl").is_file():
+            raise UsageError(f"{d}: no events.jsonl (not a training run directory)")
+        m = measure(read_events(d), time.time() if args.now else None)
+        if m is None:
+            raise UsageError(f"{d}: the run has not started or reported progress yet")
+        found[d.name] = m
+    if args.textfile:
+        tmp = args.textfile.with_name(f".{args.textfile.name}.tmp")
+        tmp.write_text(prometheus_text(found))
+        os.replace(tmp, args.textfile)
+    if args.json:
+        print(json.dumps({k: v.as_dict() for k, v in found.items()}, indent=2))
+        return 0
+    for name, m in found.items():
+        print(f"{name}: ETTR {m.ettr:.3f} over {m.allocated_s:.0f} s (productive {m.productive_s:.1f} s, "
+              f"lost work {m.lost_work_s:.1f} s, down {m.down_s:.1f} s, {m.restarts} restarts)")  # fmt: skip
     return 0
 
 

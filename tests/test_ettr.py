@@ -172,3 +172,27 @@ def test_measured_ettr_of_a_run() -> None:
     assert m.ettr == pytest.approx(lab_ettr(ev))  # the same arithmetic as the lab demo's
     assert m.incidents == [{"detect": 1.5, "act": 20.0}]
     assert ettr.measure([]) is None
+
+
+def test_measure_cli_and_textfile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    run = tmp_path / "train"
+    run.mkdir()
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _run_events()))
+    prom = tmp_path / "ettr.prom"
+    assert main(["ettr", "measure", str(run), "--json", "--textfile", str(prom)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["train"]["ettr"] == pytest.approx(0.6)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(prom.read_text())
+        for s in fam.samples
+    }
+    assert samples[(ettr.METRIC_RATIO, (("job", "train"),))] == pytest.approx(0.6)
+    assert samples[(ettr.METRIC_SECONDS, (("category", "lost_work"), ("job", "train")))] == pytest.approx(2.0)
+    assert samples[(ettr.METRIC_RESTARTS, (("job", "train"),))] == 1
+    with pytest.raises(SystemExit) as exc:
+        main(["ettr", "measure", str(tmp_path / "nope")])
+    assert exc.value.code == 2
+    assert "no events.jsonl" in capsys.readouterr().err
