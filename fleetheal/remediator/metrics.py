@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from fleetheal.remediator.phases import PhaseMetrics
 from fleetheal.remediator.store import STATES, Incident, Store
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ class Metrics:
             ["class", "action", "state"],
             registry=r,
         )
+        self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
 
     def attach_gate(self, gate: Gate) -> None:
         self._state.gate = gate
@@ -177,6 +179,7 @@ class Metrics:
 
     def incident_finished(self, inc: Incident, when: float) -> None:
         self.incidents_finished.labels(inc.fault_class, inc.action, inc.state).inc()
+        self.phases.observe(inc, self.store.events(inc.id), when)
         if inc.state == "done" and inc.decision in ("allow", "would_isolate", "would_run") and not inc.dry_run:
             seconds = max(0.0, when - inc.starts_at_ts)
             self.time_to_recovery.labels(inc.fault_class, inc.action).observe(seconds)
