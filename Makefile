@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 SHARED ?= ../shared
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo demo-classify test lint unit generate bench clean
+.PHONY: help setup demo demo-classify test lint unit molecule-prep generate bench clean
 
 help:
 	@echo "make demo      the local lab heals a GPU failure live (real Slurm, Prometheus, Alertmanager)"
@@ -38,7 +38,13 @@ lint: setup
 	$(VENV)/bin/ansible-lint --profile production --offline -q
 	$(PY) -m fleetheal generate --check
 
-unit: setup
+# Molecule's containers boot a locally built Debian image and install fleetheal from a local wheelhouse
+# (no registry, no Galaxy): both scripts are idempotent and take about a second once cached.
+molecule-prep: setup
+	molecule/image/build.sh
+	molecule/image/wheelhouse.sh
+
+unit: setup molecule-prep
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint unit
