@@ -254,6 +254,10 @@ class Coordinator:
                 if self.signal != signal.SIGTERM:
                     self.log(f"no requeue within {self.grace_wait:.0f}s of the grace signal; exiting")
             self.stop_workers()
+            # This run ends on this node (requeued elsewhere or cancelled): the agent must not wait for it,
+            # or it would call the job hung long after it moved.
+            if reporter is not None and hasattr(reporter, "end"):
+                reporter.end()
             return 0
         self.checkpoint("finished")
         self.event("end", step=self.step)
@@ -292,6 +296,8 @@ def run_worker(args: argparse.Namespace) -> int:
                             loss=loss_at(step))  # fmt: skip
             last_t = now
         last = step
+    if reporter is not None and hasattr(reporter, "end"):
+        reporter.end()  # this rank is done on this node (see the coordinator)
     return 0
 
 

@@ -3,9 +3,12 @@ requeue, one log across restarts; and its ETTR and continuity arithmetic."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -76,3 +79,31 @@ def test_grace_signal_requeue_and_resume_keep_one_log(tmp_path):
                     "incident": "inc-000042"}  # fmt: skip
     steps = [e["step"] for e in read_events(run) if e["event"] == "progress"]
     assert steps == sorted(steps) and steps[-1] > saved["step"]
+
+
+def test_a_rank_stopped_by_slurm_tells_its_agent_it_ended(tmp_path):
+    """After a requeue moves the job, the old node's agent must not wait for the rank and call it hung."""
+    agent_socket = tmp_path / "training.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the agent's end of the protocol
+    server.bind(str(agent_socket))
+    server.settimeout(10)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "progress.json").write_text(json.dumps({"step": 7}))
+    env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURMD_NODENAME": "n2"}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "fleetheal.lab.train", "worker", "--run-dir", str(run_dir),
+         "--socket-template", str(agent_socket)],
+        env=env,
+    )
+    try:
+        first = json.loads(server.recv(65536))
+        assert (first["job"], first["rank"], first["step"]) == ("42", 1, 7)
+        worker.send_signal(signal.SIGTERM)  # what Slurm sends on requeue or cancel
+        assert worker.wait(timeout=10) == 0
+        while (report := json.loads(server.recv(65536))).get("event") != "end":
+            pass  # progress reports sent before the signal
+        assert (report["job"], report["rank"]) == ("42", 1)
+    finally:
+        worker.kill()
+        server.close()
