@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A training loop that reports to the fleetheal agent: step, step time and loss, once a second.
 
-Stands in for a real script (PyTorch, JAX...): the three lines marked `fleetheal` are all a real script
-adds. Run it under Slurm (`srun python3 train_with_fleetheal.py`) or by hand next to a running agent:
+Stands in for a real script (PyTorch, JAX...): the lines marked `fleetheal` are all a real script adds.
+Run it under Slurm (`srun python3 train_with_fleetheal.py`) or by hand next to a running agent:
 
     python3 agent/examples/train_with_fleetheal.py --steps 300 --nan-at 120
     FLEETHEAL_TRAINING_SOCKET=/tmp/training.sock python3 agent/examples/train_with_fleetheal.py --hang-at 50
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,14 @@ def main() -> int:
     args = parser.parse_args()
 
     reporter = TrainingReporter()  # fleetheal: job, rank and GPU from SLURM_*/RANK/LOCAL_RANK
+
+    def stopped(signum: int, frame: object) -> None:
+        # Slurm's SIGTERM (requeue or cancel) ends this run on this node: say so, or the agent would
+        # wait for progress that now happens elsewhere and call the job hung. (Save a checkpoint here too.)
+        reporter.end()  # fleetheal
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stopped)
     rng = random.Random(0)  # noqa: S311 - a simulated loss curve
     loss = 4.0
     for step in range(1, args.steps + 1):
