@@ -45,6 +45,7 @@ import yaml
 
 from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_STANDBY
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
+from fleetheal.procs import alive, stop_pid
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
@@ -75,14 +76,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
 
 
 def _cmdline(pid: int) -> str:
@@ -122,27 +115,12 @@ def stop_process(pid: int, marker: str, timeout: float = 10.0) -> bool:
     SIGTERM to its process group, SIGKILL after `timeout`; then SIGKILL for any descendant that had
     moved to a session of its own (ansible-runner starts ansible-playbook on a pseudo-terminal).
     """
-    if not _alive(pid) or marker not in _cmdline(pid):
+    if not alive(pid) or marker not in _cmdline(pid):
         return False
     below = _descendants(pid)
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            break
-        except PermissionError:
-            os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            if not _alive(pid):
-                break
-            time.sleep(0.05)
-        if not _alive(pid):
-            break
+    stop_pid(pid, timeout)
     for kid, cmd in below.items():
-        if _alive(kid) and _cmdline(kid) == cmd:
+        if alive(kid) and _cmdline(kid) == cmd:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(kid, signal.SIGKILL)
     return True
@@ -248,7 +226,7 @@ class Lab:
 
     def running(self) -> bool:
         procs = self.meta.get("processes", {})
-        return any(_alive(p["pid"]) and str(self.dir) in _cmdline(p["pid"]) for p in procs.values()) or (
+        return any(alive(p["pid"]) and str(self.dir) in _cmdline(p["pid"]) for p in procs.values()) or (
             (self.dir / "slurm" / "cluster.json").exists()
         )
 

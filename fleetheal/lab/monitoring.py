@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -41,6 +40,8 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+
+from fleetheal.procs import stop_pid
 
 PROMETHEUS_BIN = "prometheus"
 ALERTMANAGER_BIN = "prometheus-alertmanager"  # Debian's name for alertmanager
@@ -85,38 +86,6 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def stop_pid(pid: int, timeout: float = 10.0) -> None:
-    """SIGTERM the daemon's process group, SIGKILL it after `timeout` seconds."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            if not _alive(pid):
-                return
-            time.sleep(0.05)
 
 
 def stop_recorded(base_dir: str | os.PathLike[str]) -> None:

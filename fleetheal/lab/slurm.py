@@ -42,6 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from fleetheal.procs import alive
 from fleetheal.scontrol import NodeInfo, parse_kv_line, parse_node_line
 
 __all__ = ["IDLE", "NodeInfo", "SlurmCluster", "SlurmError", "parse_kv_line", "parse_node_line"]
@@ -70,15 +71,6 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            # state is the field after the ")" that closes comm; Z means it has exited
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
-
-
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as fh:
@@ -95,7 +87,7 @@ def _recorded_holder(state_dir: Path) -> int | None:
             cmdline = fh.read()
     except (FileNotFoundError, ValueError, KeyError):
         return None
-    return pid if _alive(pid) and b"unshare" in cmdline and str(state_dir).encode() in cmdline else None
+    return pid if alive(pid) and b"unshare" in cmdline and str(state_dir).encode() in cmdline else None
 
 
 class SlurmCluster:
@@ -331,7 +323,7 @@ while :; do wait; sleep 1; done
 
     def running(self) -> bool:
         """True while the namespace holder process is alive."""
-        return self.holder_pid is not None and _alive(self.holder_pid)
+        return self.holder_pid is not None and alive(self.holder_pid)
 
     def _ns_init_pid(self) -> int | None:
         """PID 1 of the cluster's namespace, as this namespace sees it."""
@@ -375,16 +367,16 @@ while :; do wait; sleep 1; done
             with contextlib.suppress(ProcessLookupError):
                 os.kill(init, signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            while _alive(init) and time.monotonic() < deadline:
+            while alive(init) and time.monotonic() < deadline:
                 time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.holder_pid, signal.SIGKILL)
         if self._holder is not None:
             self._holder.wait()
         deadline = time.monotonic() + timeout
-        while (_alive(self.holder_pid) or (init is not None and _alive(init))) and time.monotonic() < deadline:
+        while (alive(self.holder_pid) or (init is not None and alive(init))) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if init is not None and _alive(init):
+        if init is not None and alive(init):
             raise SlurmError(f"cluster in {self.state_dir} did not stop (namespace init pid {init})")
         self._holder = None
         self.holder_pid = None

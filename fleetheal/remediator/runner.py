@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fleetheal.contracts import PLAYBOOK_VARS
+from fleetheal.procs import alive
 from fleetheal.remediator import config as cfgmod
 from fleetheal.remediator.store import incident_ref
 
@@ -151,19 +152,10 @@ def kill_leftovers(run_dir: str, timeout_s: float = 5.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if os.path.exists(f"/proc/{p}") and _is_alive(p)]
+        pids = [p for p in pids if os.path.exists(f"/proc/{p}") and alive(p)]
         if pids:
             time.sleep(0.05)
     return pids
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 # --- scrubbing ---------------------------------------------------------------------------------------------

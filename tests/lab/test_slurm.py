@@ -10,7 +10,8 @@ import time
 import pytest
 
 from fleetheal.contracts import drain_reason
-from fleetheal.lab.slurm import SlurmCluster, SlurmError, _alive, parse_kv_line, parse_node_line
+from fleetheal.lab.slurm import SlurmCluster, SlurmError, parse_kv_line, parse_node_line
+from fleetheal.procs import alive
 
 DRAINED_LINE = (
     "NodeName=n2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUEfctv=8 CPUTot=8 CPULoad=0.30 "
@@ -123,7 +124,7 @@ def test_stop_leaves_nothing_behind_and_state_survives_a_restart(tmp_path):
         c.scontrol("update", "nodename=n3", "state=drain", "reason=fleetheal:test incident=i")
         holder = c.holder_pid
     assert holder is not None
-    assert not any(_alive(p) for p in pids | {holder}), "a cluster process survived stop()"
+    assert not any(alive(p) for p in pids | {holder}), "a cluster process survived stop()"
     assert not (state / "cluster.json").exists()
     with pytest.raises(SlurmError, match="no running cluster"):
         SlurmCluster.attach(state)
@@ -152,8 +153,8 @@ def test_one_sigkill_of_the_holder_takes_every_daemon_down(tmp_path):
         assert c.holder_pid is not None
         os.kill(c.holder_pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not any(_alive(p) for p in pids)
+        assert not any(alive(p) for p in pids)
     finally:
         c.stop(graceful=False)
