@@ -168,39 +168,17 @@ class HealthAgent(pulumi.ComponentResource):
             # a changed config must reach the pods: the DaemonSet waits for the ConfigMap
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.config_map]),
         )
-        self.service = k8s.core.v1.Service(
-            f"{name}-svc",
-            metadata={"name": NAME, "namespace": ns, "labels": labels},
-            spec={
-                "clusterIP": "None",
-                "selector": sel,
-                "ports": [{"name": "metrics", "port": port, "targetPort": port}],
-            },
-            opts=child,
-        )
-        self.service_monitor = k8s.apiextensions.CustomResource(
-            f"{name}-servicemonitor",
-            api_version="monitoring.coreos.com/v1",
-            kind="ServiceMonitor",
-            metadata={"name": NAME, "namespace": ns, "labels": {**labels, **a["monitoring_labels"]}},
-            spec={
-                "selector": {"matchLabels": sel},
-                "namespaceSelector": {"matchNames": [ns]},
-                "endpoints": [
-                    {
-                        "port": "metrics",
-                        "path": "/metrics",
-                        "interval": "15s",
-                        # The node label carries the Kubernetes node name the remediator acts on.
-                        "relabelings": [
-                            {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
-                            # Every fleetheal alert must carry `cluster` (the remediator checks it); set
-                            # here it does not depend on the Prometheus server's external labels.
-                            {"action": "replace", "targetLabel": "cluster", "replacement": a["cluster_name"]},
-                        ],
-                    }
-                ],
-            },
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.service]),
+        self.service, self.service_monitor = common.metrics_service(
+            name,
+            self,
+            name=NAME,
+            namespace=ns,
+            labels=labels,
+            selector=sel,
+            port=port,
+            monitoring_labels=a["monitoring_labels"],
+            # Every fleetheal alert must carry `cluster` (the remediator checks it); set here it does not
+            # depend on the Prometheus server's external labels.
+            relabelings=[{"action": "replace", "targetLabel": "cluster", "replacement": a["cluster_name"]}],
         )
         self.register_outputs({"daemonset": NAME})

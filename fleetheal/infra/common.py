@@ -70,3 +70,57 @@ def pinned_image(component: str, field: str, value: Any) -> str:
 
 def cluster_dns(service: str, namespace: str) -> str:
     return f"{service}.{namespace}.svc.cluster.local"
+
+
+def metrics_service(
+    resource_name: str,
+    parent: Any,
+    *,
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    selector: Mapping[str, str],
+    port: int,
+    monitoring_labels: Mapping[str, str],
+    relabelings: list[dict[str, Any]],
+) -> tuple[Any, Any]:
+    """A headless Service over a DaemonSet's `metrics` port and the ServiceMonitor scraping it every 15 s.
+
+    Every relabeling list starts from the pod's node name as `node`: alerts name the node to act on.
+    """
+    import pulumi
+    import pulumi_kubernetes as k8s
+
+    service = k8s.core.v1.Service(
+        f"{resource_name}-svc",
+        metadata={"name": name, "namespace": namespace, "labels": dict(labels)},
+        spec={
+            "clusterIP": "None",
+            "selector": dict(selector),
+            "ports": [{"name": "metrics", "port": port, "targetPort": port}],
+        },
+        opts=pulumi.ResourceOptions(parent=parent),
+    )
+    monitor = k8s.apiextensions.CustomResource(
+        f"{resource_name}-servicemonitor",
+        api_version="monitoring.coreos.com/v1",
+        kind="ServiceMonitor",
+        metadata={"name": name, "namespace": namespace, "labels": {**labels, **monitoring_labels}},
+        spec={
+            "selector": {"matchLabels": dict(selector)},
+            "namespaceSelector": {"matchNames": [namespace]},
+            "endpoints": [
+                {
+                    "port": "metrics",
+                    "path": "/metrics",
+                    "interval": "15s",
+                    "relabelings": [
+                        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
+                        *relabelings,
+                    ],
+                }
+            ],
+        },
+        opts=pulumi.ResourceOptions(parent=parent, depends_on=[service]),
+    )
+    return service, monitor

@@ -73,32 +73,15 @@ class DcgmExporter(pulumi.ComponentResource):
             },
             opts=child,
         )
-        self.service = k8s.core.v1.Service(
-            f"{name}-svc",
-            metadata={"name": NAME, "namespace": ns, "labels": labels},
-            spec={
-                "clusterIP": "None",
-                "selector": sel,
-                "ports": [{"name": "metrics", "port": PORT, "targetPort": PORT}],
-            },
-            opts=child,
-        )
-        self.service_monitor = k8s.apiextensions.CustomResource(
-            f"{name}-servicemonitor",
-            api_version="monitoring.coreos.com/v1",
-            kind="ServiceMonitor",
-            metadata={"name": NAME, "namespace": ns, "labels": {**labels, **a["monitoring_labels"]}},
-            spec={
-                "selector": {"matchLabels": sel},
-                "namespaceSelector": {"matchNames": [ns]},
-                "endpoints": [
-                    {
-                        "port": "metrics",
-                        "interval": "15s",
-                        "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}],
-                    }
-                ],
-            },
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.service]),
+        self.service, self.service_monitor = common.metrics_service(
+            name,
+            self,
+            name=NAME,
+            namespace=ns,
+            labels=labels,
+            selector=sel,
+            port=PORT,
+            monitoring_labels=a["monitoring_labels"],
+            relabelings=[],
         )
         self.register_outputs({"daemonset": NAME, "gpu_label": contracts.LABEL_GPU_TYPE})
