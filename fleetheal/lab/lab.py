@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 
 from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_STANDBY
+from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
 from fleetheal.procs import alive, stop_pid
 
@@ -453,7 +454,7 @@ class Lab:
 
     def _up_monitoring(self) -> None:
         t0 = time.monotonic()
-        mon = _lab_monitoring()(
+        mon = Monitoring(
             self.dir / "monitoring",
             scrape_targets=list(self.meta["agents"].values()),
             rules_files=[REPO / "policies" / "alert-rules.yml"],
@@ -594,33 +595,6 @@ class Lab:
             raise LabError(f"fleetheal incidents show {ref} failed: {out.stderr.strip()}")
         doc: dict[str, Any] = json.loads(out.stdout)
         return doc
-
-
-def _lab_monitoring() -> type[Any]:
-    """Monitoring with one inhibition on top of its routing.
-
-    One hardware fault shows several times: a GPU that falls off the bus is the Xid 79 event and NVML's
-    GPU-lost reads; an uncorrectable ECC error is Xid 48 and the ECC counters. Each maps to the same
-    action, and without this rule each opens an incident: the job is requeued and a standby promoted
-    once per alert. While an Xid alert fires on a GPU, the counter alerts asking the same action of
-    the same GPU are inhibited, so one fault makes one incident. (The remediator could instead fold
-    alerts for an open incident's node, GPU and action into it.)
-    """
-    from fleetheal.lab.monitoring import Monitoring
-
-    class LabMonitoring(Monitoring):
-        def alertmanager_config(self) -> dict[str, Any]:
-            cfg: dict[str, Any] = super().alertmanager_config()
-            cfg["inhibit_rules"] = [
-                {
-                    "source_matchers": ['fault_id=~"xid-.+"'],
-                    "target_matchers": ['fault_id!~"xid-.+"'],
-                    "equal": ["cluster", "node", "gpu", "action"],
-                }
-            ]
-            return cfg
-
-    return LabMonitoring
 
 
 def _port_open(port: int) -> bool:
