@@ -16,7 +16,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import yaml
 
 from fleetheal.agent.simulated import clear, inject
 from fleetheal.lab.slurm import SlurmCluster
+from fleetheal.procs import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 INJECTIONS = 60
@@ -37,12 +37,6 @@ WINDOWS = 3
 WINDOW_S = 10.0
 CHECKS = 20
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -126,7 +120,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def drain_latency(tmp: Path) -> dict[str, Any]:
-    port = _port()
+    port = free_ports()[0]
     with SlurmCluster(tmp / "slurm", nodes=2, gpus_per_node=8) as cluster:
         agent = _Agent(_config(tmp, 8, port, str(cluster.conf_path)), port, tmp / "agent-drain.log")
         try:
@@ -160,7 +154,7 @@ def drain_latency(tmp: Path) -> dict[str, Any]:
 
 
 def idle_cost(tmp: Path, gpus: int) -> list[dict[str, Any]]:
-    port = _port()
+    port = free_ports()[0]
     agent = _Agent(_config(tmp, gpus, port, None), port, tmp / f"agent-{gpus}.log")
     try:
         time.sleep(3.0)  # start-up and first polls

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fleetheal.procs import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 ALERTS = 2000
@@ -48,12 +49,6 @@ PLAYBOOK = """\
       ansible.builtin.debug:
         msg: "{{ fleetheal_action }} on {{ fleetheal_node }}"
 """
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -106,7 +101,7 @@ def _body(alerts: list[dict[str, Any]]) -> bytes:
 class Service:
     def __init__(self, workdir: Path, **gate: Any) -> None:
         self.dir = workdir
-        self.port = _port()
+        self.port = free_ports()[0]
         playbooks = workdir / "playbooks"
         playbooks.mkdir()
         from fleetheal import taxonomy

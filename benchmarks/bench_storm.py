@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from fleetheal.contracts import LABEL_FAILURE_DOMAIN, LABEL_POOL, owns_reason
 from fleetheal.lab.kube import node_object
 from fleetheal.lab.lab import _http
 from fleetheal.lab.slurm import SlurmCluster
+from fleetheal.procs import free_ports
 from fleetheal.remediator.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,12 +47,6 @@ NODES = int(os.environ.get("FLEETHEAL_BENCH_STORM_NODES", "1500"))
 FAILED = int(os.environ.get("FLEETHEAL_BENCH_STORM_FAILED", str(NODES // 10)))
 RACKS = 10
 TOKEN = "bench-storm-token"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(check: Any, timeout: float, what: str) -> Any:
@@ -135,7 +129,7 @@ def run() -> list[dict[str, Any]]:
         (rdir / "reports").mkdir(parents=True)
         (rdir / "token").write_text(TOKEN)
         (rdir / "token").chmod(0o600)
-        port = _port()
+        port = free_ports()[0]
         cfg = {
             "cluster": {"name": "storm", "nodes": rack},
             "listen": {"host": "127.0.0.1", "port": port},

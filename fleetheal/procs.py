@@ -1,11 +1,12 @@
-"""Process helpers shared by everything that starts and stops daemons (the lab, its Slurm and
-monitoring harnesses, the remediator's clean-up of interrupted playbooks): read from /proc, by PID."""
+"""Process and port helpers shared by everything that starts and stops daemons (the lab, its Slurm and
+monitoring harnesses, the remediator's clean-up of interrupted playbooks, tests and benchmarks)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import time
 
 
@@ -35,3 +36,17 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
             if not alive(pid):
                 return
             time.sleep(0.05)
+
+
+def free_ports(count: int = 1) -> list[int]:
+    """`count` distinct TCP ports free right now on all interfaces (held together while chosen)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()

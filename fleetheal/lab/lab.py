@@ -46,7 +46,7 @@ import yaml
 from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_STANDBY
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
-from fleetheal.procs import alive, stop_pid
+from fleetheal.procs import alive, free_ports, stop_pid
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
@@ -71,12 +71,6 @@ class LabError(RuntimeError):
 
 def lab_dir_default() -> Path:
     return Path(os.environ.get("FLEETHEAL_LAB_DIR", DEFAULT_LAB_DIR))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cmdline(pid: int) -> str:
@@ -344,7 +338,7 @@ class Lab:
             nd = self.node_dir(name)
             nd.mkdir(parents=True)
             (nd / "kmsg").touch()
-            port = _free_port()
+            port = free_ports()[0]
             ports[name] = port
             cfg = {
                 "node": name,
@@ -395,7 +389,7 @@ class Lab:
         fd = os.open(rdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(token)
-        port = _free_port()
+        port = free_ports()[0]
         inventory = rdir / "inventory"
         inventory.write_text(
             f"[fleetheal_control]\nlocalhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"

@@ -34,7 +34,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from fleetheal.procs import alive
+from fleetheal.procs import alive, free_ports
 from fleetheal.scontrol import NodeInfo, parse_kv_line, parse_node_line
 
 __all__ = ["IDLE", "NodeInfo", "SlurmCluster", "SlurmError", "parse_kv_line", "parse_node_line"]
@@ -55,20 +54,6 @@ _META_FILE = "cluster.json"
 
 class SlurmError(RuntimeError):
     """A Slurm command failed, or the cluster did not reach the expected state in time."""
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free right now on all interfaces (the daemons bind 0.0.0.0)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _children(pid: int) -> list[int]:
@@ -184,7 +169,7 @@ class SlurmCluster:
                 if not dev.exists():
                     os.mknod(dev, 0o666 | 0o020000, null)  # S_IFCHR with /dev/null's major/minor
 
-        ports = _free_ports(len(self.node_names) + 1)
+        ports = free_ports(len(self.node_names) + 1)
         ctld_port, node_ports = ports[0], ports[1:]
         munge_socket = d / "munge" / "munge.socket"
         gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""

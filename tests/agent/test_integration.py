@@ -22,6 +22,7 @@ import yaml
 
 from fleetheal.agent.simulated import inject, pci_bus_id
 from fleetheal.lab.slurm import SlurmCluster
+from fleetheal.procs import free_ports
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
@@ -31,12 +32,6 @@ def _need_slurm() -> None:
     missing = [t for t in ("slurmctld", "slurmd", "scontrol", "munged", "unshare") if not shutil.which(t)]
     if missing or os.geteuid() != 0:
         pytest.skip(f"SKIPPED LOUDLY: needs root and Debian's Slurm packages (missing: {missing or 'root'})")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -72,7 +67,7 @@ def cluster(tmp_path):
 
 @pytest.fixture
 def agent(cluster, tmp_path):
-    port = _free_port()
+    port = free_ports()[0]
     cfg = {
         "node": "n1",
         "poll_interval_s": 0.5,
