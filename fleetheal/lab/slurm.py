@@ -386,6 +386,10 @@ while :; do wait; sleep 1; done
             raise SlurmError(f"no slurmd running for node {node}")
         for pid in pids:
             os.kill(pid, sig)
+        # A signal is delivered asynchronously: return once the daemon is gone, so callers see it gone.
+        deadline = time.monotonic() + 5.0
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def start_slurmd(self, node: str) -> None:
         """Start one node's slurmd again inside the cluster's namespace."""
