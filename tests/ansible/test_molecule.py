@@ -77,7 +77,7 @@ def test_every_role_has_a_scenario() -> None:
 
 @pytest.mark.molecule
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_scenario(scenario: str, wheel: Path) -> None:
+def test_scenario(scenario: str, wheel: Path, tmp_path: Path) -> None:
     if scenario not in LOCAL:
         if shutil.which("podman") is None:
             pytest.fail("podman is not installed (Debian package podman, with runc)")
@@ -89,7 +89,10 @@ def test_scenario(scenario: str, wheel: Path) -> None:
         proc = subprocess.run(
             [str(Path(sys.executable).parent / "molecule"), "-c", "molecule/shared/base.yml", "test", "-s", scenario],
             cwd=REPO,
-            env=dict(_environment(), FLEETHEAL_WHEEL=str(wheel)),
+            # Molecule keys its state (created, prepared, ...) by the checkout's folder name alone, so every
+            # clone called "main" shares it, and a state left "prepared" by an earlier run makes it skip
+            # prepare (the remediation scenario then finds no Slurm). Each run gets its own.
+            env=dict(_environment(), FLEETHEAL_WHEEL=str(wheel), MOLECULE_EPHEMERAL_DIRECTORY=str(tmp_path)),
             capture_output=True,
             text=True,
             timeout=900,
@@ -101,5 +104,6 @@ def test_scenario(scenario: str, wheel: Path) -> None:
             SlurmCluster.attach(REMEDIATION_SLURM).stop()
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
+    assert "Skipping, instances already prepared" not in out, "prepare was skipped on stale Molecule state"
     for step in ("converge", "idempotence", "verify"):
         assert f"{step}: Executed: Successful" in out, f"{step} did not run:\n{out[-3000:]}"
