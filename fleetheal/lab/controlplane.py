@@ -1,0 +1,614 @@
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver and kube-controller-manager.
+
+The binaries are built from their Go modules by `scripts/build-tools.sh` (`make tools`) into
+`.tools/bin` (or `$FLEETHEAL_TOOLS/bin`); `tools_built()` says whether they are there.
+
+`KubeControlPlane` keeps every file under one state directory: a CA and the certificates of etcd,
+the API server and its clients (`cryptography`), the service-account signing key, the etcd data, the
+logs, the admin kubeconfig (client certificate in `system:masters`) and `controlplane.json` with the
+PIDs, so `KubeControlPlane.attach(state_dir).stop()` finds a running one again. Everything speaks TLS
+on 127.0.0.1 only.
+
+There is no kubelet and no scheduler: `add_nodes` creates Node objects and sets their status Ready
+(nothing changes it afterwards: the node-lifecycle controller, which would mark them NotReady for
+want of heartbeats, is not run). A small process, `kubelet_stand_in`, plays the two parts of the
+kubelets that a drain depends on: it marks pods bound to a node Running and Ready, and it confirms
+the deletion of a terminating pod (without that, an evicted pod stays Terminating for ever). The
+controller manager runs garbage collection, the disruption controller (PodDisruptionBudget status,
+which eviction obeys), service accounts, namespaces and taint-based eviction.
+
+Example::
+
+    with KubeControlPlane(tmp_path / "kube") as kube:
+        kube.install_crds(default_crds(shared))
+        kube.add_nodes(["n1", "n2"])
+        subprocess.run(["kubectl", "--kubeconfig", kube.kubeconfig, "get", "nodes"])
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import os
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fleetheal.procs import alive, free_ports, stop_pid
+
+REPO = Path(__file__).resolve().parents[2]
+#: etcd, kube-apiserver and kube-controller-manager, in start order.
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
+#: Controllers of kube-controller-manager that run. Not node-lifecycle (there is no kubelet to send
+#: heartbeats) and not the workload controllers (with no scheduler their pods would never run; the lab
+#: creates the pods it needs itself, owned by real DaemonSet and StatefulSet objects).
+CONTROLLERS = (
+    "garbage-collector-controller",
+    "disruption-controller",
+    "serviceaccount-controller",
+    "namespace-controller",
+    "taint-eviction-controller",
+)
+#: The process that plays the kubelets' part for pods (see `kubelet_stand_in`).
+KUBELET = "kubelet-stand-in"
+#: The CRD folders under ../shared/schemas that the lab and the Pulumi stack need.
+CRD_DIRS = ("slinky/crds", "kueue", "prometheus-operator")
+SERVICE_CIDR = "10.96.0.0/24"
+_META_FILE = "controlplane.json"
+
+
+class ControlPlaneError(RuntimeError):
+    """A binary is missing, a daemon did not start, or the API did not answer in time."""
+
+
+class KubeApiError(RuntimeError):
+    """The API server answered an error status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+def tools_dir() -> Path:
+    return Path(os.environ.get("FLEETHEAL_TOOLS", REPO / ".tools")) / "bin"
+
+
+def tools_built() -> bool:
+    """True when `make tools` has built etcd, kube-apiserver and kube-controller-manager."""
+    return all(os.access(tools_dir() / b, os.X_OK) for b in BINARIES)
+
+
+def default_crds(shared: Path) -> list[Path]:
+    """The Slinky, Kueue and prometheus-operator CRD files under `shared`/schemas, sorted."""
+    return sorted(p for d in CRD_DIRS for p in (shared / "schemas" / d).glob("*.yaml"))
+
+
+# --- certificates -------------------------------------------------------------------------------
+
+
+def _name(cn: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+class _Pki:
+    """A throw-away CA for one control plane, and the leaf certificates it signs (ECDSA P-256)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.ca_key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.UTC)
+        self.ca = (
+            x509.CertificateBuilder()
+            .subject_name(_name("fleetheal-lab-ca"))
+            .issuer_name(_name("fleetheal-lab-ca"))
+            .public_key(self.ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=365))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
+            .sign(self.ca_key, hashes.SHA256())
+        )
+        self._write("ca.crt", self.ca.public_bytes(serialization.Encoding.PEM))
+
+    def _write(self, name: str, data: bytes) -> Path:
+        path = self.out / name
+        path.write_bytes(data)
+        path.chmod(0o600)
+        return path
+
+    def issue(self, name: str, cn: str, *, org: str | None = None, server: bool = False, client: bool = False) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.UTC)
+        usages = [
+            u for u, on in ((ExtendedKeyUsageOID.SERVER_AUTH, server), (ExtendedKeyUsageOID.CLIENT_AUTH, client)) if on
+        ]
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(_name(cn, org))
+            .issuer_name(self.ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=365))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        )
+        if server:
+            service_ip = ipaddress.IPv4Network(SERVICE_CIDR)[1]
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [
+                        x509.DNSName("localhost"),
+                        x509.DNSName("kubernetes"),
+                        x509.DNSName("kubernetes.default"),
+                        x509.DNSName("kubernetes.default.svc"),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        x509.IPAddress(service_ip),
+                    ]
+                ),
+                critical=False,
+            )
+        cert = builder.sign(self.ca_key, hashes.SHA256())
+        self._write(f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
+        self._write(f"{name}.key", _pem_key(key))
+
+    def service_account_key(self) -> None:
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        self._write("sa.key", _pem_key(key))
+        self._write(
+            "sa.pub",
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo),
+        )
+
+
+def _kubeconfig(path: Path, server: str, pki: Path, cert: str, user: str) -> Path:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "fleetheal-lab", "cluster": {"server": server, "certificate-authority": str(pki / "ca.crt")}}
+        ],
+        "users": [
+            {
+                "name": user,
+                "user": {"client-certificate": str(pki / f"{cert}.crt"), "client-key": str(pki / f"{cert}.key")},
+            }
+        ],
+        "contexts": [{"name": "fleetheal-lab", "context": {"cluster": "fleetheal-lab", "user": user}}],
+        "current-context": "fleetheal-lab",
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+# --- the control plane --------------------------------------------------------------------------
+
+
+class KubeControlPlane:
+    """etcd + kube-apiserver + kube-controller-manager on 127.0.0.1, TLS everywhere.
+
+    Args:
+        state_dir: every file lives here (created if missing; its etcd data is wiped on start).
+        controller_manager: also run kube-controller-manager (PDB status, garbage collection, ...).
+        bin_dir: where the binaries are (default: `tools_dir()`).
+    """
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str],
+        *,
+        controller_manager: bool = True,
+        bin_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.state_dir = Path(state_dir).resolve()
+        self.controller_manager = controller_manager
+        self.bin_dir = Path(bin_dir) if bin_dir else tools_dir()
+        self.pids: dict[str, int] = {}
+        self.url = ""
+
+    # paths
+    @property
+    def pki(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def kubeconfig(self) -> Path:
+        """Admin kubeconfig (client certificate in group system:masters)."""
+        return self.state_dir / "kubeconfig"
+
+    def log(self, name: str) -> Path:
+        return self.state_dir / "logs" / f"{name}.log"
+
+    # life cycle
+    def start(self, timeout: float = 90.0) -> Self:
+        missing = [b for b in BINARIES if not os.access(self.bin_dir / b, os.X_OK)]
+        if missing:
+            raise ControlPlaneError(
+                f"{', '.join(missing)} not found in {self.bin_dir}: run `make tools` (scripts/build-tools.sh)"
+            )
+        if self.state_dir.exists() and (self.state_dir / _META_FILE).exists():
+            KubeControlPlane.attach(self.state_dir).stop()
+        (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        pki = _Pki(self.pki)
+        pki.issue("etcd", "etcd", server=True, client=True)
+        pki.issue("apiserver", "kube-apiserver", server=True)
+        pki.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
+        pki.issue("admin", "fleetheal-admin", org="system:masters", client=True)
+        pki.issue("controller-manager", "system:kube-controller-manager", client=True)
+        pki.service_account_key()
+        etcd_port, peer_port, api_port = free_ports(3)
+        self.url = f"https://127.0.0.1:{api_port}"
+        _kubeconfig(self.kubeconfig, self.url, self.pki, "admin", "fleetheal-admin")
+        deadline = time.monotonic() + timeout
+        try:
+            self._start_etcd(etcd_port, peer_port)
+            self._wait_etcd(etcd_port, deadline)
+            self._start_apiserver(etcd_port, api_port)
+            self._wait_ready(deadline)
+            if self.controller_manager:
+                self._start_controller_manager()
+            self._spawn_python(KUBELET, ["-m", "fleetheal.lab.controlplane", "kubelet", str(self.state_dir)])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn_python(self, name: str, args: list[str]) -> None:
+        self._spawn(name, args, exe=sys.executable)
+
+    def _spawn(self, name: str, args: list[str], exe: str | None = None) -> None:
+        with open(self.log(name), "ab") as log:
+            proc = subprocess.Popen(
+                [exe or str(self.bin_dir / name), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.state_dir,
+                start_new_session=True,
+            )
+        self.pids[name] = proc.pid
+        self._save()
+
+    def _save(self) -> None:
+        meta = {"pids": self.pids, "url": self.url, "kubeconfig": str(self.kubeconfig)}
+        (self.state_dir / _META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+    def _start_etcd(self, port: int, peer: int) -> None:
+        data = self.state_dir / "etcd"
+        if data.exists():
+            subprocess.run(["rm", "-rf", str(data)], check=True)
+        p = self.pki
+        self._spawn(
+            "etcd",
+            [
+                "--name=fleetheal-lab",
+                f"--data-dir={data}",
+                f"--listen-client-urls=https://127.0.0.1:{port}",
+                f"--advertise-client-urls=https://127.0.0.1:{port}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=fleetheal-lab=http://127.0.0.1:{peer}",
+                f"--cert-file={p / 'etcd.crt'}",
+                f"--key-file={p / 'etcd.key'}",
+                f"--trusted-ca-file={p / 'ca.crt'}",
+                "--client-cert-auth=true",
+                # A lab store: losing it on a power cut costs nothing, and fsync on a shared disk is slow.
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+        )
+
+    def _wait_etcd(self, port: int, deadline: float) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(self.pki / "apiserver-etcd-client.crt", self.pki / "apiserver-etcd-client.key")
+        while True:
+            self._check_alive("etcd")
+            try:
+                url = f"https://127.0.0.1:{port}/health"
+                with urllib.request.urlopen(url, context=ctx, timeout=2) as r:
+                    if json.load(r).get("health") == "true":
+                        return
+            except OSError:
+                pass
+            self._check_deadline("etcd", deadline)
+            time.sleep(0.2)
+
+    def _start_apiserver(self, etcd_port: int, port: int) -> None:
+        p = self.pki
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers=https://127.0.0.1:{etcd_port}",
+                f"--etcd-cafile={p / 'ca.crt'}",
+                f"--etcd-certfile={p / 'apiserver-etcd-client.crt'}",
+                f"--etcd-keyfile={p / 'apiserver-etcd-client.key'}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # The `kubernetes` Service's endpoints cannot name a loopback address; nothing here needs them.
+                "--endpoint-reconciler-type=none",
+                f"--secure-port={port}",
+                f"--cert-dir={self.state_dir / 'apiserver-certs'}",
+                f"--tls-cert-file={p / 'apiserver.crt'}",
+                f"--tls-private-key-file={p / 'apiserver.key'}",
+                f"--client-ca-file={p / 'ca.crt'}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={p / 'sa.pub'}",
+                f"--service-account-signing-key-file={p / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--v=0",
+            ],
+        )
+
+    def _wait_ready(self, deadline: float) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        while True:
+            self._check_alive("kube-apiserver")
+            try:
+                with urllib.request.urlopen(f"{self.url}/readyz", context=ctx, timeout=5) as r:  # noqa: S310
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            self._check_deadline("kube-apiserver", deadline)
+            time.sleep(0.3)
+
+    def _start_controller_manager(self) -> None:
+        p = self.pki
+        kubeconfig = _kubeconfig(
+            self.state_dir / "controller-manager.kubeconfig",
+            self.url,
+            p,
+            "controller-manager",
+            "system:kube-controller-manager",
+        )
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--bind-address=127.0.0.1",
+                "--secure-port=0",
+                "--leader-elect=false",
+                f"--controllers={','.join(CONTROLLERS)}",
+                f"--root-ca-file={p / 'ca.crt'}",
+                f"--service-account-private-key-file={p / 'sa.key'}",
+                # Each controller acts as its own ServiceAccount (kube-system), with the RBAC roles the API server
+                # bootstraps for it, as on a real cluster.
+                "--use-service-account-credentials=true",
+                "--v=0",
+            ],
+        )
+
+    def _check_alive(self, name: str) -> None:
+        if not alive(self.pids[name]):
+            raise ControlPlaneError(
+                f"{name} exited during start-up; last lines of {self.log(name)}:\n{self._tail(name)}"
+            )
+
+    def _check_deadline(self, name: str, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(f"{name} not ready in time; last lines of {self.log(name)}:\n{self._tail(name)}")
+
+    def _tail(self, name: str, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log(name).read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop every daemon (controller manager first, etcd last); return once they are gone."""
+        for name in (KUBELET, *reversed(BINARIES)):
+            pid = self.pids.pop(name, None)
+            if pid is not None:
+                stop_pid(pid, timeout=15)
+        if self.state_dir.exists():
+            (self.state_dir / _META_FILE).unlink(missing_ok=True)
+
+    @classmethod
+    def attach(cls, state_dir: str | os.PathLike[str]) -> KubeControlPlane:
+        """The control plane recorded in state_dir (for stop(), or to use one `fleetheal lab up` started)."""
+        cp = cls(state_dir)
+        meta = json.loads((cp.state_dir / _META_FILE).read_text())
+        cp.pids = {k: int(v) for k, v in meta["pids"].items()}
+        cp.url = str(meta["url"])
+        return cp
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # objects
+    def client(self) -> Any:
+        """A `kubernetes.client.ApiClient` with the admin credentials."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        """One admin request to the API server; the decoded JSON answer. Raises KubeApiError on a 4xx/5xx."""
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)  # noqa: S310 - our https URL
+        req.add_header("Content-Type", content_type)
+        req.add_header("Accept", "application/json")
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:  # noqa: S310
+                return json.load(resp)
+        except urllib.error.HTTPError as e:
+            raise KubeApiError(e.code, e.read().decode(errors="replace")) from e
+
+    def install_crds(self, files: Iterable[Path], timeout: float = 60.0) -> list[str]:
+        """Create the CRDs in `files` (existing ones are kept) and wait until each is Established; their names."""
+        path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+        names = []
+        for file in files:
+            for doc in yaml.load_all(file.read_text(), Loader=_CrdLoader):
+                if not doc or doc.get("kind") != "CustomResourceDefinition":
+                    continue
+                try:
+                    self.request("POST", path, doc)
+                except KubeApiError as e:
+                    if e.status != 409:
+                        raise ControlPlaneError(f"CRD {doc['metadata']['name']} from {file}: {e}") from e
+                names.append(doc["metadata"]["name"])
+        deadline = time.monotonic() + timeout
+        pending = set(names)
+        while pending:
+            for name in sorted(pending):
+                conds = self.request("GET", f"{path}/{name}").get("status", {}).get("conditions") or []
+                if any(c["type"] == "Established" and c["status"] == "True" for c in conds):
+                    pending.discard(name)
+            if pending and time.monotonic() > deadline:
+                raise ControlPlaneError(f"CRDs not established in {timeout:.0f} s: {', '.join(sorted(pending))}")
+            if pending:
+                time.sleep(0.2)
+        return names
+
+    def add_nodes(
+        self,
+        names: Iterable[str],
+        *,
+        labels: Mapping[str, str] | None = None,
+        gpus: int = 8,
+        taints: list[dict[str, str]] | None = None,
+    ) -> None:
+        """Create Node objects, Ready, with `gpus` nvidia.com/gpu each (there is no kubelet: the status
+        is written here once and nothing changes it)."""
+        capacity = {"cpu": "64", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+        for name in names:
+            body = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+                "spec": {"taints": list(taints or [])},
+            }
+            self.request("POST", "/api/v1/nodes", body)
+            now = _now()
+            ready = {
+                "type": "Ready",
+                "status": "True",
+                "reason": "FleethealLab",
+                "message": "no kubelet: the lab keeps this node Ready",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            status = {
+                "capacity": capacity,
+                "allocatable": capacity,
+                "conditions": [ready],
+                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+            }
+            self.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": status}, _MERGE)
+
+    def set_pod_running(self, namespace: str, name: str) -> None:
+        """Mark a pod Running and Ready, as its kubelet would (so PodDisruptionBudgets count it healthy)."""
+        now = _now()
+        conditions = [
+            {"type": t, "status": "True", "lastTransitionTime": now}
+            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+        ]
+        status = {"phase": "Running", "conditions": conditions, "startTime": now}
+        self.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": status}, _MERGE)
+
+    def service_account_token(self, namespace: str, name: str, seconds: int = 3600) -> str:
+        """A bound token of ServiceAccount namespace/name (TokenRequest API), creating the account if missing."""
+        base = f"/api/v1/namespaces/{namespace}/serviceaccounts"
+        try:
+            self.request("POST", base, {"metadata": {"name": name}})
+        except KubeApiError as e:
+            if e.status != 409:
+                raise
+        req = self.request("POST", f"{base}/{name}/token", {"spec": {"expirationSeconds": seconds}})
+        return str(req["status"]["token"])
+
+
+_MERGE = "application/merge-patch+json"
+
+
+class _CrdLoader(yaml.SafeLoader):
+    """SafeLoader that reads YAML 1.1's `=` (the "value" type, e.g. an enum of match operators in the
+    prometheus-operator AlertmanagerConfig CRD) as the plain string Kubernetes' YAML 1.2 reader sees."""
+
+
+_CrdLoader.add_constructor("tag:yaml.org,2002:value", yaml.SafeLoader.construct_yaml_str)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def kubelet_stand_in(cp: KubeControlPlane, interval: float = 0.3) -> None:
+    """Play the kubelets' part for pods, for ever: a pod bound to a node that is still Pending is marked
+    Running and Ready; a pod bound to a node that is terminating is deleted for good (as a kubelet does
+    once its containers have stopped: DELETE with grace period 0 and the pod's UID as precondition)."""
+    while True:
+        try:
+            pods = cp.request("GET", "/api/v1/pods")["items"]
+        except (OSError, KubeApiError):
+            time.sleep(interval)
+            continue
+        for pod in pods:
+            meta, spec = pod["metadata"], pod.get("spec", {})
+            if not spec.get("nodeName"):
+                continue
+            path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+            try:
+                if meta.get("deletionTimestamp"):
+                    body = {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}
+                    cp.request("DELETE", path, body)
+                elif pod.get("status", {}).get("phase", "Pending") == "Pending":
+                    cp.set_pod_running(meta["namespace"], meta["name"])
+            except KubeApiError as e:
+                if e.status not in (404, 409):
+                    print(f"kubelet-stand-in: {path}: {e}", file=sys.stderr, flush=True)
+        time.sleep(interval)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[1] != "kubelet":
+        print("usage: python -m fleetheal.lab.controlplane kubelet STATE_DIR", file=sys.stderr)
+        return 2
+    cp = KubeControlPlane.attach(argv[2])
+    kubelet_stand_in(cp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,175 @@
+"""The real control plane (etcd, kube-apiserver, kube-controller-manager from `make tools`) on loopback."""
+
+from __future__ import annotations
+
+import functools
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetheal.lab.controlplane import ControlPlaneError, KubeApiError, KubeControlPlane, default_crds, tools_built
+from fleetheal.procs import alive
+
+pytestmark = pytest.mark.kube
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Iterator[KubeControlPlane]:
+    if not tools_built():
+        pytest.fail("etcd/kube-apiserver/kube-controller-manager are not built: run `make tools`")
+    with KubeControlPlane(tmp_path_factory.mktemp("kube")) as cp:
+        cp.install_crds(default_crds(shared))
+        yield cp
+
+
+def _get(kube: KubeControlPlane, path: str, token: str | None = None) -> int:
+    ctx = ssl.create_default_context(cafile=str(kube.pki / "ca.crt"))
+    req = urllib.request.Request(kube.url + path)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    else:
+        ctx.load_cert_chain(kube.pki / "admin.crt", kube.pki / "admin.key")
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_the_api_server_speaks_tls_and_refuses_anonymous_requests(kube: KubeControlPlane) -> None:
+    assert kube.url.startswith("https://127.0.0.1:")
+    assert _get(kube, "/readyz") == 200
+    ctx = ssl.create_default_context(cafile=str(kube.pki / "ca.crt"))
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(kube.url + "/api/v1/nodes", context=ctx, timeout=10)
+    assert err.value.code in (401, 403)
+
+
+def test_the_kubeconfig_reaches_a_real_kubernetes(kube: KubeControlPlane) -> None:
+    from kubernetes import client
+
+    # The official client, configured from the generated kubeconfig alone.
+    namespaces = client.CoreV1Api(kube.client()).list_namespace().to_dict()["items"]
+    assert {"default", "kube-system"} <= {ns["metadata"]["name"] for ns in namespaces}
+    assert kube.request("GET", "/version")["gitVersion"].startswith("v1.37.")
+
+
+def test_the_slinky_kueue_and_prometheus_operator_crds_are_served(kube: KubeControlPlane) -> None:
+    groups = {g["name"] for g in kube.request("GET", "/apis")["groups"]}
+    assert {"slinky.slurm.net", "kueue.x-k8s.io", "monitoring.coreos.com"} <= groups
+    assert kube.request("GET", "/apis/kueue.x-k8s.io/v1beta1/clusterqueues")["items"] == []
+    # The real server validates custom resources against the CRD's structural schema.
+    bad = {
+        "apiVersion": "slinky.slurm.net/v1beta1",
+        "kind": "NodeSet",
+        "metadata": {"name": "bad"},
+        "spec": {"replicas": "three"},
+    }
+    with pytest.raises(KubeApiError) as err:
+        kube.request("POST", "/apis/slinky.slurm.net/v1beta1/namespaces/default/nodesets", bad)
+    assert err.value.status == 422
+
+
+def test_nodes_are_ready_without_a_kubelet(kube: KubeControlPlane) -> None:
+    kube.add_nodes(["cp-n1", "cp-n2"], labels={"fleetheal.io/pool": "active"}, gpus=8)
+    for name in ("cp-n1", "cp-n2"):
+        node = kube.request("GET", f"/api/v1/nodes/{name}")
+        ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "True"
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+        assert node["metadata"]["labels"]["fleetheal.io/pool"] == "active"
+
+
+def _pod(name: str, node: str, app: str) -> dict[str, object]:
+    return {
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "registry.invalid/sleep:1"}]},
+    }
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_eviction_obeys_a_pod_disruption_budget_and_the_stand_in_kubelet_ends_the_pod(kube: KubeControlPlane) -> None:
+    kube.add_nodes(["cp-e1"])
+    pods = "/api/v1/namespaces/default/pods"
+    for name in ("web-1", "web-2"):
+        # The service-account controller creates the namespace's `default` account shortly after start.
+        assert _wait(functools.partial(_create_ok, kube, pods, _pod(name, "cp-e1", "web")))
+
+    def phase(name: str) -> str | None:
+        return kube.request("GET", f"{pods}/{name}")["status"].get("phase")  # type: ignore[no-any-return]
+
+    assert _wait(lambda: phase("web-1") == phase("web-2") == "Running"), "the stand-in kubelet did not start them"
+    pdb = {"metadata": {"name": "web"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}}}
+    kube.request("POST", "/apis/policy/v1/namespaces/default/poddisruptionbudgets", pdb)
+    budget = "/apis/policy/v1/namespaces/default/poddisruptionbudgets/web"
+    # The disruption controller (kube-controller-manager) computes what the budget allows.
+    assert _wait(lambda: kube.request("GET", budget).get("status", {}).get("disruptionsAllowed") == 1)
+
+    evict = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "web-1", "namespace": "default"}}
+    kube.request("POST", f"{pods}/web-1/eviction", evict)
+    assert _wait(lambda: not _exists(kube, f"{pods}/web-1")), "the evicted pod stayed Terminating"
+    assert _wait(lambda: kube.request("GET", budget)["status"].get("disruptionsAllowed") == 0)
+    evict["metadata"]["name"] = "web-2"  # type: ignore[index]
+    with pytest.raises(KubeApiError) as err:
+        kube.request("POST", f"{pods}/web-2/eviction", evict)
+    assert err.value.status == 429  # TooManyRequests: the budget would be violated
+    assert _exists(kube, f"{pods}/web-2")
+
+
+def _create_ok(kube: KubeControlPlane, path: str, body: object) -> bool:
+    try:
+        kube.request("POST", path, body)
+    except KubeApiError as e:
+        if e.status == 409:
+            return True
+        if e.status == 403 and "serviceaccount" in e.body:
+            return False
+        raise
+    return True
+
+
+def _exists(kube: KubeControlPlane, path: str) -> bool:
+    try:
+        kube.request("GET", path)
+    except KubeApiError as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def test_a_service_account_token_authenticates(kube: KubeControlPlane) -> None:
+    token = kube.service_account_token("default", "fleetheal-test")
+    assert token.count(".") == 2  # a JWT signed with the control plane's service-account key
+    # Authenticated as the account (RBAC gives it nothing): 403, not 401.
+    assert _get(kube, "/api/v1/nodes", token=token) == 403
+    assert _get(kube, "/api/v1/nodes", token=token + "x") == 401
+
+
+def test_stop_leaves_no_daemon_behind(tmp_path: Path) -> None:
+    if not tools_built():
+        pytest.fail("etcd/kube-apiserver/kube-controller-manager are not built: run `make tools`")
+    cp = KubeControlPlane(tmp_path / "kube", controller_manager=False).start()
+    pids = dict(cp.pids)
+    assert set(pids) == {"etcd", "kube-apiserver", "kubelet-stand-in"}
+    KubeControlPlane.attach(tmp_path / "kube").stop()
+    assert not any(alive(p) for p in pids.values())
+    assert not (tmp_path / "kube" / "controlplane.json").exists()
+
+
+def test_missing_binaries_name_the_command_that_builds_them(tmp_path: Path) -> None:
+    with pytest.raises(ControlPlaneError, match="make tools"):
+        KubeControlPlane(tmp_path / "kube", bin_dir=tmp_path / "nothing").start()
