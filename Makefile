@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 SHARED ?= ../shared
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo demo-classify test lint unit molecule-prep generate bench clean
+.PHONY: help setup tools demo demo-classify test lint unit molecule-prep generate bench clean
 
 help:
 	@echo "make demo      the local lab heals a GPU failure live (real Slurm, Prometheus, Alertmanager)"
@@ -14,11 +14,18 @@ help:
 	@echo "make test      lint + every test (what CI runs)"
 	@echo "make lint      ruff, mypy --strict, yamllint, ansible-lint, generated files up to date"
 	@echo "make bench     benchmarks -> benchmarks/results/latest.{json,md}"
+	@echo "make tools     build etcd, kube-apiserver, the Pulumi CLI and its Kubernetes provider from Go modules"
 	@echo "make generate  regenerate alert rules, Ansible vars and docs from policies/faults.yaml"
 
 # Idempotent and about a second when nothing is missing, so every target can run it.
 setup:
 	@VENV=$(VENV) scripts/bootstrap.sh
+
+# A real control plane and the real Pulumi engine, from Go modules at the versions tools/*/go.mod pin,
+# into .tools/bin. The first build takes tens of minutes on 2 cores; then about a second (Go's caches
+# and a stamp per tool).
+tools:
+	scripts/build-tools.sh
 
 # The local lab: real Slurm, Prometheus, Alertmanager, agents on simulated GPUs, the remediator and
 # the real playbooks; heals an Xid 79, refuses to relocate an Xid 31, restarts an NCCL timeout in place.
@@ -44,7 +51,7 @@ molecule-prep: setup
 	molecule/image/build.sh
 	molecule/image/wheelhouse.sh
 
-unit: setup molecule-prep
+unit: setup molecule-prep tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint unit
