@@ -19,6 +19,9 @@ from fleetheal.infra import common
 
 COMPONENT = "HealthAgent"
 NAME = "fleetheal-agent"
+#: The agent's ClusterRole (also the lab's): the fast path taints and labels its own node before any alert
+#: travels. RBAC cannot restrict this to the agent's own node; the audit log is the limit.
+AGENT_RBAC_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
 #: Taints the agent tolerates: it must keep watching standby, isolated and GPU-tainted nodes.
 TOLERATED_TAINTS = (contracts.TAINT_STANDBY, contracts.TAINT_UNHEALTHY, "nvidia.com/gpu")
 
@@ -91,9 +94,7 @@ class HealthAgent(pulumi.ComponentResource):
         self.role = k8s.rbac.v1.ClusterRole(
             f"{name}-role",
             metadata={"name": NAME, "labels": labels},
-            # The fast path: taint and label its own node before any alert travels. RBAC cannot
-            # restrict this to the agent's own node; the node authorizer style limit is the audit log.
-            rules=[{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}],
+            rules=AGENT_RBAC_RULES,
             opts=child,
         )
         self.binding = k8s.rbac.v1.ClusterRoleBinding(

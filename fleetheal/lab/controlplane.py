@@ -536,6 +536,9 @@ class KubeControlPlane:
                 "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
             }
             self.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": status}, _MERGE)
+            # The API server taints a new Node not-ready until the node-lifecycle controller sees it Ready;
+            # that controller does not run here, so do its part: the Node keeps only the taints asked for.
+            self.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": list(taints or []) or None}}, _MERGE)
 
     def set_pod_running(self, namespace: str, name: str) -> None:
         """Mark a pod Running and Ready, as its kubelet would (so PodDisruptionBudgets count it healthy)."""

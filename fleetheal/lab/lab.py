@@ -5,16 +5,17 @@
 
 - a private Slurm cluster (`SlurmCluster`: munged, slurmctld, one slurmd per node, fake GPUs as GRES);
   the standby nodes are drained with the owned reason `fleetheal:standby`, as the playbooks expect;
-- the Kubernetes side: `FakeKubeApiServer` (a test double until a real kube-apiserver is built) with a
-  Node per Slurm node, labelled `fleetheal.io/pool=active|standby` (standby nodes also carry the
-  standby taint), a Slinky-like slurmd pod per node under a PodDisruptionBudget and an agent
-  DaemonSet pod per node; a kubeconfig and a bearer token for it;
+- the Kubernetes side: a real etcd + kube-apiserver + kube-controller-manager (`KubeControlPlane`, built
+  by `make tools`; without them, the in-process test double `FakeKubeApiServer`, and the lab says so)
+  with a Node per Slurm node, labelled `fleetheal.io/pool=active|standby` (standby nodes also carry the
+  standby taint), a Slinky-like slurmd pod per node (owned by a StatefulSet) under a PodDisruptionBudget
+  and an agent pod per node (owned by a DaemonSet); an admin kubeconfig and the agents' bearer token;
 - one agent per node (`fleetheal agent run`) on the simulated GPU backend, with its own metrics port,
   training socket and fault-injection file, draining its own Slurm node and tainting its own Node;
 - real Prometheus and Alertmanager (`fleetheal.lab.monitoring.Monitoring`) with the generated alert
   rules, scraping every agent and routing to the remediator's webhook with a bearer token;
 - the remediator (`fleetheal remediator serve`) running the real playbooks through ansible-runner, with
-  the kubeconfig pointed at the fake API server.
+  the kubeconfig pointed at that API server.
 
 `down()` stops all of it by PID (and checks each PID is still the process it started). State lives
 under the lab dir (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab); `up()` starts from an empty one.
@@ -36,6 +37,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ from typing import Any
 import yaml
 
 from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_STANDBY
+from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, tools_built
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
 from fleetheal.procs import alive, free_ports, stop_pid
@@ -52,6 +55,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
 CLUSTER = "lab"
 STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
+#: The lab's pods never run a container (there is no kubelet); the image is never pulled.
+PLACEHOLDER_IMAGE = "fleetheal-lab/placeholder:0"
 #: Site settings the lab gives every remediation run through the remediator's `runner.site_vars`
 #: (lab-speed timers); its kubeconfig and report dir are added where the lab knows them.
 LAB_SITE_VARS = {
@@ -277,6 +282,83 @@ class Lab:
     def _up_kube(self) -> None:
         t0 = time.monotonic()
         kdir = self.dir / "kube"
+        what = self._up_control_plane(kdir) if tools_built() else self._up_kube_double(kdir)
+        ns = "/api/v1/namespaces"
+        self.kube_request("POST", ns, {"metadata": {"name": "slurm"}})
+        self.kube_request("POST", ns, {"metadata": {"name": "fleetheal"}})
+        # The pods' owners exist for real (the garbage collector deletes pods whose owner is absent);
+        # no workload controller runs, so the lab places one pod of each per node itself.
+        owners = {
+            "slurm": self._owner("slurm", "StatefulSet", "slurm-worker", "slurmd"),
+            "fleetheal": self._owner("fleetheal", "DaemonSet", "fleetheal-agent", "fleetheal-agent"),
+        }
+        for name in self.nodes:
+            for namespace, (owner, app) in owners.items():
+                pod = {
+                    "metadata": {
+                        "name": f"{owner['metadata']['name']}-{name}",
+                        "labels": {"app.kubernetes.io/name": app},
+                        "ownerReferences": [
+                            {
+                                "apiVersion": "apps/v1",
+                                "kind": owner["kind"],
+                                "name": owner["metadata"]["name"],
+                                "uid": owner["metadata"]["uid"],
+                                "controller": True,
+                                "blockOwnerDeletion": True,
+                            }
+                        ],
+                    },
+                    "spec": {
+                        "nodeName": name,
+                        "containers": [{"name": "main", "image": "fleetheal-lab/placeholder:0"}],
+                    },
+                    "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+                }
+                self._create_pod(namespace, pod)
+        pdb = {
+            "metadata": {"name": "slurm-worker"},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
+        }
+        self.kube_request("POST", "/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb)
+        self.log(
+            f"  kubernetes  {what}: {len(self.nodes)} Nodes, slurmd pods under a PodDisruptionBudget  "
+            f"[{time.monotonic() - t0:.1f}s]"
+        )
+
+    def _node_specs(self) -> list[tuple[str, dict[str, str], list[dict[str, str]]]]:
+        out = []
+        for i, name in enumerate(self.nodes):
+            pool = "standby" if name in self.standby_nodes else "active"
+            taints = [{"key": TAINT_STANDBY, "effect": "NoSchedule"}] if pool == "standby" else []
+            out.append((name, {LABEL_POOL: pool, LABEL_FAILURE_DOMAIN: f"rack-{'ab'[i % 2]}"}, taints))
+        return out
+
+    def _up_control_plane(self, kdir: Path) -> str:
+        """etcd + kube-apiserver + kube-controller-manager (`make tools`); the agents authenticate with
+        a bound token of their own ServiceAccount, whose ClusterRole is the one the stack deploys."""
+        from fleetheal.infra.agent import AGENT_RBAC_RULES
+
+        cp = KubeControlPlane(kdir).start()
+        self.meta["kube"] = {"url": cp.url, "real": True, "ca_file": str(cp.pki / "ca.crt")}
+        self._save()
+        for name, labels, taints in self._node_specs():
+            cp.add_nodes([name], labels=labels, taints=taints, gpus=int(self.meta["gpus"]))
+        role = {"metadata": {"name": "fleetheal-agent"}, "rules": AGENT_RBAC_RULES}
+        cp.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles", role)
+        binding = {
+            "metadata": {"name": "fleetheal-agent"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "fleetheal-agent"},
+            "subjects": [{"kind": "ServiceAccount", "name": "fleetheal-agent", "namespace": "kube-system"}],
+        }
+        cp.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding)
+        token = cp.service_account_token("kube-system", "fleetheal-agent", seconds=7 * 24 * 3600)
+        fd = os.open(kdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token)
+        return f"kube-apiserver {cp.request('GET', '/version')['gitVersion']} + etcd at {cp.url}"
+
+    def _up_kube_double(self, kdir: Path) -> str:
         kdir.mkdir()
         token = secrets.token_hex(16)
         fd = os.open(kdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -290,40 +372,50 @@ class Lab:
         )  # fmt: skip
         _wait("the fake Kubernetes API server", ready.exists, 20, self.dir / "logs" / "kube-apiserver-double.log")
         url = json.loads(ready.read_text())["url"]
-        self.meta["kube"] = {"url": url}
+        self.meta["kube"] = {"url": url, "real": False, "ca_file": None}
         self._save()
-        from fleetheal.lab.kube import node_object, pod_object
+        from fleetheal.lab.kube import node_object
 
-        for i, name in enumerate(self.nodes):
-            pool = "standby" if name in self.standby_nodes else "active"
-            taints = [{"key": TAINT_STANDBY, "effect": "NoSchedule"}] if pool == "standby" else []
-            labels = {LABEL_POOL: pool, LABEL_FAILURE_DOMAIN: f"rack-{'ab'[i % 2]}"}
-            _http("POST", f"{url}/api/v1/nodes", node_object(name, labels, taints, self.meta["gpus"]), token)
-        ns = f"{url}/api/v1/namespaces"
-        _http("POST", ns, {"metadata": {"name": "slurm"}}, token)
-        _http("POST", ns, {"metadata": {"name": "fleetheal"}}, token)
-        for name in self.nodes:
-            slurmd = pod_object(
-                f"slurm-worker-{name}", name, {"app.kubernetes.io/name": "slurmd"}, "StatefulSet", "slurm-worker"
-            )
-            agent = pod_object(
-                f"fleetheal-agent-{name}",
-                name,
-                {"app.kubernetes.io/name": "fleetheal-agent"},
-                "DaemonSet",
-                "fleetheal-agent",
-            )
-            _http("POST", f"{ns}/slurm/pods", slurmd, token)
-            _http("POST", f"{ns}/fleetheal/pods", agent, token)
-        pdb = {
-            "metadata": {"name": "slurm-worker"},
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
+        for name, labels, taints in self._node_specs():
+            self.kube_request("POST", "/api/v1/nodes", node_object(name, labels, taints, self.meta["gpus"]))
+        return f"FakeKubeApiServer (test double: `make tools` builds the real one) at {url}"
+
+    def _owner(self, namespace: str, kind: str, name: str, app: str) -> tuple[dict[str, Any], str]:
+        sel = {"matchLabels": {"app.kubernetes.io/name": app}}
+        template = {
+            "metadata": {"labels": {"app.kubernetes.io/name": app}},
+            "spec": {"containers": [{"name": "main", "image": PLACEHOLDER_IMAGE}]},
         }
-        _http("POST", f"{url}/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb, token)
-        self.log(
-            f"  kubernetes  FakeKubeApiServer (test double) at {url}: {len(self.nodes)} Nodes, "
-            f"slurmd pods under a PodDisruptionBudget  [{time.monotonic() - t0:.1f}s]"
-        )
+        spec: dict[str, Any] = {"selector": sel, "template": template}
+        if kind == "StatefulSet":
+            spec.update(replicas=len(self.nodes), serviceName=name)
+        body: dict[str, Any] = {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}
+        if not self.meta["kube"].get("real"):  # the double holds no workloads: an owner in name only
+            body["metadata"]["uid"] = str(uuid.uuid5(uuid.NAMESPACE_DNS, name))
+            return body, app
+        plural = kind.lower() + "s"
+        return self.kube_request("POST", f"/apis/apps/v1/namespaces/{namespace}/{plural}", body), app
+
+    def _create_pod(self, namespace: str, pod: dict[str, Any]) -> None:
+        # The service-account controller creates each namespace's `default` account a moment after
+        # the namespace; until then pod admission refuses.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.kube_request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+                return
+            except urllib.error.HTTPError as e:
+                if e.code != 403 or time.monotonic() > deadline:
+                    raise
+
+    def kube_request(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
+        """An admin request to the lab's Kubernetes API (the real one, or the double)."""
+        if self.meta["kube"].get("real"):
+            try:
+                return KubeControlPlane.attach(self.dir / "kube").request(method, path, body, ctype)
+            except KubeApiError as e:
+                raise urllib.error.HTTPError(path, e.status, e.body, {}, None) from e  # type: ignore[arg-type]
+        return _http(method, self.kube_url + path, body, self.kube_token, ctype)
 
     def _agent_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -360,7 +452,7 @@ class Lab:
                         "enabled": True,
                         "api_url": self.kube_url,
                         "token_file": str(self.dir / "kube" / "token"),
-                        "ca_file": None,
+                        "ca_file": self.meta["kube"]["ca_file"],
                     },
                 },
             }
@@ -482,6 +574,9 @@ class Lab:
             pids = list(mon_dir.glob("*.pid"))
             stop_recorded(mon_dir)
             stopped += [p.stem for p in pids]
+        if (self.dir / "kube" / "controlplane.json").exists():
+            KubeControlPlane.attach(self.dir / "kube").stop()
+            stopped.append("kubernetes")
         slurm_dir = self.dir / "slurm"
         with contextlib.suppress(SlurmError):
             SlurmCluster.attach(slurm_dir).stop()
@@ -530,7 +625,7 @@ class Lab:
         return job, run_dir
 
     def k8s_nodes(self) -> dict[str, dict[str, Any]]:
-        items = _http("GET", f"{self.kube_url}/api/v1/nodes", token=self.kube_token)["items"]
+        items = self.kube_request("GET", "/api/v1/nodes")["items"]
         return {n["metadata"]["name"]: n for n in items}
 
     def status(self) -> list[NodeStatus]:

@@ -83,6 +83,11 @@ def test_nodes_are_ready_without_a_kubelet(kube: KubeControlPlane) -> None:
         assert ready["status"] == "True"
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
         assert node["metadata"]["labels"]["fleetheal.io/pool"] == "active"
+        assert not node["spec"].get("taints"), "the API server's not-ready taint was left on a Ready node"
+    kube.add_nodes(["cp-n3"], taints=[{"key": "fleetheal.io/standby", "effect": "NoSchedule"}])
+    assert kube.request("GET", "/api/v1/nodes/cp-n3")["spec"]["taints"] == [
+        {"key": "fleetheal.io/standby", "effect": "NoSchedule"}
+    ]
 
 
 def _pod(name: str, node: str, app: str) -> dict[str, object]:

@@ -8,14 +8,13 @@ nothing it started is left.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import urllib.request
 
 import pytest
 
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, TAINT_UNHEALTHY
+from fleetheal.lab.controlplane import tools_built
 from fleetheal.lab.demo import CHECKPOINT_EVERY, STEP_TIME, continuity, run_scenarios
 from fleetheal.lab.lab import Lab, _cmdline
 
@@ -40,6 +39,8 @@ def lab(tmp_path_factory):
         pytest.skip("the lab's Slurm daemons and PID namespace need root")
     if (tool := _missing()) is not None:
         pytest.skip(f"{tool} is not installed (scripts/bootstrap.sh installs it)")
+    if not tools_built():
+        pytest.fail("the lab's real control plane is not built: run `make tools`")
     the_lab = Lab(tmp_path_factory.mktemp("lab"), log=lambda _: None)
     try:
         the_lab.up(nodes=4, standby=2, gpus=8)
@@ -58,10 +59,8 @@ def scenarios(lab):
 
 
 def _pods_on(lab: Lab, node: str) -> list[str]:
-    url = f"{lab.kube_url}/api/v1/pods?fieldSelector=spec.nodeName%3D{node}"
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {lab.kube_token}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return sorted(p["metadata"]["name"] for p in json.loads(resp.read())["items"])
+    pods = lab.kube_request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName%3D{node}")["items"]
+    return sorted(p["metadata"]["name"] for p in pods)
 
 
 def test_lab_is_up_with_pools(lab):
@@ -163,7 +162,7 @@ def test_one_log_across_restarts(scenarios):
 def test_down_leaves_nothing_behind(lab, scenarios):
     pids = [p["pid"] for p in lab.meta["processes"].values()]
     stopped = lab.down(quiet=True)
-    assert {"remediator", "kube-apiserver-double", "prometheus", "alertmanager", "slurm"} <= set(stopped)
+    assert {"remediator", "kubernetes", "prometheus", "alertmanager", "slurm"} <= set(stopped)
     left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if str(lab.dir) in _cmdline(pid)]
     assert left == [], {pid: _cmdline(pid) for pid in left}
     assert all(str(lab.dir) not in _cmdline(p) for p in pids)
