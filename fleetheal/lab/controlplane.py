@@ -570,7 +570,11 @@ class _CrdLoader(yaml.SafeLoader):
     prometheus-operator AlertmanagerConfig CRD) as the plain string Kubernetes' YAML 1.2 reader sees."""
 
 
-_CrdLoader.add_constructor("tag:yaml.org,2002:value", yaml.SafeLoader.construct_yaml_str)
+def _plain_string(loader: yaml.SafeLoader, node: yaml.Node) -> str:
+    return str(loader.construct_scalar(node)) if isinstance(node, yaml.ScalarNode) else str(node.value)
+
+
+_CrdLoader.add_constructor("tag:yaml.org,2002:value", _plain_string)
 
 
 def _now() -> str:
