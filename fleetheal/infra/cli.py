@@ -1,9 +1,12 @@
-"""`fleetheal render --stack STACK --out DIR`: the stack's objects as YAML for GitOps review."""
+"""`fleetheal render --stack STACK --out DIR`: the stack's objects as YAML for GitOps review.
+`fleetheal infra preview|up|destroy --stack STACK --backend DIR`: the stack under the real Pulumi engine."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 from fleetheal.cli import UsageError
@@ -28,6 +31,135 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="also run the fleetheal policy pack's rules over the objects; exit 1 on any violation",
     )
     p.set_defaults(func=run)
+
+    infra = sub.add_parser(
+        "infra",
+        help="preview, deploy or destroy a Pulumi stack with the real Pulumi engine (tools from `make tools`)",
+        description=(
+            "Run the fleetheal Pulumi program with the real Pulumi engine and Kubernetes provider (built by "
+            "`make tools`) through Pulumi's Automation API, against the cluster of --kubeconfig, keeping state "
+            "in a local file backend. The secrets passphrase comes from PULUMI_CONFIG_PASSPHRASE."
+        ),
+    )
+    isub = infra.add_subparsers(dest="infra_command", metavar="COMMAND", required=True)
+    for name, text in (
+        ("preview", "show what `up` would change; --policy-pack runs CrossGuard packs (policies/)"),
+        ("up", "create or update the stack's resources"),
+        ("destroy", "delete the stack's resources (retained ones stay in the cluster)"),
+    ):
+        c = isub.add_parser(name, help=text, description=text)
+        c.add_argument("--stack", required=True, help="stack name; starts from Pulumi.STACK.yaml when there is one")
+        c.add_argument("--backend", required=True, type=Path, help="state directory (file backend and workspace)")
+        c.add_argument("--kubeconfig", type=Path, default=None, help="cluster to deploy into (default: $KUBECONFIG)")
+        c.add_argument(
+            "--tools", type=Path, default=None, help="directory with pulumi and pulumi-resource-kubernetes (.tools/bin)"
+        )
+        c.add_argument(
+            "--set",
+            dest="settings",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a fleetheal setting for this run (JSON for lists and objects); repeatable",
+        )
+        c.add_argument(
+            "--secret",
+            dest="secret_envs",
+            action="append",
+            default=[],
+            metavar="KEY=ENV_VAR",
+            help="set secret setting KEY to the value of environment variable ENV_VAR; repeatable",
+        )
+        if name != "destroy":
+            c.add_argument(
+                "--policy-pack",
+                dest="policy_packs",
+                action="append",
+                default=[],
+                type=Path,
+                metavar="DIR",
+                help="run this policy pack (e.g. policies); repeatable",
+            )
+            c.add_argument(
+                "--policy-pack-config",
+                dest="policy_pack_configs",
+                action="append",
+                default=[],
+                type=Path,
+                metavar="FILE",
+                help="JSON config for the policy pack at the same position; repeatable",
+            )
+        c.set_defaults(func=run_engine)
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{what} {item!r}: expected KEY=VALUE")
+        out[key.removeprefix("fleetheal:")] = value
+    return out
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from pulumi import automation as auto
+
+    from fleetheal.infra import engine
+    from fleetheal.lab.controlplane import tools_dir
+
+    kubeconfig = args.kubeconfig or (Path(os.environ["KUBECONFIG"]) if os.environ.get("KUBECONFIG") else None)
+    if kubeconfig is None:
+        raise UsageError("--kubeconfig is required when KUBECONFIG is not set")
+    passphrase = os.environ.get("PULUMI_CONFIG_PASSPHRASE")
+    if passphrase is None:
+        raise UsageError("set PULUMI_CONFIG_PASSPHRASE: it encrypts the stack's secrets in --backend")
+    secrets = {}
+    for key, var in _pairs(args.secret_envs, "--secret").items():
+        if var not in os.environ:
+            raise UsageError(f"--secret {key}={var}: environment variable {var} is not set")
+        secrets[key] = os.environ[var]
+    target = engine.Target(
+        stack=args.stack,
+        kubeconfig=kubeconfig,
+        backend=args.backend.resolve(),
+        bin_dir=args.tools or tools_dir(),
+        passphrase=passphrase,
+        settings=_pairs(args.settings, "--set"),
+        secrets=secrets,
+    )
+    command = args.infra_command
+    streamed: list[str] = []
+
+    def out(line: str) -> None:
+        streamed.append(line)
+        print(line, flush=True)
+
+    def err(line: str) -> None:
+        streamed.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    try:
+        if command == "preview":
+            result = engine.preview(target, args.policy_packs, args.policy_pack_configs, out, err)
+            changed = engine.changes(result.change_summary)
+        elif command == "up":
+            up = engine.up(target, args.policy_packs, args.policy_pack_configs, out, err)
+            changed = engine.changes(up.summary.resource_changes)
+        else:
+            down = engine.destroy(target, out, err)
+            changed = engine.changes(down.summary.resource_changes)
+    except engine.EngineError as exc:
+        print(f"fleetheal infra {command}: {exc}", file=sys.stderr)
+        return 1
+    except auto.CommandError as exc:
+        # The engine's own output has been shown as it came; before a run starts there is none.
+        detail = "" if streamed else f":\n{exc}"
+        print(f"fleetheal infra {command}: stack {args.stack}: the engine failed{detail}", file=sys.stderr)
+        return 1
+    print(f"fleetheal infra {command}: stack {args.stack}: {changed} change(s) in {time.monotonic() - started:.1f} s")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

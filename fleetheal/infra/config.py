@@ -135,6 +135,7 @@ class StackConfig:
     kueue_large_share_percent: int
     kueue_borrowing_limit_percent: int
     kueue_lending_limit_percent: int
+    await_readiness: bool
     secrets: Mapping[str, Any] = field(default_factory=dict)
 
     def image(self, component: str) -> str:
@@ -413,6 +414,7 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
         kueue_large_share_percent=_percent("kueueLargeSharePercent", v["kueueLargeSharePercent"]),
         kueue_borrowing_limit_percent=_percent("kueueBorrowingLimitPercent", v["kueueBorrowingLimitPercent"]),
         kueue_lending_limit_percent=_percent("kueueLendingLimitPercent", v["kueueLendingLimitPercent"]),
+        await_readiness=v["awaitReadiness"],
         secrets=secrets,
     )
 

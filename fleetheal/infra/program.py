@@ -8,6 +8,7 @@ from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
+from pulumi.runtime import rpc
 
 from fleetheal import generate
 from fleetheal.infra import common
@@ -24,6 +25,9 @@ from fleetheal.infra.storage import SharedStorage
 
 OPERATOR_NAMESPACE = "slinky"
 GPU_RUNTIME_CLASS = "nvidia"
+#: The Kubernetes provider's annotation that skips its await logic (readiness on create and update;
+#: deletion too for Namespaces and workloads).
+SKIP_AWAIT = "pulumi.com/skipAwait"
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,33 @@ def node_domains(cfg: StackConfig) -> dict[str, str]:
     return out
 
 
+def skip_await(args: pulumi.ResourceTransformArgs) -> pulumi.ResourceTransformResult | None:
+    """Stack-wide transform (awaitReadiness=false): annotate every Kubernetes object `pulumi.com/skipAwait: "true"`.
+
+    Helm releases carry no object metadata of their own and are left alone, as are components and
+    other providers' resources. The engine hands over the inputs in wire form (camelCase keys).
+    """
+    if not args.custom or not args.type_.startswith("kubernetes:") or args.type_.startswith("kubernetes:helm.sh/"):
+        return None
+    props = dict(args.props)
+    metadata: Any = props.get("metadata")
+    secret = rpc.is_rpc_secret(metadata)
+    if secret:
+        metadata = rpc.unwrap_rpc_secret(metadata)
+    if metadata is None:
+        metadata = {}
+    annotations = (metadata.get("annotations") or {}) if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        return None  # still unknown (a preview before its inputs resolve): `up` annotates it
+    props["metadata"] = {**metadata, "annotations": {**annotations, SKIP_AWAIT: "true"}}
+    if secret:
+        props["metadata"] = rpc.wrap_rpc_secret(props["metadata"])
+    return pulumi.ResourceTransformResult(props=props, opts=args.opts)
+
+
 def build(cfg: StackConfig) -> Fleet:
+    if not cfg.await_readiness:
+        pulumi.runtime.register_resource_transform(skip_await)
     ns_slurm = k8s.core.v1.Namespace(
         "ns-slurm", metadata={"name": cfg.slurm_namespace, "labels": common.labels("namespace", cfg.slurm_namespace)}
     )

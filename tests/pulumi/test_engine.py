@@ -1,0 +1,194 @@
+"""The example stack (Pulumi.yaml + Pulumi.dev.yaml) under the real Pulumi engine, the real Kubernetes
+provider and a real kube-apiserver: `preview --policy-pack policies`, `up`, a second `up` and `destroy`.
+
+The engine, the provider, etcd, kube-apiserver and kube-controller-manager come from `make tools`
+(.tools/bin); without them these tests fail, naming it. State lives in a file backend under tmp_path.
+The control plane has no kubelet and no scheduler, so the stack runs with awaitReadiness=false.
+The tests run in file order against one control plane and one stack.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pulumi import automation as auto
+
+from fleetheal import contracts
+from fleetheal.infra import config, engine
+from fleetheal.infra.remediator import NAME as REMEDIATOR
+from fleetheal.lab import controlplane
+from fleetheal.lab.controlplane import KubeControlPlane
+
+pytestmark = [pytest.mark.kube, pytest.mark.pulumi]
+
+STACK = "dev"
+DEV = config.from_values(config.stack_values(STACK))
+NODES = [n for p in DEV.gpu_pools for n in (*p.node_names, *p.standby_node_names)]
+SLINKY = ("slinky.slurm.net", "v1beta1")
+MONITORING = ("monitoring.coreos.com", "v1")
+durations: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Iterator[KubeControlPlane]:
+    bin_dir = controlplane.tools_dir()
+    missing = [b for b in controlplane.BINARIES if not os.access(bin_dir / b, os.X_OK)]
+    missing += engine.missing_tools(bin_dir)
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not found in {bin_dir}: run `make tools` (scripts/build-tools.sh) first")
+    with KubeControlPlane(tmp_path_factory.mktemp("kube")) as cp:
+        # Kueue and the Prometheus operator are prerequisites of the stack; the Slinky CRDs are the
+        # stack's own (slinkyMode=manifests applies them).
+        cp.install_crds(p for p in controlplane.default_crds(shared) if "slinky" not in p.parts)
+        cp.add_nodes(NODES)
+        yield cp
+
+
+@pytest.fixture(scope="module")
+def target(kube: KubeControlPlane, tmp_path_factory: pytest.TempPathFactory) -> engine.Target:
+    def key(size: int) -> str:
+        return base64.b64encode(secrets.token_bytes(size)).decode()
+
+    return engine.Target(
+        stack=STACK,
+        kubeconfig=kube.kubeconfig,
+        backend=tmp_path_factory.mktemp("backend"),
+        bin_dir=controlplane.tools_dir(),
+        passphrase="fleetheal-test-passphrase",
+        settings={"awaitReadiness": "false"},
+        secrets={"slurmKey": key(1024), "slurmJwtKey": key(32), "remediatorToken": secrets.token_hex(16)},
+    )
+
+
+@pytest.fixture(scope="module")
+def api(kube: KubeControlPlane) -> Any:
+    return kube.client()
+
+
+def timed(name: str, capsys: pytest.CaptureFixture[str], run: Callable[[], Any]) -> Any:
+    started = time.monotonic()
+    result = run()
+    durations[name] = time.monotonic() - started
+    with capsys.disabled():
+        print(f"\n[engine] {name}: {durations[name]:.1f} s")
+    return result
+
+
+def _node(api: Any, name: str) -> Any:
+    from kubernetes import client
+
+    return client.CoreV1Api(api).read_node(name)
+
+
+def _custom(api: Any, group_version: tuple[str, str], ns: str, plural: str) -> list[dict[str, Any]]:
+    from kubernetes import client
+
+    items = client.CustomObjectsApi(api).list_namespaced_custom_object(*group_version, ns, plural)["items"]
+    return list(items)
+
+
+def test_preview_with_the_policy_pack_passes(target: engine.Target, capsys: pytest.CaptureFixture[str]) -> None:
+    lines: list[str] = []
+    result = timed(
+        "preview --policy-pack policies",
+        capsys,
+        lambda: engine.preview(target, [engine.POLICY_PACK], on_output=lines.append),
+    )
+    creates = result.change_summary.get(auto.OpType.CREATE, 0)
+    assert creates > 50, result.change_summary
+    assert engine.changes(result.change_summary) == creates
+    # the engine lists the pack it ran, with the version from policies/PulumiPolicy.yaml
+    version = yaml.safe_load((engine.POLICY_PACK / "PulumiPolicy.yaml").read_text())["version"]
+    assert any(f"fleetheal@v{version}" in line for line in lines), "\n".join(lines)
+
+
+def test_preview_rejects_a_stack_the_policy_pack_forbids(
+    target: engine.Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A remediator token Secret other than the one the pack allows: the remediator's Role would read
+    # a Secret that the remediator-rbac-least-privilege policy (mandatory) does not allow.
+    bad = dataclasses.replace(target, settings={**target.settings, "remediatorTokenSecret": "other-token"})
+    with pytest.raises(auto.CommandError) as err:
+        timed("preview (violating)", capsys, lambda: engine.preview(bad, [engine.POLICY_PACK]))
+    message = str(err.value)
+    assert "remediator-rbac-least-privilege" in message, message
+    assert "lets the remediator read Secrets beyond its own" in message, message
+
+
+def test_up_creates_the_stack(target: engine.Target, api: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from kubernetes import client
+
+    result = timed("up", capsys, lambda: engine.up(target))
+    assert result.summary.result == "succeeded"
+    assert engine.changes(result.summary.resource_changes) > 50, result.summary.resource_changes
+    nodesets = [f"{DEV.cluster_name}-{p.name}" for p in DEV.gpu_pools]
+    assert result.outputs["nodeSets"].value == nodesets
+
+    names = {ns.metadata.name for ns in client.CoreV1Api(api).list_namespace().items}
+    assert {DEV.slurm_namespace, DEV.system_namespace, *DEV.kueue_namespaces} <= names
+
+    found = {o["metadata"]["name"]: o for o in _custom(api, SLINKY, DEV.slurm_namespace, "nodesets")}
+    assert sorted(found) == sorted(nodesets)
+    h100 = found[f"{DEV.cluster_name}-h100"]
+    assert h100["spec"]["template"]["spec"]["nodeSelector"][contracts.LABEL_GPU_POOL] == "h100"
+
+    active, standby = _node(api, "gpu-h100-01"), _node(api, "gpu-h100-09")
+    assert {k: v for k, v in active.metadata.labels.items() if k.startswith("fleetheal.io/")} == {
+        contracts.LABEL_POOL: "active",
+        contracts.LABEL_GPU_POOL: "h100",
+        contracts.LABEL_GPU_TYPE: "h100",
+        contracts.LABEL_FAILURE_DOMAIN: "h100-fd0",
+    }
+    assert not active.spec.taints
+    assert standby.metadata.labels[contracts.LABEL_POOL] == "standby"
+    assert [(t.key, t.value, t.effect) for t in standby.spec.taints] == [
+        (contracts.TAINT_STANDBY, "h100", "NoSchedule")
+    ]
+
+    deployment = client.AppsV1Api(api).read_namespaced_deployment(REMEDIATOR, DEV.system_namespace)
+    assert deployment.spec.replicas == 1
+    # awaitReadiness=false: the stack-wide transform annotated every object
+    assert deployment.metadata.annotations["pulumi.com/skipAwait"] == "true"
+
+    monitors = _custom(api, MONITORING, DEV.system_namespace, "servicemonitors")
+    assert monitors, "no ServiceMonitor in the system namespace"
+    assert all(m["metadata"]["labels"]["release"] == "kube-prometheus-stack" for m in monitors)
+
+
+def test_second_up_changes_nothing(target: engine.Target, capsys: pytest.CaptureFixture[str]) -> None:
+    result = timed("up (again)", capsys, lambda: engine.up(target))
+    assert result.summary.result == "succeeded"
+    assert engine.changes(result.summary.resource_changes) == 0, result.summary.resource_changes
+    assert result.summary.resource_changes.get("same", 0) > 50
+
+
+def test_destroy_removes_the_stack(target: engine.Target, api: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    result = timed("destroy", capsys, lambda: engine.destroy(target))
+    assert result.summary.result == "succeeded"
+    assert result.summary.resource_changes.get("delete", 0) > 50, result.summary.resource_changes
+
+    for name in ("gpu-h100-01", "gpu-h100-09"):
+        node = _node(api, name)
+        assert not [k for k in node.metadata.labels if k.startswith("fleetheal.io/")], node.metadata.labels
+        assert not node.spec.taints, node.spec.taints
+    with pytest.raises(ApiException) as gone:
+        client.AppsV1Api(api).read_namespaced_deployment(REMEDIATOR, DEV.system_namespace)
+    assert gone.value.status == 404
+    # The namespaces are deleted (the namespace controller may still be emptying them).
+    for ns in client.CoreV1Api(api).list_namespace().items:
+        if ns.metadata.name in (DEV.slurm_namespace, DEV.system_namespace):
+            assert ns.metadata.deletion_timestamp is not None, ns.metadata.name
+    with capsys.disabled():
+        print("\n[engine] " + ", ".join(f"{k}: {v:.1f} s" for k, v in durations.items()))
