@@ -15,7 +15,7 @@ want of heartbeats, is not run). A small process, `kubelet_stand_in`, plays the 
 kubelets that a drain depends on: it marks pods bound to a node Running and Ready, and it confirms
 the deletion of a terminating pod (without that, an evicted pod stays Terminating for ever). The
 controller manager runs garbage collection, the disruption controller (PodDisruptionBudget status,
-which eviction obeys), service accounts, namespaces and taint-based eviction.
+which eviction obeys), service accounts and namespaces.
 
 Example::
 
@@ -54,14 +54,14 @@ REPO = Path(__file__).resolve().parents[2]
 #: etcd, kube-apiserver and kube-controller-manager, in start order.
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 #: Controllers of kube-controller-manager that run. Not node-lifecycle (there is no kubelet to send
-#: heartbeats) and not the workload controllers (with no scheduler their pods would never run; the lab
-#: creates the pods it needs itself, owned by real DaemonSet and StatefulSet objects).
+#: heartbeats), nor taint-eviction (it needs node-lifecycle's pod index), nor the workload controllers
+#: (with no scheduler their pods would never run; the lab creates the pods it needs itself, owned by
+#: real DaemonSet and StatefulSet objects).
 CONTROLLERS = (
     "garbage-collector-controller",
     "disruption-controller",
     "serviceaccount-controller",
     "namespace-controller",
-    "taint-eviction-controller",
 )
 #: The process that plays the kubelets' part for pods (see `kubelet_stand_in`).
 KUBELET = "kubelet-stand-in"

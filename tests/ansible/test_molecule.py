@@ -76,6 +76,7 @@ def test_every_role_has_a_scenario() -> None:
 
 
 @pytest.mark.molecule
+@pytest.mark.timeout(1000)  # above the scenario's own 900 s limit, which then reports what it was doing
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_scenario(scenario: str, wheel: Path, tmp_path: Path) -> None:
     if scenario not in LOCAL:
