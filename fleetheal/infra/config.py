@@ -38,6 +38,12 @@ class ConfigError(ValueError):
     """A stack setting is missing or invalid; the message names the key and what is accepted."""
 
 
+#: Optional secrets. Pulumi.yaml declares them with the default "" (not set) and without `secret: true`:
+#: the engine requires a declared key that has no default, and refuses a default for a secret key. A
+#: value set without `--secret` is refused when the program runs (it would sit in the stack file in clear).
+SECRET_KEYS = frozenset({"slurmKey", "slurmJwtKey", "remediatorToken"})
+
+
 @dataclass(frozen=True, slots=True)
 class Declaration:
     key: str
@@ -60,7 +66,7 @@ def declarations(project_file: Path = PROJECT_FILE) -> dict[str, Declaration]:
             description=spec.get("description", ""),
             default=spec.get("default"),
             has_default="default" in spec,
-            secret=bool(spec.get("secret", False)),
+            secret=bool(spec.get("secret", False)) or key in SECRET_KEYS,
             items=(spec.get("items") or {}).get("type"),
         )
     return out
@@ -331,7 +337,7 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
     secrets: dict[str, Any] = {}
     for key, decl in decls.items():
         if decl.secret:
-            if values.get(key) is not None:
+            if values.get(key) not in (None, ""):  # "" is the declared default: not set
                 secrets[key] = values[key]
             continue
         raw = values.get(key)
@@ -427,9 +433,14 @@ def from_pulumi(project_file: Path = PROJECT_FILE) -> StackConfig:
     values: dict[str, Any] = {}
     for key, decl in declarations(project_file).items():
         if decl.secret:
-            secret = cfg.get_secret(key)
-            if secret is not None:
-                values[key] = secret
+            # The declared default "" means not set (see SECRET_KEYS); only a set value becomes a secret Output.
+            raw_secret = pulumi.runtime.get_config(f"{PROJECT}:{key}")
+            if raw_secret:
+                if not pulumi.runtime.is_config_secret(f"{PROJECT}:{key}"):
+                    raise ConfigError(
+                        f"{PROJECT}:{key}: stored in clear; set it with `pulumi config set --secret {key}`"
+                    )
+                values[key] = pulumi.Output.secret(raw_secret)
             continue
         raw = cfg.get(key)
         if raw is not None:

@@ -192,3 +192,18 @@ def test_config_reference_doc_is_current() -> None:
         "docs/pulumi-config.md is stale: run .venv/bin/python -c 'from fleetheal.infra import config; "
         'open("docs/pulumi-config.md", "w").write(config.reference_markdown())\''
     )
+
+
+def test_a_secret_key_stored_in_clear_is_refused(dev_values: dict[str, Any]) -> None:
+    base = {f"fleetheal:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in dev_values.items()}
+    key = "fleetheal:slurmKey"
+    try:
+        pulumi.runtime.set_all_config({**base, key: "c2VjcmV0"}, secret_keys=[])
+        with pytest.raises(config.ConfigError, match="fleetheal:slurmKey: stored in clear; set it with"):
+            config.from_pulumi()
+        pulumi.runtime.set_all_config({**base, key: "c2VjcmV0"}, secret_keys=[key])
+        assert "slurmKey" in config.from_pulumi().secrets
+        pulumi.runtime.set_all_config({**base, key: ""}, secret_keys=[])
+        assert "slurmKey" not in config.from_pulumi().secrets  # "" is the declared default: not set
+    finally:
+        pulumi.runtime.set_all_config({})

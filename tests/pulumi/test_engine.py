@@ -114,6 +114,16 @@ def test_preview_with_the_policy_pack_passes(target: engine.Target, capsys: pyte
     assert any(f"fleetheal@v{version}" in line for line in lines), "\n".join(lines)
 
 
+def test_the_secrets_are_optional(target: engine.Target, capsys: pytest.CaptureFixture[str]) -> None:
+    # Declared with the default "" (the engine requires a declared key without a default): unset, the
+    # program creates none of the three Secrets and expects them to exist.
+    with_secrets = timed("preview (secrets set)", capsys, lambda: engine.preview(target))
+    bare = dataclasses.replace(target, secrets={})
+    without = timed("preview (no secrets)", capsys, lambda: engine.preview(bare))
+    created = with_secrets.change_summary[auto.OpType.CREATE] - without.change_summary[auto.OpType.CREATE]
+    assert created == 3, (with_secrets.change_summary, without.change_summary)
+
+
 def test_preview_rejects_a_stack_the_policy_pack_forbids(
     target: engine.Target, capsys: pytest.CaptureFixture[str]
 ) -> None:
