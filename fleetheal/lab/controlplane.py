@@ -232,6 +232,7 @@ class KubeControlPlane:
         self.bin_dir = Path(bin_dir) if bin_dir else tools_dir()
         self.pids: dict[str, int] = {}
         self.url = ""
+        self._admin_ssl: ssl.SSLContext | None = None
 
     # paths
     @property
@@ -257,6 +258,7 @@ class KubeControlPlane:
             KubeControlPlane.attach(self.state_dir).stop()
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         pki = _Pki(self.pki)
+        self._admin_ssl = None  # new certificates
         pki.issue("etcd", "etcd", server=True, client=True)
         pki.issue("apiserver", "kube-apiserver", server=True)
         pki.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
@@ -370,8 +372,7 @@ class KubeControlPlane:
         )
 
     def _wait_ready(self, deadline: float) -> None:
-        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        ctx.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        ctx = self._admin_context()
         while True:
             self._check_alive("kube-apiserver")
             try:
@@ -460,10 +461,16 @@ class KubeControlPlane:
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
 
+    def _admin_context(self) -> ssl.SSLContext:
+        """TLS context with the admin client certificate, made once (the stand-in kubelet polls with it)."""
+        if self._admin_ssl is None:
+            self._admin_ssl = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+            self._admin_ssl.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        return self._admin_ssl
+
     def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         """One admin request to the API server; the decoded JSON answer. Raises KubeApiError on a 4xx/5xx."""
-        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        ctx.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        ctx = self._admin_context()
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)  # noqa: S310 - our https URL
         req.add_header("Content-Type", content_type)
