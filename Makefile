@@ -42,7 +42,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/yamllint -s .
-	$(VENV)/bin/ansible-lint --profile production --offline -q
+	# The repository's own collection (fleetheal.cluster) sits next to the playbooks; ansible-playbook finds it there.
+	ANSIBLE_COLLECTIONS_PATH=playbooks/collections $(VENV)/bin/ansible-lint --profile production --offline -q
 	$(PY) -m fleetheal generate --check
 
 # Molecule's containers boot a locally built Debian image and install fleetheal from a local wheelhouse

@@ -382,7 +382,9 @@ def print_incident(inc: dict[str, Any], out: Callable[[str], None]) -> None:
         if t0 is None:
             t0 = ts
         kind, what = ev.get("kind"), ev.get("what")
-        if kind == "step" or (kind == "event" and what in ("task_changed", "task_failed", "playbook_start")):
+        if kind == "event" and what == "first_step":  # the remediator's first responder, in-process
+            out(f"    +{ts - t0:6.1f}s  {ev.get('detail', '')}")
+        elif kind == "step" or (kind == "event" and what in ("task_changed", "task_failed", "playbook_start")):
             label = (
                 what if kind == "step" else str(ev.get("detail", "")).split("|")[-1].replace("(localhost)", "").strip()
             )

@@ -34,6 +34,7 @@ from fleetheal.remediator import alerts
 from fleetheal.remediator.config import Config, require_token
 from fleetheal.remediator.engine import Engine
 from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
+from fleetheal.remediator.responder import FirstResponder
 from fleetheal.remediator.runner import AnsibleRunner, Runner
 from fleetheal.remediator.store import IngestResult, Store, incident_ref
 
@@ -139,7 +140,12 @@ class Service:
         self.metrics = Metrics(self.store)
         self.ansible = runner is None
         self.runner: Runner = runner if runner is not None else AnsibleRunner(cfg.runner, secrets=[cfg.token])
-        self.engine = Engine(cfg, self.store, self.runner, self.taxonomy, metrics=self.metrics, clock=clock)
+        responder = None
+        if self.ansible and cfg.runner.first_response:
+            responder = FirstResponder.from_runner(cfg.runner.playbook_dir, cfg.runner.site_vars)
+        self.engine = Engine(
+            cfg, self.store, self.runner, self.taxonomy, metrics=self.metrics, clock=clock, responder=responder
+        )
         self.metrics.attach_gate(self.engine.gate)
         self.ingest = GroupCommit(self.store, self._committed)
 

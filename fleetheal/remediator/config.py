@@ -141,6 +141,9 @@ class RunnerConfig:
     #: Site settings for the playbooks (`fleetheal_*` names from playbooks/vars/remediation.yml, e.g. the
     #: grace period, kubeconfig, report dir). Passed as extra vars; the per-incident contract variables win.
     site_vars: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    #: Run the latency-critical steps of an isolation or a restart in-process before the playbook
+    #: (fleetheal/remediator/responder.py); false: the playbook does everything, as a human would.
+    first_response: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from fleetheal import taxonomy as taxmod
 from fleetheal.remediator.config import Config
 from fleetheal.remediator.gate import Gate, Verdict
 from fleetheal.remediator.metrics import Metrics
+from fleetheal.remediator.responder import FirstResponder
 from fleetheal.remediator.runner import (
     Runner,
     RunnerEvent,
@@ -48,6 +49,7 @@ MAX_INTERRUPTIONS = 5
 #: Held incidents are looked at again at least this often even when nothing seems to have changed.
 FULL_RECHECK_S = 30.0
 PLAYBOOK_STEP = "playbook"
+FIRST_STEP = "first_response"
 
 
 class Engine:
@@ -61,8 +63,10 @@ class Engine:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Any] = asyncio.sleep,
+        responder: FirstResponder | None = None,
     ) -> None:
         self.cfg = cfg
+        self.responder = responder
         self.store = store
         self.runner = runner
         self.taxonomy = taxonomy or taxmod.load()
@@ -112,6 +116,8 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.responder is not None:
+            self.responder.close()
 
     def submit(self, incident_ids: Iterable[int]) -> None:
         for iid in incident_ids:
@@ -264,6 +270,10 @@ class Engine:
         return True
 
     async def _act(self, inc: Incident) -> None:
+        if self.responder is not None and self.responder.handles(inc.action):
+            first = [s for s in self.store.steps(inc.id) if s.name == FIRST_STEP]
+            if not any(s.ended_at is not None for s in first):
+                await self._first_response(inc, first[0].id if first else None)
         attempts = [s for s in self.store.steps(inc.id) if s.name == PLAYBOOK_STEP]
         for s in attempts:
             if s.ended_at is None:
@@ -285,6 +295,33 @@ class Engine:
             self.store.add_event(inc.id, "backoff", f"retry in {delay:g} s (attempt {len(attempts) + 1})")
             await self._sleep(delay)
         await self._run_attempt(inc, len(attempts) + 1)
+
+    async def _first_response(self, inc: Incident, step_id: int | None) -> None:
+        """The action's latency-critical steps in-process (responder.py), then the playbook as usual.
+
+        Resumed after a crash by running it again (every step is idempotent per incident). A failed
+        step is recorded and left to the playbook, which runs the same step with its retries.
+        """
+        assert self.responder is not None
+        sid = step_id if step_id is not None else self.store.start_step(inc.id, FIRST_STEP)
+        started = self.clock()
+        results: list[str] = []
+
+        def record(result: Any) -> None:
+            results.append(result.outcome)
+            self.store.add_event(inc.id, "first_step", f"{result.step} {result.outcome}: {result.detail}", sid)
+
+        try:
+            await self.responder.respond(inc, record)
+        except Exception as exc:
+            log.warning("first response failed; the playbook takes over", extra={"incident": inc.ref})
+            record_detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+            self.store.end_step(sid, "failed", f"first response failed, left to the playbook: {record_detail}")
+            self._observe_step(FIRST_STEP, inc.action, "failed", self.clock() - started)
+            return
+        result = "failed" if "failed" in results else "ok"
+        self.store.end_step(sid, result, f"{len(results)} steps: {', '.join(results)}")
+        self._observe_step(FIRST_STEP, inc.action, result, self.clock() - started)
 
     async def _interrupted(self, step: Step) -> None:
         loop = asyncio.get_running_loop()

@@ -21,6 +21,7 @@ from fleetheal.remediator.store import Event, Incident
 STEP_PHASES = {
     "slurm_drain": "isolated",
     "k8s_isolate": "isolated_kubernetes",
+    "k8s_cordon": "cordoned",
     "slurm_signal": "signalled",
     "slurm_requeue": "requeued",
     "standby_promote": "replaced",
@@ -41,6 +42,11 @@ def milestones(inc: Incident, events: Iterable[Event], done_at: float | None = N
     for ev in events:
         if ev.kind == "playbook_start":
             out.setdefault("acting", max(0.0, ev.ts - t0))
+        elif ev.kind == "first_step":  # the first responder's steps: "<step> <outcome>: <detail>"
+            name, _, rest = ev.detail.partition(" ")
+            phase = STEP_PHASES.get(name) if rest.startswith("done") else None
+            if phase:
+                out.setdefault(phase, max(0.0, ev.ts - t0))
         elif ev.kind in ("task_ok", "task_changed"):
             m = _RECORD.match(ev.detail)
             phase = STEP_PHASES.get(m.group(1)) if m else None

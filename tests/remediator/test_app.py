@@ -206,6 +206,8 @@ def write_config(tmp_path: Path, port: int, **extra) -> Path:
             "playbook_dir": str(TEST_PLAYBOOKS),
             "run_dir": str(tmp_path / "runs"),
             "backoff_s": 0.5,
+            # The recording playbooks stand in for the real ones; there is no Slurm for a first response.
+            "first_response": False,
             "envvars": {"FLEETHEAL_TEST_RECORD": str(tmp_path / "record.jsonl"), **extra.pop("envvars", {})},
         },
         "gate": {"recheck_interval_s": 0.2},

@@ -1,0 +1,146 @@
+"""The first responder: the latency-critical steps of an action, in-process, the moment the gate allows.
+
+Seconds matter only until the job runs again (DESIGN.md, "Where each step runs"). For the actions below
+the remediator does not wait for ansible-runner: it drains the Slurm node (the agent usually has), and
+then, concurrently, cordons and taints the Kubernetes node, promotes a warm standby, and sends every job
+on the node its grace signal at once, waits the grace period and requeues them all with one command.
+Then the engine starts the action's playbook for what may take minutes (evictions under PDBs, the pool
+label, the NodeSet record, the refill request); the playbook calls the same steps (`fleetheal.steps`,
+through the collection's modules), finds them done for this incident and goes on.
+
+A crash in the middle is safe: every step is idempotent per incident, and the engine runs the first
+response again on resume. A step that fails is recorded and left to the playbook, which retries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fleetheal import contracts, steps
+from fleetheal.remediator.store import Incident
+
+log = logging.getLogger("fleetheal.remediator.responder")
+
+#: Actions with a first response (the rest go straight to their playbook).
+ACTIONS = ("ISOLATE_AND_RELOCATE", "RESTART_IN_PLACE")
+
+
+class FirstResponder:
+    def __init__(
+        self,
+        settings: steps.Settings,
+        *,
+        workers: int = 64,
+        kube_factory: Callable[[steps.Settings], steps.Kube | None] = steps.kube_for,
+    ) -> None:
+        self.settings = settings
+        self.slurm = steps.Slurm(settings)
+        self._kube_factory = kube_factory
+        self._kube: steps.Kube | None = None
+        self._kube_ready = False
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="responder")
+        #: standby nodes promoted by this process and not yet visible as promoted in Slurm
+        self._claimed: set[str] = set()
+
+    @classmethod
+    def from_runner(cls, playbook_dir: str, site_vars: Mapping[str, Any]) -> FirstResponder:
+        return cls(steps.Settings.load(playbook_dir, site_vars))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def handles(self, action: str) -> bool:
+        return action in ACTIONS
+
+    def kube(self) -> steps.Kube | None:
+        if not self._kube_ready:
+            self._kube = self._kube_factory(self.settings)
+            self._kube_ready = True
+        return self._kube
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def respond(self, inc: Incident, record: Callable[[steps.StepResult], None]) -> None:
+        """Run the first response of `inc`'s action; each step's result goes to `record` as it ends."""
+        dry = bool(inc.dry_run)
+        job_id = inc.run_job_id or ""
+        if inc.action == "RESTART_IN_PLACE":
+            await self._requeue(inc, job_id, dry, record, same_nodes=True)
+            return
+        reason = contracts.drain_reason(inc.fault_id, inc.ref, inc.gpu or None)
+        # The jobs are read before the drain and the promotion change anything (one squeue for all).
+        jobs_doc = await self._call(self.slurm.squeue)
+        record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry))
+        tasks = [
+            self._guard(record, "k8s_cordon", self._cordon(inc, dry)),
+            self._guard(record, "slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs_doc)),
+        ]
+        if self.settings.promote_standby:
+            tasks.append(self._guard(record, "standby_promote", self._promote(inc, dry, record)))
+        await asyncio.gather(*tasks)
+
+    async def _guard(self, record: Callable[[steps.StepResult], None], step: str, work: Any) -> None:
+        """One branch failing leaves the others running; the playbook retries what failed."""
+        try:
+            result = await work
+        except Exception as exc:
+            log.warning("first-response step failed", extra={"step": step, "error": str(exc)[:300]})
+            record(steps.StepResult(step, "failed", f"{type(exc).__name__}: {str(exc)[:300]}"))
+            return
+        if isinstance(result, steps.StepResult):
+            record(result)
+
+    async def _cordon(self, inc: Incident, dry: bool) -> steps.StepResult:
+        kube = await self._call(self.kube)
+        result: steps.StepResult = await self._call(steps.k8s_isolate, kube, inc.node, inc.fault_id, dry_run=dry)
+        return result
+
+    async def _promote(self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None]) -> None:
+        result = await self._call(
+            steps.promote_standby, self.slurm, inc.node, inc.ref, dry_run=dry, claimed=self._claimed
+        )
+        record(result)
+        node = result.node if result.changed else ""
+        if node:
+            kube = await self._call(self.kube)
+            record(await self._call(steps.k8s_promote, kube, node, dry_run=dry))
+            self._claimed.discard(node)  # its Slurm comment now names the incident
+
+    async def _requeue(
+        self,
+        inc: Incident,
+        job_id: str,
+        dry: bool,
+        record: Callable[[steps.StepResult], None],
+        *,
+        same_nodes: bool = False,
+        squeue: Any = None,
+    ) -> None:
+        s = self.settings
+        if dry:
+            for r in await self._call(
+                steps.requeue_jobs, self.slurm, inc.node, inc.ref, inc.fault_id,
+                job_id=job_id, same_nodes=same_nodes, squeue=squeue, dry_run=True,
+            ):  # fmt: skip
+                record(r)
+            return
+        plan: steps.RequeuePlan = await self._call(
+            steps.requeue_plan, self.slurm, inc.node, inc.ref, job_id=job_id, squeue=squeue
+        )
+        for r in plan.results:
+            record(r)
+        if not plan.jobs:
+            return
+        record(await self._call(steps.signal_jobs, self.slurm, [j["job_id"] for j in plan.jobs], s.grace_signal))
+        if s.grace_seconds > 0:
+            await asyncio.sleep(s.grace_seconds)
+        for r in await self._call(
+            steps.requeue_now, self.slurm, plan, inc.node, inc.ref, inc.fault_id, same_nodes=same_nodes
+        ):
+            record(r)

@@ -1,0 +1,569 @@
+"""Remediation steps, written once: the remediator's first responder calls them in-process, and the
+playbooks reach them as modules of the repository's collection (`fleetheal.cluster.slurm_node`,
+`fleetheal.cluster.slurm_job`, `fleetheal.cluster.k8s_node`), so a human running a runbook does exactly
+what the remediator does.
+
+Every step is idempotent per incident (the incident id is written into the Slurm comment of what it
+changed, and a step that finds it there reports `done` without acting again), returns `StepResult`s in
+the shape of the playbooks' report (`{"step", "outcome", "detail"}`, outcome done | would | skipped |
+failed), and honours a dry run ("would ...", nothing changed).
+
+Slurm is driven through its own commands (`scontrol`, `scancel`, `squeue --json`, `sinfo --json`), with
+the retries, delay and timeout of `playbooks/vars/remediation.yml`. Kubernetes through the official client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleetheal import contracts
+
+_ACTIVE_JOB_STATES = ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
+#: Slurm's highest settable priority minus the values it reserves.
+MAX_PRIORITY = 4294967293
+
+
+class StepError(RuntimeError):
+    """A Slurm or Kubernetes command failed after its retries."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: str  # slurm_drain, slurm_signal, slurm_requeue, standby_promote, k8s_isolate, k8s_promote
+    outcome: str  # done | would | skipped | failed
+    detail: str
+    changed: bool = False
+    #: for a promotion: the standby node promoted for the incident (now or by an earlier run)
+    node: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return {"step": self.step, "outcome": self.outcome, "detail": self.detail}
+
+
+# --- settings: one source, the playbooks' own defaults ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The playbook variables the steps need, defaults from `playbooks/vars/remediation.yml`."""
+
+    slurm_env: Mapping[str, str] = field(default_factory=dict)
+    slurm_bin_dir: str = ""
+    slurm_retries: int = 3
+    slurm_retry_delay_s: float = 2.0
+    slurm_timeout_s: float = 30.0
+    grace_signal: str = "USR1"
+    grace_seconds: float = 120.0
+    priority_boost: int = 1000
+    max_restarts: int = 3
+    restart_mode: str = "requeue"
+    standby_reason: str = contracts.DRAIN_REASON_PREFIX + "standby"
+    promote_standby: bool = True
+    kubeconfig: str = ""
+    k8s_in_cluster: bool = False
+
+    @classmethod
+    def from_vars(cls, values: Mapping[str, Any]) -> Settings:
+        """From playbook variables (`fleetheal_<name>`); names it does not use are ignored."""
+        kwargs: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__.values():
+            key = f"fleetheal_{f.name}"
+            if key not in values:
+                continue
+            raw = values[key]
+            if isinstance(raw, str):
+                raw = raw.replace("{{ fleetheal_drain_reason_prefix }}", contracts.DRAIN_REASON_PREFIX)
+            default = getattr(cls, f.name, None)
+            if f.name == "slurm_env":
+                kwargs[f.name] = {str(k): str(v) for k, v in dict(raw or {}).items()}
+            elif isinstance(default, bool):
+                kwargs[f.name] = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
+            elif isinstance(default, int):
+                kwargs[f.name] = int(raw)
+            elif isinstance(default, float):
+                kwargs[f.name] = float(raw)
+            else:
+                kwargs[f.name] = str(raw)
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, playbook_dir: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Settings:
+        """`vars/remediation.yml` under `playbook_dir` (when there is one), then `overrides` (the remediator's
+        site vars). The field defaults above are that file's values (tests/test_steps.py keeps them equal)."""
+        path = Path(playbook_dir) / "vars" / "remediation.yml"
+        values = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+        values.update(dict(overrides or {}))
+        return cls.from_vars(values)
+
+    @property
+    def kubernetes(self) -> bool:
+        return bool(self.kubeconfig) or self.k8s_in_cluster
+
+
+# --- Slurm's JSON -------------------------------------------------------------------------------------
+# Debian's Slurm 22.05 (openapi v0.0.38): `squeue --json` and `sinfo --json` ignore their filter options
+# and print everything, so selection happens here, by exact node name and job id.
+
+
+def _doc(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value.strip():
+        parsed = json.loads(value)
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError("expected the JSON document printed by `squeue --json` or `sinfo --json`")
+
+
+def slurm_node(sinfo: Any, name: str, owned_prefix: str = contracts.DRAIN_REASON_PREFIX) -> dict[str, Any]:
+    """One node of `sinfo --json`: name, state (upper case), flags, drained, reason, reason_owned.
+
+    Returns {"found": False, ...} when Slurm does not know the node.
+    """
+    for node in _doc(sinfo).get("nodes", []):
+        if node.get("name") == name:
+            flags = [str(f).upper() for f in node.get("state_flags") or []]
+            reason = str(node.get("reason") or "")
+            return {
+                "found": True,
+                "name": name,
+                "state": str(node.get("state", "unknown")).upper(),
+                "flags": flags,
+                "drained": "DRAIN" in flags,
+                "responding": "NOT_RESPONDING" not in flags and str(node.get("state", "")).upper() != "DOWN",
+                "reason": reason,
+                "reason_owned": reason.startswith(owned_prefix),
+                "comment": str(node.get("comment") or ""),
+            }
+    return {
+        "found": False,
+        "name": name,
+        "state": "",
+        "flags": [],
+        "drained": False,
+        "responding": False,
+        "reason": "",
+        "reason_owned": False,
+        "comment": "",
+    }
+
+
+def slurm_nodes_with_reason(sinfo: Any, prefix: str) -> list[str]:
+    """Names of drained nodes whose reason starts with `prefix` (e.g. the standby pool), sorted."""
+    out = []
+    for node in _doc(sinfo).get("nodes", []):
+        flags = [str(f).upper() for f in node.get("state_flags") or []]
+        if "DRAIN" in flags and str(node.get("reason") or "").startswith(prefix):
+            out.append(str(node["name"]))
+    return sorted(out)
+
+
+def slurm_nodes_with_comment(sinfo: Any, text: str) -> list[str]:
+    """Names of nodes whose comment has the word `text` (how a promotion is tied to its incident), sorted."""
+    return sorted(str(n["name"]) for n in _doc(sinfo).get("nodes", []) if text in str(n.get("comment") or "").split())
+
+
+def _stdout_path(job: dict[str, Any]) -> str:
+    """The job's output file with Slurm's filename patterns (%j %A %a %x %u %%) expanded."""
+    path = str(job.get("standard_output") or "")
+    job_id = str(job.get("job_id", ""))
+    if not path:
+        cwd = str(job.get("current_working_directory") or "")
+        return f"{cwd}/slurm-{job_id}.out" if cwd else ""
+    subst = {
+        "j": job_id,
+        "A": str(job.get("array_job_id") or job_id),
+        "a": str(job.get("array_task_id") or ""),
+        "x": str(job.get("name") or ""),
+        "u": str(job.get("user_name") or ""),
+        "%": "%",
+    }
+    return re.sub(r"%([jAaxu%])", lambda m: subst[m.group(1)], path)
+
+
+def _summary(job: dict[str, Any]) -> dict[str, Any]:
+    allocated = (job.get("job_resources") or {}).get("allocated_nodes") or []
+    return {
+        "job_id": str(job.get("job_id")),
+        "name": str(job.get("name") or ""),
+        "user": str(job.get("user_name") or ""),
+        "state": str(job.get("job_state") or "").upper(),
+        "state_reason": str(job.get("state_reason") or ""),
+        "nodes": [str(n.get("nodename")) for n in allocated if n.get("nodename")],
+        "required_nodes": str(job.get("required_nodes") or ""),
+        "requeue": bool(job.get("requeue")),
+        "priority": int(job.get("priority") or 0),
+        "restart_cnt": int(job.get("restart_cnt") or 0),
+        "comment": str(job.get("comment") or ""),
+        "stdout": _stdout_path(job),
+    }
+
+
+def slurm_job(squeue: Any, job_id: Any) -> dict[str, Any]:
+    """One job of `squeue --json` by id (summary fields), or {} when Slurm no longer lists it."""
+    wanted = str(job_id)
+    for job in _doc(squeue).get("jobs", []):
+        if str(job.get("job_id")) == wanted:
+            return _summary(job)
+    return {}
+
+
+def slurm_jobs_on_node(squeue: Any, node: str) -> list[dict[str, Any]]:
+    """Active jobs (running, configuring, completing, suspended) that hold an allocation on `node`."""
+    out = []
+    for job in _doc(squeue).get("jobs", []):
+        summary = _summary(job)
+        if summary["state"] in _ACTIVE_JOB_STATES and node in summary["nodes"]:
+            out.append(summary)
+    return sorted(out, key=lambda j: int(j["job_id"]))
+
+
+def slurm_max_priority(squeue: Any, exclude: Any = None) -> int:
+    """The highest priority among pending and active jobs, leaving out job `exclude`."""
+    skip = str(exclude) if exclude is not None else None
+    best = 0
+    for job in _doc(squeue).get("jobs", []):
+        state = str(job.get("job_state") or "").upper()
+        if str(job.get("job_id")) == skip or (state != "PENDING" and state not in _ACTIVE_JOB_STATES):
+            continue
+        best = max(best, int(job.get("priority") or 0))
+    return best
+
+
+def target_jobs(squeue: Any, node: str, job_id: str = "") -> list[dict[str, Any]]:
+    """The jobs an action on `node` hits: job `job_id` alone when given (and still active there), else
+    every active job on the node. A job-scoped fault never reaches the node's other jobs."""
+    if job_id:
+        job = slurm_job(squeue, job_id)
+        return [job] if job and job["state"] in _ACTIVE_JOB_STATES and node in job["nodes"] else []
+    return slurm_jobs_on_node(squeue, node)
+
+
+# --- Slurm commands ---------------------------------------------------------------------------------------
+
+
+class Slurm:
+    """Slurm's commands with the playbooks' retries, delay and timeout."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.env = {**os.environ, **settings.slurm_env}
+        self.prefix = (settings.slurm_bin_dir.rstrip("/") + "/") if settings.slurm_bin_dir else ""
+
+    def run(self, command: str, *args: str, retries: int | None = None) -> str:
+        s = self.settings
+        tries = 1 + (s.slurm_retries if retries is None else retries)
+        last = ""
+        for attempt in range(tries):
+            try:
+                proc = subprocess.run(
+                    [self.prefix + command, *args],
+                    env=self.env,
+                    capture_output=True,
+                    text=True,
+                    timeout=s.slurm_timeout_s,
+                    check=False,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                last = f"{command}: {exc}"
+            else:
+                if proc.returncode == 0:
+                    return proc.stdout
+                last = (
+                    f"{command} {' '.join(args)} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:300]}"
+                )
+            if attempt + 1 < tries:
+                time.sleep(s.slurm_retry_delay_s)
+        raise StepError(last)
+
+    def sinfo(self) -> dict[str, Any]:
+        return _doc(self.run("sinfo", "--json"))
+
+    def squeue(self) -> dict[str, Any]:
+        return _doc(self.run("squeue", "--json"))
+
+
+def drain_node(slurm: Slurm, node: str, reason: str, *, sinfo: Any = None, dry_run: bool = False) -> StepResult:
+    """Drain `node` with an owned reason; never over a reason fleetheal does not own."""
+    info = slurm_node(sinfo if sinfo is not None else slurm.sinfo(), node)
+    if not info["found"]:
+        raise StepError(f"Slurm does not know node {node}")
+    if info["drained"] and not info["reason_owned"]:
+        return StepResult(
+            "slurm_drain",
+            "skipped",
+            f"{node} is already drained with reason '{info['reason']}', which fleetheal does not own: left as it is",
+        )
+    if info["drained"]:
+        return StepResult("slurm_drain", "done", f"{node} is already drained by fleetheal: '{info['reason']}'")
+    if dry_run:
+        return StepResult("slurm_drain", "would", f"would drain {node} with reason '{reason}'")
+    slurm.run("scontrol", "update", f"nodename={node}", "state=DRAIN", f"reason={reason}")
+    return StepResult("slurm_drain", "done", f"drained {node} with reason '{reason}'", changed=True)
+
+
+def signal_jobs(slurm: Slurm, job_ids: Sequence[str], signal: str, *, dry_run: bool = False) -> StepResult:
+    """One `scancel --batch --signal` for every job at once (it reaches each batch script in ~0.03 s)."""
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return StepResult("slurm_signal", "skipped", "no active job to signal")
+    if dry_run:
+        return StepResult("slurm_signal", "would", f"would send {signal} to jobs [{', '.join(ids)}]")
+    slurm.run("scancel", "--batch", f"--signal={signal}", *ids)
+    return StepResult("slurm_signal", "done", f"sent {signal} to jobs [{', '.join(ids)}]", changed=True)
+
+
+@dataclass(frozen=True)
+class RequeuePlan:
+    """What `requeue_plan` decided: results for the jobs left alone, the jobs to requeue, their priority."""
+
+    results: list[StepResult]
+    jobs: list[dict[str, Any]]
+    priority: int
+
+
+def requeue_plan(slurm: Slurm, node: str, incident: str, *, job_id: str = "", squeue: Any = None) -> RequeuePlan:
+    """The jobs an action on `node` hits, less those already requeued for `incident` (their comment names
+    it), submitted with --no-requeue, or at their restart limit (each of those gets a result saying why)."""
+    s = slurm.settings
+    doc = squeue if squeue is not None else slurm.squeue()
+    jobs = target_jobs(doc, node, job_id)
+    if not jobs:
+        what = f"job {job_id} is not active on {node}" if job_id else f"no active job on {node}"
+        return RequeuePlan([StepResult("slurm_requeue", "skipped", what)], [], 0)
+    results: list[StepResult] = []
+    act: list[dict[str, Any]] = []
+    for job in jobs:
+        jid = job["job_id"]
+        if f"incident={incident}" in job["comment"].split():
+            results.append(
+                StepResult("slurm_requeue", "done", f"job {jid} was already requeued for incident {incident}")
+            )
+        elif not job["requeue"]:
+            results.append(
+                StepResult("slurm_requeue", "skipped", f"job {jid} not requeued: submitted with --no-requeue")
+            )
+        elif job["restart_cnt"] >= s.max_restarts:
+            why = f"restart limit reached ({job['restart_cnt']} of {s.max_restarts})"
+            results.append(StepResult("slurm_requeue", "skipped", f"job {jid} not requeued: {why}"))
+        else:
+            act.append(job)
+    return RequeuePlan(results, act, min(slurm_max_priority(doc) + s.priority_boost, MAX_PRIORITY))
+
+
+def requeue_now(
+    slurm: Slurm, plan: RequeuePlan, node: str, incident: str, fault_id: str, *, same_nodes: bool = False
+) -> list[StepResult]:
+    """Requeue the planned jobs with one command, then boost each one's priority and name the incident in
+    its comment. A job relocated away from `node` has it excluded; a job restarted in place keeps its
+    nodes, and its start waits for Slurm's own begin time after a requeue (the credentials of its previous
+    run must have expired on those nodes: starting sooner is refused with "Job credential revoked")."""
+    s = slurm.settings
+    if not plan.jobs:
+        return []
+    slurm.run("scontrol", "requeue", ",".join(j["job_id"] for j in plan.jobs))
+    comment = f"{contracts.DRAIN_REASON_PREFIX} requeued after {fault_id} on {node} incident={incident}"
+
+    def boost(job: dict[str, Any]) -> StepResult:
+        args = ["update", f"jobid={job['job_id']}", f"priority={plan.priority}", f"comment={comment}"]
+        args.append("reqnodelist=" + ",".join(job["nodes"]) if same_nodes else f"excnodelist={node}")
+        slurm.run("scontrol", *args)
+        where = " on " + ",".join(job["nodes"]) if same_nodes else ""
+        detail = f"sent {s.grace_signal} to job {job['job_id']}, requeued it{where} with priority {plan.priority}"
+        return StepResult("slurm_requeue", "done", detail, changed=True)
+
+    with ThreadPoolExecutor(max_workers=min(16, len(plan.jobs))) as pool:
+        return list(pool.map(boost, plan.jobs))
+
+
+def requeue_jobs(
+    slurm: Slurm,
+    node: str,
+    incident: str,
+    fault_id: str,
+    *,
+    job_id: str = "",
+    same_nodes: bool = False,
+    squeue: Any = None,
+    dry_run: bool = False,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[StepResult]:
+    """Grace signal (every job at once), grace period, requeue and priority boost: `requeue_plan`,
+    `signal_jobs`, the grace period, `requeue_now`."""
+    s = slurm.settings
+    plan = requeue_plan(slurm, node, incident, job_id=job_id, squeue=squeue)
+    if dry_run:
+        return plan.results + [
+            StepResult(
+                "slurm_requeue",
+                "would",
+                f"would send {s.grace_signal} to job {j['job_id']}, wait {s.grace_seconds:g} s, requeue it"
+                f"{' on ' + ','.join(j['nodes']) if same_nodes else ''} with priority {plan.priority}",
+            )
+            for j in plan.jobs
+        ]
+    if not plan.jobs:
+        return plan.results
+    signalled = signal_jobs(slurm, [j["job_id"] for j in plan.jobs], s.grace_signal)
+    if s.grace_seconds > 0:
+        sleep(s.grace_seconds)
+    return [*plan.results, signalled, *requeue_now(slurm, plan, node, incident, fault_id, same_nodes=same_nodes)]
+
+
+_PROMOTE_LOCK = threading.Lock()
+
+
+def promote_standby(
+    slurm: Slurm,
+    node: str,
+    incident: str,
+    *,
+    sinfo: Any = None,
+    dry_run: bool = False,
+    claimed: set[str] | None = None,
+) -> StepResult:
+    """Resume one warm-standby node (drained with the owned standby reason) in place of `node`, once per
+    incident (the promoted node's comment names it). Concurrent promotions in one process never pick the
+    same node: `claimed` (shared by the caller) holds the nodes already taken."""
+    s = slurm.settings
+    with _PROMOTE_LOCK:
+        doc = sinfo if sinfo is not None else slurm.sinfo()
+        done = slurm_nodes_with_comment(doc, f"incident={incident}")
+        if done:
+            detail = f"{', '.join(done)} already promoted for incident {incident}"
+            return StepResult("standby_promote", "done", detail, node=done[0])
+        taken = claimed if claimed is not None else set()
+        free = [n for n in slurm_nodes_with_reason(doc, s.standby_reason) if n != node and n not in taken]
+        if not free:
+            return StepResult(
+                "standby_promote", "skipped", f"no standby node (drained with reason '{s.standby_reason}') to promote"
+            )
+        pick = free[0]
+        if dry_run:
+            return StepResult("standby_promote", "would", f"would promote standby node {pick} in place of {node}")
+        taken.add(pick)
+    comment = f"{contracts.DRAIN_REASON_PREFIX} promoted for {node} incident={incident}"
+    try:
+        slurm.run("scontrol", "update", f"nodename={pick}", "state=RESUME", f"comment={comment}")
+    except StepError:
+        taken.discard(pick)
+        raise
+    detail = f"promoted standby node {pick} in place of {node}"
+    return StepResult("standby_promote", "done", detail, changed=True, node=pick)
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------------------
+
+
+class Kube:
+    """The Node changes the steps make, through the official client, guarded by resourceVersion."""
+
+    def __init__(self, settings: Settings) -> None:
+        from kubernetes import client, config
+
+        if settings.kubeconfig:
+            api = config.new_client_from_config(config_file=settings.kubeconfig)  # type: ignore[no-untyped-call]
+        else:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+            api = client.ApiClient()
+        self.core = client.CoreV1Api(api)
+        self._exc = client.exceptions.ApiException
+
+    def update_node(self, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
+        """Read Node `name`, let `change` return a merge patch (or None: nothing to do), apply it with the
+        read resourceVersion; a conflict reads again. True when a patch was applied."""
+        for _ in range(5):
+            try:
+                doc = self.core.api_client.sanitize_for_serialization(self.core.read_node(name))
+            except self._exc as exc:
+                raise StepError(f"kubernetes: read Node {name}: {exc.status} {exc.reason}") from exc
+            patch = change(doc)
+            if patch is None:
+                return False
+            patch.setdefault("metadata", {})["resourceVersion"] = doc["metadata"]["resourceVersion"]
+            try:
+                self.core.patch_node(name, patch, _preload_content=False)
+            except self._exc as exc:
+                if exc.status == 409:
+                    continue
+                raise StepError(f"kubernetes: patch Node {name}: {exc.status} {exc.reason}") from exc
+            return True
+        raise StepError(f"kubernetes: Node {name} kept changing (5 conflicts)")
+
+
+def _taints_without(doc: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
+    return [t for t in (doc.get("spec", {}).get("taints") or []) if t.get("key") != key]
+
+
+def k8s_isolate(kube: Kube | None, node: str, fault_id: str, *, dry_run: bool = False) -> StepResult:
+    """Cordon `node` and taint it `fleetheal.io/unhealthy=<fault>:NoSchedule` (one patch). The pods'
+    eviction under their PodDisruptionBudgets is the follow-up playbook's (it may take minutes)."""
+    if kube is None:
+        return StepResult("k8s_cordon", "skipped", f"no Kubernetes API configured: cordon of {node} skipped")
+    taint = {"key": contracts.TAINT_UNHEALTHY, "value": fault_id, "effect": "NoSchedule"}
+    if dry_run:
+        return StepResult(
+            "k8s_cordon", "would", f"would cordon {node} and taint it {contracts.TAINT_UNHEALTHY}={fault_id}"
+        )
+
+    def change(doc: dict[str, Any]) -> dict[str, Any] | None:
+        spec = doc.get("spec", {})
+        mine = [t for t in spec.get("taints") or [] if t.get("key") == contracts.TAINT_UNHEALTHY]
+        if spec.get("unschedulable") and mine:
+            return None
+        return {
+            "metadata": {"labels": {contracts.LABEL_FAULT: fault_id}},
+            "spec": {
+                "unschedulable": True,
+                "taints": _taints_without(doc, contracts.TAINT_UNHEALTHY) + (mine or [taint]),
+            },
+        }
+
+    changed = kube.update_node(node, change)
+    what = "cordoned and tainted" if changed else "already cordoned and tainted"
+    return StepResult("k8s_cordon", "done", f"{node} {what} {contracts.TAINT_UNHEALTHY}", changed=changed)
+
+
+def k8s_promote(kube: Kube | None, node: str, *, dry_run: bool = False) -> StepResult:
+    """Label a promoted standby Node `fleetheal.io/pool=active` and remove its standby taint."""
+    if kube is None or not node:
+        return StepResult("k8s_promote", "skipped", f"no Kubernetes API configured: promotion of {node} skipped")
+    if dry_run:
+        return StepResult("k8s_promote", "would", f"would label {node} {contracts.LABEL_POOL}=active")
+
+    def change(doc: dict[str, Any]) -> dict[str, Any] | None:
+        labels = doc.get("metadata", {}).get("labels") or {}
+        taints = doc.get("spec", {}).get("taints") or []
+        if labels.get(contracts.LABEL_POOL) == "active" and not any(
+            t.get("key") == contracts.TAINT_STANDBY for t in taints
+        ):
+            return None
+        return {
+            "metadata": {"labels": {contracts.LABEL_POOL: "active"}},
+            "spec": {"taints": _taints_without(doc, contracts.TAINT_STANDBY)},
+        }
+
+    changed = kube.update_node(node, change)
+    return StepResult(
+        "k8s_promote", "done", f"{node} labelled {contracts.LABEL_POOL}=active, standby taint removed", changed=changed
+    )
+
+
+def kube_for(settings: Settings) -> Kube | None:
+    return Kube(settings) if settings.kubernetes else None
+
+
+def results_detail(results: Iterable[StepResult]) -> str:
+    return "; ".join(f"{r.step} {r.outcome}: {r.detail}" for r in results)

@@ -1,0 +1,69 @@
+#!/usr/bin/python
+"""fleetheal.cluster.k8s_node: cordon and taint a Kubernetes Node fleetheal isolates."""
+
+from __future__ import annotations
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: k8s_node
+short_description: Cordon a Kubernetes Node and taint it fleetheal.io/unhealthy
+description:
+  - The step of C(fleetheal.steps) the remediator's first responder runs, as a module (one patch, guarded by the
+    Node's resourceVersion). Evicting its pods is C(kubernetes.core.k8s_drain)'s, in the playbook.
+options:
+  name: {description: The Node., type: str, required: true}
+  state: {description: What to make true., type: str, required: true, choices: [isolated]}
+  fault_id: {description: The taxonomy fault id (the taint's value)., type: str, required: true}
+  dry_run: {description: Report what would be done and change nothing., type: bool, default: false}
+  settings:
+    description: The playbook variables C(fleetheal_*) (fleetheal_kubeconfig, fleetheal_k8s_in_cluster).
+    type: dict
+    default: {}
+"""
+
+EXAMPLES = r"""
+- name: Cordon and taint
+  fleetheal.cluster.k8s_node:
+    name: n2
+    state: isolated
+    fault_id: xid-79
+    settings: {fleetheal_kubeconfig: /etc/fleetheal/kubeconfig}
+"""
+
+RETURN = r"""
+steps:
+  description: Report rows (step, outcome done|would|skipped|failed, detail).
+  type: list
+  returned: always
+"""
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "name": {"type": "str", "required": True},
+            "state": {"type": "str", "required": True, "choices": ["isolated"]},
+            "fault_id": {"type": "str", "required": True},
+            "dry_run": {"type": "bool", "default": False},
+            "settings": {"type": "dict", "default": {}},
+        },
+        supports_check_mode=True,
+    )
+    try:
+        from fleetheal import steps
+    except ImportError as exc:
+        module.fail_json(msg=f"fleetheal is not importable by {module._name}'s interpreter: {exc}")
+    p = module.params
+    settings = steps.Settings.from_vars(p["settings"])
+    try:
+        result = steps.k8s_isolate(
+            steps.kube_for(settings), p["name"], p["fault_id"], dry_run=p["dry_run"] or module.check_mode
+        )
+    except steps.StepError as exc:
+        module.fail_json(msg=str(exc))
+    module.exit_json(changed=result.changed, steps=[result.as_dict()])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+#!/usr/bin/python
+"""fleetheal.cluster.slurm_job: requeue or signal the jobs a fault on a node hits."""
+
+from __future__ import annotations
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: slurm_job
+short_description: Grace-signal and requeue (or only signal) the jobs a fault on a node hits
+description:
+  - The step of C(fleetheal.steps) the remediator's first responder runs, as a module.
+  - The jobs are O(job_id) alone when given (a fault raised by that job's own reports), else every active job on
+    O(node).
+  - C(requeued) sends every job its grace signal with one command, waits the grace period, requeues them with one
+    command, boosts their priority and names the incident in their comment; jobs already requeued for O(incident),
+    submitted with --no-requeue or at their restart limit are left alone, with the reason.
+  - C(signalled) only sends the grace signal.
+options:
+  node: {description: The node the fault is on., type: str, required: true}
+  state: {description: What to do., type: str, required: true, choices: [requeued, signalled]}
+  incident: {description: The incident id., type: str, required: true}
+  fault_id: {description: The taxonomy fault id (named in the comment)., type: str, required: true}
+  job_id: {description: Only this job (empty for every job on the node)., type: str, default: ""}
+  same_nodes: {description: Keep the job on its nodes instead of relocating it., type: bool, default: false}
+  dry_run: {description: Report what would be done and change nothing., type: bool, default: false}
+  settings: {description: The playbook variables C(fleetheal_*) of vars/remediation.yml., type: dict, default: {}}
+"""
+
+EXAMPLES = r"""
+- name: Requeue every job on n2 elsewhere
+  fleetheal.cluster.slurm_job:
+    node: n2
+    state: requeued
+    incident: inc-000001
+    fault_id: xid-79
+"""
+
+RETURN = r"""
+steps:
+  description: Report rows (step, outcome done|would|skipped|failed, detail).
+  type: list
+  returned: always
+"""
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "node": {"type": "str", "required": True},
+            "state": {"type": "str", "required": True, "choices": ["requeued", "signalled"]},
+            "incident": {"type": "str", "required": True},
+            "fault_id": {"type": "str", "required": True},
+            "job_id": {"type": "str", "default": ""},
+            "same_nodes": {"type": "bool", "default": False},
+            "dry_run": {"type": "bool", "default": False},
+            "settings": {"type": "dict", "default": {}},
+        },
+        supports_check_mode=True,
+    )
+    try:
+        from fleetheal import steps
+    except ImportError as exc:
+        module.fail_json(msg=f"fleetheal is not importable by {module._name}'s interpreter: {exc}")
+    p = module.params
+    dry = p["dry_run"] or module.check_mode
+    settings = steps.Settings.from_vars(p["settings"])
+    slurm = steps.Slurm(settings)
+    try:
+        if p["state"] == "requeued":
+            results = steps.requeue_jobs(
+                slurm,
+                p["node"],
+                p["incident"],
+                p["fault_id"],
+                job_id=p["job_id"],
+                same_nodes=p["same_nodes"],
+                dry_run=dry,
+            )
+        else:
+            jobs = steps.target_jobs(slurm.squeue(), p["node"], p["job_id"])
+            results = [steps.signal_jobs(slurm, [j["job_id"] for j in jobs], settings.grace_signal, dry_run=dry)]
+    except steps.StepError as exc:
+        module.fail_json(msg=str(exc))
+    module.exit_json(changed=any(r.changed for r in results), steps=[r.as_dict() for r in results])
+
+
+if __name__ == "__main__":
+    main()

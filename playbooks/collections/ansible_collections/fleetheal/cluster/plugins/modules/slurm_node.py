@@ -1,0 +1,82 @@
+#!/usr/bin/python
+"""fleetheal.cluster.slurm_node: drain a Slurm node, or promote a warm standby in place of it."""
+
+from __future__ import annotations
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: slurm_node
+short_description: Drain a Slurm node with an owned reason, or promote a warm standby in its place
+description:
+  - The step of C(fleetheal.steps) the remediator's first responder runs, as a module.
+  - C(drained) drains O(name) with O(reason), never over a reason fleetheal does not own.
+  - C(promoted) resumes one warm-standby node (drained with the standby reason) in place of O(name), once per
+    O(incident), and labels its Kubernetes Node active and removes its standby taint when Kubernetes is configured.
+options:
+  name: {description: The node (Slurm and Kubernetes node name)., type: str, required: true}
+  state: {description: What to make true., type: str, required: true, choices: [drained, promoted]}
+  incident: {description: The incident id (named in what is changed)., type: str, required: true}
+  reason: {description: The owned drain reason (state C(drained))., type: str, default: ""}
+  dry_run: {description: Report what would be done and change nothing., type: bool, default: false}
+  settings: {description: The playbook variables C(fleetheal_*) of vars/remediation.yml., type: dict, default: {}}
+"""
+
+EXAMPLES = r"""
+- name: Drain
+  fleetheal.cluster.slurm_node:
+    name: n2
+    state: drained
+    incident: inc-000001
+    reason: "fleetheal:xid-79 incident=inc-000001 gpu=3"
+"""
+
+RETURN = r"""
+steps:
+  description: Report rows (step, outcome done|would|skipped|failed, detail).
+  type: list
+  returned: always
+promoted:
+  description: The standby node promoted for the incident, by this run or an earlier one (empty when none).
+  type: str
+  returned: always
+"""
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "name": {"type": "str", "required": True},
+            "state": {"type": "str", "required": True, "choices": ["drained", "promoted"]},
+            "incident": {"type": "str", "required": True},
+            "reason": {"type": "str", "default": ""},
+            "dry_run": {"type": "bool", "default": False},
+            "settings": {"type": "dict", "default": {}},
+        },
+        supports_check_mode=True,
+    )
+    try:
+        from fleetheal import steps
+    except ImportError as exc:
+        module.fail_json(msg=f"fleetheal is not importable by {module._name}'s interpreter: {exc}")
+    p = module.params
+    dry = p["dry_run"] or module.check_mode
+    settings = steps.Settings.from_vars(p["settings"])
+    slurm = steps.Slurm(settings)
+    node = ""
+    try:
+        if p["state"] == "drained":
+            results = [steps.drain_node(slurm, p["name"], p["reason"], dry_run=dry)]
+        else:
+            promoted = steps.promote_standby(slurm, p["name"], p["incident"], dry_run=dry)
+            results = [promoted]
+            node = promoted.node
+            if promoted.changed:
+                results.append(steps.k8s_promote(steps.kube_for(settings), node, dry_run=dry))
+    except steps.StepError as exc:
+        module.fail_json(msg=str(exc))
+    module.exit_json(changed=any(r.changed for r in results), steps=[r.as_dict() for r in results], promoted=node)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""fleetheal.steps against a real Slurm: the steps the first responder runs and the playbooks' modules call."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetheal import steps
+from fleetheal.lab.slurm import SlurmCluster
+from tests.ansible.conftest import allocated_nodes, job_json, wait_until
+
+#: Logs each grace signal with its arrival time, then runs until it is killed or requeued.
+SIGNAL_SCRIPT = """#!/bin/sh
+trap 'echo "USR1 $(date +%s.%N)" >> {log}/$SLURM_JOB_ID.sig' USR1
+echo "start ${{SLURM_RESTART_COUNT:-0}} $SLURMD_NODENAME" >> {log}/$SLURM_JOB_ID.sig
+while :; do sleep 0.1; done
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = SlurmCluster(tmp_path / "slurm", nodes=3, gpus_per_node=8, cpus_per_node=16)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def settings(cluster: SlurmCluster, **kw) -> steps.Settings:
+    values = {
+        "fleetheal_slurm_env": {"SLURM_CONF": str(cluster.conf_path)},
+        "fleetheal_grace_seconds": 0,
+        "fleetheal_slurm_retry_delay_s": 1,
+        **kw,
+    }
+    return steps.Settings.load(Path(__file__).resolve().parents[2] / "playbooks", values)
+
+
+def submit(cluster: SlurmCluster, log: Path, *args: str) -> str:
+    log.mkdir(exist_ok=True)
+    return cluster.sbatch(SIGNAL_SCRIPT.format(log=log), "--requeue", "--output=/dev/null", *args)
+
+
+def running(cluster: SlurmCluster, job: str, timeout: float = 30.0) -> dict:
+    assert wait_until(lambda: job_json(cluster, job)["job_state"] == "RUNNING", timeout), job_json(cluster, job)
+    return job_json(cluster, job)
+
+
+def test_settings_defaults_are_the_playbooks_defaults() -> None:
+    """One source of truth: the dataclass defaults equal playbooks/vars/remediation.yml."""
+    loaded = steps.Settings.load(Path(__file__).resolve().parents[2] / "playbooks")
+    assert loaded == steps.Settings()
+
+
+def test_restart_in_place_on_the_same_nodes_right_after_a_requeue(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The race of `starttime=now` (Slurm refusing the start: "Job credential revoked") cannot happen:
+    three restarts in place in a row, each right after the previous one, all RUNNING again on the same nodes."""
+    slurm = steps.Slurm(settings(cluster))
+    job = submit(cluster, tmp_path / "sig", "--nodes=2", "--gres=gpu:8", "--exclusive")
+    nodes = allocated_nodes(running(cluster, job))
+    for n in range(1, 4):
+        results = steps.requeue_jobs(slurm, nodes[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
+        assert [r.outcome for r in results] == ["done", "done"], results
+        entry = running(cluster, job)
+        assert allocated_nodes(entry) == nodes
+        assert entry["restart_cnt"] == n
+        assert f"incident=inc-{n}" in entry["comment"]
+    assert "credential revoked" not in (cluster.log_dir / "slurmctld.log").read_text().lower()
+
+
+def test_eight_jobs_on_one_failing_node_are_all_signalled_within_one_second(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    log = tmp_path / "sig"
+    jobs = [submit(cluster, log, "--nodes=1", "--nodelist=n1", "--gres=gpu:1", "--cpus-per-task=1") for _ in range(8)]
+    for job in jobs:
+        running(cluster, job)
+    slurm = steps.Slurm(settings(cluster, fleetheal_grace_seconds=1))
+    t0 = time.time()
+    results = steps.requeue_jobs(slurm, "n1", "inc-8", "xid-79")
+    assert sorted(r.outcome for r in results) == ["done"] * 9  # one signal for all, eight requeues
+    signalled = {}
+    for job in jobs:
+        path = log / f"{job}.sig"
+        assert wait_until(lambda p=path: "USR1" in p.read_text(), 5), path.read_text()
+        signalled[job] = float(next(ln for ln in path.read_text().splitlines() if ln.startswith("USR1")).split()[1])
+    assert max(signalled.values()) - t0 < 1.0, signalled
+    for job in jobs:
+        entry = job_json(cluster, job)
+        assert entry["restart_cnt"] == 1 and "incident=inc-8" in entry["comment"]
+        assert "n1" in str(entry.get("excluded_nodes") or ""), entry.get("excluded_nodes")
+
+
+def test_a_job_scoped_fault_leaves_the_other_job_on_the_node_alone(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A NaN-loss report of job A: only A is signalled and requeued; job B on the same node runs on."""
+    log = tmp_path / "sig"
+    a = submit(cluster, log, "--nodes=1", "--nodelist=n2", "--gres=gpu:4")
+    b = submit(cluster, log, "--nodes=1", "--nodelist=n2", "--gres=gpu:4")
+    running(cluster, a)
+    running(cluster, b)
+    slurm = steps.Slurm(settings(cluster))
+    results = steps.requeue_jobs(slurm, "n2", "inc-a", "nan-loss", job_id=a, same_nodes=True)
+    assert [r.outcome for r in results] == ["done", "done"]
+    assert job_json(cluster, a)["restart_cnt"] == 1
+    entry_b = job_json(cluster, b)
+    assert entry_b["job_state"] == "RUNNING" and entry_b["restart_cnt"] == 0
+    assert "USR1" not in (log / f"{b}.sig").read_text()
+    # A job id that does not run on the node acts on nothing.
+    assert [r.outcome for r in steps.requeue_jobs(slurm, "n1", "inc-x", "nan-loss", job_id=b)] == ["skipped"]
+
+
+def test_steps_are_idempotent_per_incident_and_never_take_a_foreign_drain(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    s = settings(cluster)
+    slurm = steps.Slurm(s)
+    job = submit(cluster, tmp_path / "sig", "--nodes=1", "--nodelist=n1", "--gres=gpu:8")
+    running(cluster, job)
+    cluster.run("scontrol", "update", "nodename=n3", "state=DRAIN", f"reason={s.standby_reason}")
+    reason = "fleetheal:xid-79 incident=inc-1 gpu=3"
+    assert steps.drain_node(slurm, "n1", reason).changed
+    again = steps.drain_node(slurm, "n1", reason)
+    assert (again.outcome, again.changed) == ("done", False)
+    first = steps.promote_standby(slurm, "n1", "inc-1")
+    assert (first.outcome, first.node, first.changed) == ("done", "n3", True)
+    second = steps.promote_standby(slurm, "n1", "inc-1")
+    assert (second.outcome, second.node, second.changed) == ("done", "n3", False)
+    assert [r.outcome for r in steps.requeue_jobs(slurm, "n1", "inc-1", "xid-79")] == ["done", "done"]
+    assert [r.detail for r in steps.requeue_jobs(slurm, "n1", "inc-1", "xid-79")] in (
+        ["no active job on n1"],
+        [f"job {job} was already requeued for incident inc-1"],
+    )
+    cluster.run("scontrol", "update", "nodename=n2", "state=DRAIN", "reason=admin: bad DIMM")
+    foreign = steps.drain_node(slurm, "n2", "fleetheal:xid-48 incident=inc-2")
+    assert foreign.outcome == "skipped" and "does not own" in foreign.detail
