@@ -39,6 +39,9 @@ class Detection:
     detail: str = ""
     #: True for a polled condition (debounced), False for an event.
     condition: bool = False
+    #: The Slurm job whose own reports raised it ("" for a fault of the node or its GPUs): the
+    #: remediator acts on that job only.
+    job: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,7 @@ class ActiveFault:
     first_seen: float
     last_seen: float
     occurrences: int = 1
+    job: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -168,7 +172,7 @@ class HealthTracker:
         key = (det.gpu, fault.id)
         current = self._active.get(key)
         if current is None:
-            af = ActiveFault(fault, det.gpu, det.source, det.detail, False, now, now)
+            af = ActiveFault(fault, det.gpu, det.source, det.detail, False, now, now, job=det.job)
             self._active[key] = af
             return [Change("raised", af)]
         repeated = now - current.last_seen >= self.dedup_s
@@ -206,7 +210,7 @@ class HealthTracker:
                     current.condition = True
                     current.source = source
             elif streak.hits >= need:
-                af = ActiveFault(fault, det.gpu, source, det.detail, True, now, now)
+                af = ActiveFault(fault, det.gpu, source, det.detail, True, now, now, job=det.job)
                 self._active[key] = af
                 changes.append(Change("raised", af))
         for skey in list(self._streaks):

@@ -13,7 +13,9 @@ from prometheus_client.process_collector import ProcessCollector
 
 from fleetheal.contracts import METRIC_FAULT_ACTIVE, METRIC_FAULTS_TOTAL
 
-FAULT_LABELS = ("node", "gpu", "fault_id", "class", "action", "severity")
+#: `job_id`: the Slurm job whose own training reports raised the fault ("" otherwise, which Prometheus
+#: drops); the alert carries it and the remediator acts on that job only.
+FAULT_LABELS = ("node", "gpu", "fault_id", "class", "action", "severity", "job_id")
 
 #: Raw GPU counters exported as `fleetheal_agent_gpu_<name>` gauges: sample key -> (metric suffix, help).
 GPU_GAUGES = {

@@ -461,7 +461,7 @@ class Agent:
         for ch in changes:
             af = ch.fault
             f = af.fault
-            labels = (self.node, af.gpu, f.id, f.fault_class, f.action, f.severity)
+            labels = (self.node, af.gpu, f.id, f.fault_class, f.action, f.severity, af.job)
             fields = {
                 "node": self.node,
                 "gpu": af.gpu,
@@ -470,6 +470,7 @@ class Agent:
                 "action": f.action,
                 "severity": f.severity,
                 "source": af.source,
+                "job": af.job,
                 "detail": af.detail,
             }
             if ch.kind == "cleared":

@@ -28,6 +28,13 @@ from dataclasses import dataclass, field
 from fleetheal.agent.health import Detection, gpu_label
 
 SOURCE = "training"
+_SLURM_JOB_ID = re.compile(r"[0-9]{1,10}(_[0-9]{1,10})?")
+
+
+def slurm_job_id(job: str) -> str:
+    """`job` when it is a Slurm job id (what the client sends under Slurm), else "" (a torchrun run id
+    or "local" names no job the remediator could act on alone)."""
+    return job if _SLURM_JOB_ID.fullmatch(job) else ""
 _JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -160,9 +167,10 @@ class TrainingMonitor:
         out: list[Detection] = []
         gpu = gpu_label(r.gpu)
         where = f"job {report.job} rank {report.rank} step {report.step}"
+        job = slurm_job_id(report.job)
         if report.loss is not None:
             if not math.isfinite(report.loss):
-                out.append(Detection("nan-loss", gpu, SOURCE, f"{where}: loss {report.loss}"))
+                out.append(Detection("nan-loss", gpu, SOURCE, f"{where}: loss {report.loss}", job=job))
             elif (
                 r.loss_mean is not None
                 and r.loss_n >= self.loss_spike_warmup
@@ -170,7 +178,13 @@ class TrainingMonitor:
                 and report.loss > self.loss_spike_factor * r.loss_mean
             ):
                 out.append(
-                    Detection("loss-spike", gpu, SOURCE, f"{where}: loss {report.loss:.4g} vs mean {r.loss_mean:.4g}")
+                    Detection(
+                        "loss-spike",
+                        gpu,
+                        SOURCE,
+                        f"{where}: loss {report.loss:.4g} vs mean {r.loss_mean:.4g}",
+                        job=job,
+                    )
                 )
             else:  # a spike does not drag the mean up
                 r.loss_mean = (
@@ -209,6 +223,7 @@ class TrainingMonitor:
                         f"job {job}: no progress on {len(ranks)} rank(s) for {now - suspect.last_progress:.0f}s; "
                         f"suspect rank {suspect.rank} (stopped first, at step {suspect.step})",
                         condition=True,
+                        job=slurm_job_id(job),
                     )
                 )
                 continue  # a hung job has no meaningful step times
@@ -225,6 +240,7 @@ class TrainingMonitor:
                                 SOURCE,
                                 f"job {job} rank {rank}: step time {t:.3g}s vs peers' median {median:.3g}s",
                                 condition=True,
+                                job=slurm_job_id(job),
                             )
                         )
         return out, suspects

@@ -119,3 +119,16 @@ def test_end_and_expiry_forget_jobs():
     m.ingest(_report("b", 0, 1), 0.0)
     m.check(150.0)
     assert m.jobs == {}
+
+
+def test_a_jobs_own_faults_name_its_slurm_job_and_only_a_slurm_job():
+    """NaN loss and hangs raised by job 41's reports carry job 41 (metric label job_id, then the alert and the
+    incident act on that job only); a job name that is not a Slurm job id names no job."""
+    m = TrainingMonitor(hang_timeout_s=10.0)
+    (nan,) = m.ingest(_report("41", 0, 1, loss="nan"), 0.0)
+    assert (nan.fault_id, nan.job) == ("nan-loss", "41")
+    (local,) = m.ingest(_report("local", 0, 1, loss="nan"), 0.0)
+    assert local.job == ""
+    m.ingest(_report("41", 0, 2), 1.0)
+    dets, _ = m.check(30.0)
+    assert {(d.fault_id, d.job) for d in dets} == {("job-hang", "41"), ("job-hang", "")}
