@@ -6,6 +6,7 @@ take these values through `fleetheal generate`.
 
 from __future__ import annotations
 
+import math
 import re
 
 #: Slurm drain reasons fleetheal owns start with this; it never undrains a node without it.
@@ -36,6 +37,21 @@ METRIC_FAULTS_TOTAL = "fleetheal_agent_faults_total"
 
 #: Value of the `gpu` label for faults that concern the whole node (NIC, host memory, disk).
 NODE_WIDE_GPU = "node"
+
+#: The default isolation budget of the fleet: nodes out at once for faults, as an absolute cap and as a
+#: share of the pool. The remediator's gate (gate.budget) and the agent's fast path (fastpath.fleet_budget)
+#: both default to it.
+FLEET_BUDGET_NODES = 8
+FLEET_BUDGET_SHARE = 0.05
+#: Reasons of owned drains that are pools, not faults: they never count against the fleet budget.
+POOL_REASONS = (DRAIN_REASON_PREFIX + "standby", DRAIN_REASON_PREFIX + "quarantine")
+
+
+def budget_limit(absolute: int, fraction: float, size: int) -> int:
+    """The smaller of the absolute cap and the share of `size` (rounded down, at least 1)."""
+    share = max(1, math.floor(fraction * size)) if size else 0
+    return min(absolute, share)
+
 
 _REASON_SAFE = re.compile(r"[^A-Za-z0-9_.:=/-]+")
 

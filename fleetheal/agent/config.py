@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from fleetheal.contracts import FLEET_BUDGET_NODES, FLEET_BUDGET_SHARE
+
 ENV_PREFIX = "FLEETHEAL_AGENT_"
 MODES = ("act", "observe")
 BACKENDS = ("nvml", "simulated")
@@ -138,6 +140,10 @@ class FastPathConfig:
     drain_actions: tuple[str, ...] = FASTPATH_ACTIONS_DEFAULT
     #: Taxonomy actions whose faults taint and label the Kubernetes node (when kubernetes.enabled).
     taint_actions: tuple[str, ...] = FASTPATH_ACTIONS_DEFAULT
+    #: Fleet-wide budget: no drain (nor taint) when the fleet already has this many fleetheal fault drains...
+    fleet_budget_nodes: int = FLEET_BUDGET_NODES
+    #: ... or this share of the pool (rounded down, at least 1): the remediator gate's defaults.
+    fleet_budget_share: float = FLEET_BUDGET_SHARE
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 

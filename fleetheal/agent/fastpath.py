@@ -9,9 +9,14 @@ remediator's REJOIN, after revalidation.
 (`fleetheal.io/fault=<fault>`) this node's own Node object through the API server, with a node-scoped
 credential (a bearer token that may patch this one Node and nothing more). Standard library only.
 
+The drain obeys a fleet-wide budget: when the fleet already has as many fleetheal-owned fault drains
+as the budget allows (`fastpath.fleet_budget`, the remediator gate's default), the agent does not drain
+its node, so a false-positive storm (a driver bug, a bad parser rule) cannot empty the cluster; the
+remediator's gate decides, and holds what is over its budget.
+
 Both answer with a result word counted in `fleetheal_agent_fastpath_actions_total{action,result}`:
 done, already (ours already), kept_foreign (someone else's drain/taint left alone), would (observe
-mode: "would drain", never "drained"), failed.
+mode: "would drain", never "drained"), over_budget (the fleet budget is spent), failed.
 """
 
 from __future__ import annotations
@@ -22,13 +27,22 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fleetheal.contracts import LABEL_FAULT, TAINT_UNHEALTHY, owns_reason
+from fleetheal.contracts import (
+    FLEET_BUDGET_NODES,
+    FLEET_BUDGET_SHARE,
+    LABEL_FAULT,
+    POOL_REASONS,
+    TAINT_UNHEALTHY,
+    budget_limit,
+    owns_reason,
+)
 from fleetheal.scontrol import NodeInfo, parse_node_line
 
 if TYPE_CHECKING:
     import ssl
 
 DONE, ALREADY, KEPT_FOREIGN, WOULD, FAILED = "done", "already", "kept_foreign", "would", "failed"
+OVER_BUDGET = "over_budget"
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -50,8 +64,12 @@ class SlurmDrainer:
         dry_run: bool = False,
         run: Runner = subprocess.run,
         env: Mapping[str, str] | None = None,
+        budget_nodes: int = FLEET_BUDGET_NODES,
+        budget_share: float = FLEET_BUDGET_SHARE,
     ) -> None:
         self.node = node
+        self.budget_nodes = budget_nodes
+        self.budget_share = budget_share
         self.scontrol = scontrol
         self.timeout_s = timeout_s
         self.dry_run = dry_run
@@ -85,15 +103,42 @@ class SlurmDrainer:
             raise FastPathError(f"scontrol show node {self.node}: no such node")
         return parse_node_line(lines[0])
 
+    def fleet(self) -> list[NodeInfo]:
+        """Every node of the cluster (one `scontrol show node -o`)."""
+        out = self._scontrol("show", "node", "-o")
+        return [parse_node_line(ln) for ln in out.splitlines() if ln.startswith("NodeName=")]
+
+    def budget(self, nodes: list[NodeInfo]) -> tuple[int, int]:
+        """(fault drains fleetheal owns on other nodes, the most the budget allows). Pool drains (standby,
+        quarantine) are not faults; the pool is every node outside the standby pool."""
+        standby, quarantine = POOL_REASONS
+
+        def pool_reason(n: NodeInfo) -> bool:
+            return bool(n.reason) and str(n.reason).startswith((standby, quarantine))
+
+        pool = [n for n in nodes if not (n.drained and str(n.reason or "").startswith(standby))]
+        faults = [n for n in nodes if n.drained and owns_reason(n.reason) and not pool_reason(n)]
+        others = [n for n in faults if n.name != self.node]
+        return len(others), budget_limit(self.budget_nodes, self.budget_share, len(pool))
+
     def drain(self, reason: str) -> tuple[str, str]:
-        """Drain with `reason` (must be owned). Returns (result, explanation)."""
+        """Drain with `reason` (must be owned), within the fleet budget. Returns (result, explanation)."""
         if not owns_reason(reason):
             raise ValueError(f"refusing a drain reason fleetheal does not own: {reason!r}")
-        info = self.node_info()
+        nodes = self.fleet()
+        info = next((n for n in nodes if n.name == self.node), None)
+        if info is None:
+            raise FastPathError(f"scontrol show node: no node {self.node}")
         if info.drained:
             if owns_reason(info.reason):
                 return ALREADY, f"{self.node} already drained by fleetheal: {info.reason}"
             return KEPT_FOREIGN, f"{self.node} already drained by someone else ({info.reason!r}); their reason is kept"
+        drained, limit = self.budget(nodes)
+        if drained >= limit:
+            return OVER_BUDGET, (
+                f"not draining {self.node}: the fleet already has {drained} fleetheal fault drains and the budget "
+                f"allows {limit}; the remediator's gate decides"
+            )
         if self.dry_run:
             return WOULD, f"would drain {self.node}: {reason}"
         self._scontrol("update", f"nodename={self.node}", "state=drain", f"reason={reason}")

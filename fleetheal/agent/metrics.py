@@ -131,7 +131,7 @@ class AgentMetrics:
         )
         self.fastpath = Counter(
             "fleetheal_agent_fastpath_actions",
-            "Fast-path outcomes: action drain|taint, result done|already|kept_foreign|would|failed.",
+            "Fast-path outcomes: action drain|taint, result done|already|kept_foreign|would|over_budget|failed.",
             ("action", "result"),
             registry=r,
         )

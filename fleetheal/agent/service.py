@@ -36,7 +36,16 @@ from fleetheal.agent.backends import (
     normalize_pci,
 )
 from fleetheal.agent.config import AgentConfig
-from fleetheal.agent.fastpath import DONE, FAILED, KEPT_FOREIGN, WOULD, FastPathError, KubeNodeTainter, SlurmDrainer
+from fleetheal.agent.fastpath import (
+    DONE,
+    FAILED,
+    KEPT_FOREIGN,
+    OVER_BUDGET,
+    WOULD,
+    FastPathError,
+    KubeNodeTainter,
+    SlurmDrainer,
+)
 from fleetheal.agent.health import ActiveFault, Change, Detection, HealthTracker, Thresholds, classify_sample, gpu_label
 from fleetheal.agent.simulated import SimulatedGpuBackend
 from fleetheal.agent.training import SOURCE as TRAINING
@@ -90,7 +99,15 @@ def make_drainer(cfg: AgentConfig) -> SlurmDrainer | None:
     s = cfg.fastpath.slurm
     if not s.enabled:
         return None
-    return SlurmDrainer(cfg.node, s.scontrol, slurm_conf=s.slurm_conf, timeout_s=s.timeout_s, dry_run=cfg.observe_only)
+    return SlurmDrainer(
+        cfg.node,
+        s.scontrol,
+        slurm_conf=s.slurm_conf,
+        timeout_s=s.timeout_s,
+        dry_run=cfg.observe_only,
+        budget_nodes=cfg.fastpath.fleet_budget_nodes,
+        budget_share=cfg.fastpath.fleet_budget_share,
+    )
 
 
 def make_tainter(cfg: AgentConfig) -> KubeNodeTainter | None:
@@ -147,6 +164,8 @@ class Agent:
         self.backend = backend or make_backend(cfg)
         self.metrics = metrics or AgentMetrics()
         self.drainer = drainer if drainer is not None else make_drainer(cfg)
+        #: faults whose drain the fleet budget held (their taint is held too)
+        self._over_budget: set[str] = set()
         self.tainter = tainter if tainter is not None else make_tainter(cfg)
         self.tx = taxonomy or load()
         self.clock = clock
@@ -531,9 +550,13 @@ class Agent:
                 assert self.drainer is not None
                 incident = f"agent-{self.node}-{int(a.wall)}"
                 result, why = self.drainer.drain(drain_reason(a.fault_id, incident, gpu, _now_iso(a.wall)))
+            elif a.fault_id in self._over_budget:
+                result, why = OVER_BUDGET, f"not tainting {self.node}: the fleet budget held the drain for {a.fault_id}"
             else:
                 assert self.tainter is not None
                 result, why = self.tainter.taint(a.fault_id)
+            if a.action == "drain":  # the taint follows the drain's budget decision for the same fault
+                (self._over_budget.add if result == OVER_BUDGET else self._over_budget.discard)(a.fault_id)
         except (FastPathError, OSError, ValueError) as exc:
             result, why = FAILED, str(exc)
             m.read_errors.labels("slurm" if a.action == "drain" else "kubernetes").inc()

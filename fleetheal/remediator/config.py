@@ -22,6 +22,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from fleetheal import contracts
 from fleetheal.contracts import PLAYBOOK_VARS
 
 ENV_PREFIX = "FLEETHEAL_REMEDIATOR_"
@@ -149,9 +150,9 @@ class RunnerConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BudgetConfig:
     #: Nodes isolated at once in the whole cluster (absolute cap).
-    max_isolated: int = 8
+    max_isolated: int = contracts.FLEET_BUDGET_NODES
     #: ... and as a share of the pool (rounded down, at least 1).
-    max_isolated_fraction: float = 0.05
+    max_isolated_fraction: float = contracts.FLEET_BUDGET_SHARE
     #: Nodes isolated at once in one failure domain (absolute cap).
     max_isolated_per_domain: int = 2
     #: ... and as a share of the domain (rounded down, at least 1).

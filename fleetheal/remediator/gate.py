@@ -27,11 +27,11 @@ table together with the numbers it was based on.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fleetheal.contracts import budget_limit
 from fleetheal.remediator.config import Config
 from fleetheal.remediator.store import Incident, Store, incident_ref
 from fleetheal.taxonomy import Taxonomy
@@ -82,10 +82,6 @@ class BudgetState:
     domains: dict[str, tuple[int, int, int]]  # domain -> (pool, isolated, limit)
 
 
-def _limit(absolute: int, fraction: float, size: int) -> int:
-    """The smaller of the absolute cap and the share of `size` (rounded down, at least 1)."""
-    share = max(1, math.floor(fraction * size)) if size else 0
-    return min(absolute, share)
 
 
 class Gate:
@@ -115,10 +111,14 @@ class Gate:
             per_domain[iso.domain] = per_domain.get(iso.domain, 0) + 1
         pool = len(self.cfg.cluster.nodes)
         domains = {
-            d: (size, per_domain.get(d, 0), _limit(b.max_isolated_per_domain, b.max_isolated_fraction_per_domain, size))
+            d: (
+                size,
+                per_domain.get(d, 0),
+                budget_limit(b.max_isolated_per_domain, b.max_isolated_fraction_per_domain, size),
+            )
             for d, size in self._pool.items()
         }
-        return BudgetState(pool, len(isolations), _limit(b.max_isolated, b.max_isolated_fraction, pool), domains)
+        return BudgetState(pool, len(isolations), budget_limit(b.max_isolated, b.max_isolated_fraction, pool), domains)
 
     def remaining(self, node: str) -> int:
         """Isolations the budget allows now with `node`'s own slot counted free (cluster and domain)."""

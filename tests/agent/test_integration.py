@@ -207,3 +207,35 @@ def test_check_as_slurm_health_check_program_drains_only_its_node(tmp_path):
         )
         assert c.node("n1").reason == "operator: cable reseat"
         assert "their reason is kept" in (tmp_path / "hc-n1.log").read_text()
+
+
+def test_the_fast_path_never_drains_past_the_fleet_budget(tmp_path):
+    """A false-positive storm must not empty the cluster: with 2 fleetheal fault drains in the fleet and a
+    budget of 2, the agent of a third node does not drain it; a standby drain and an operator's drain do not
+    count; once one drain is lifted, it drains."""
+    from fleetheal.agent.fastpath import DONE, OVER_BUDGET, SlurmDrainer
+    from fleetheal.contracts import drain_reason
+
+    _need_slurm()
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=6, gpus_per_node=0)
+    cluster.start()
+    try:
+        for node, reason in [
+            ("n1", drain_reason("xid-79", "inc-1")),
+            ("n2", drain_reason("xid-48", "inc-2")),
+            ("n5", "fleetheal:standby"),
+            ("n6", "admin: bad DIMM"),
+        ]:
+            cluster.run("scontrol", "update", f"nodename={node}", "state=DRAIN", f"reason={reason}")
+        agent = SlurmDrainer("n3", slurm_conf=str(cluster.conf_path), budget_nodes=2, budget_share=1.0)
+        result, why = agent.drain(drain_reason("xid-79", "agent-n3-1"))
+        assert result == OVER_BUDGET and "2 fleetheal fault drains" in why, why
+        assert not agent.node_info().drained
+        cluster.run("scontrol", "update", "nodename=n2", "state=RESUME")
+        assert agent.drain(drain_reason("xid-79", "agent-n3-2"))[0] == DONE
+        assert agent.node_info().drained
+        # the share: 5 nodes outside the standby pool at 20% allow one drain, and n1 and n3 are two
+        n4 = SlurmDrainer("n4", slurm_conf=str(cluster.conf_path), budget_nodes=8, budget_share=0.2)
+        assert n4.drain(drain_reason("xid-79", "agent-n4-1"))[0] == OVER_BUDGET
+    finally:
+        cluster.stop()

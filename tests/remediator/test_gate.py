@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from fleetheal import taxonomy
+from fleetheal.contracts import budget_limit as _limit
 from fleetheal.remediator.alerts import validate_alert
 from fleetheal.remediator.engine import Engine
-from fleetheal.remediator.gate import _limit
 from fleetheal.remediator.store import Store
 from tests.remediator.conftest import RecordingRunner, alert, make_config, nodes
 
