@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.fleetheal.cluster.plugins.module_utils.steps import run_module
 
 DOCUMENTATION = r"""
 module: k8s_node
@@ -40,29 +40,18 @@ steps:
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
+    run_module(
+        {
             "name": {"type": "str", "required": True},
             "state": {"type": "str", "required": True, "choices": ["isolated"]},
             "fault_id": {"type": "str", "required": True},
-            "dry_run": {"type": "bool", "default": False},
-            "settings": {"type": "dict", "default": {}},
         },
-        supports_check_mode=True,
+        work,
     )
-    try:
-        from fleetheal import steps
-    except ImportError as exc:
-        module.fail_json(msg=f"fleetheal is not importable by {module._name}'s interpreter: {exc}")
-    p = module.params
-    settings = steps.Settings.from_vars(p["settings"])
-    try:
-        result = steps.k8s_isolate(
-            steps.kube_for(settings), p["name"], p["fault_id"], dry_run=p["dry_run"] or module.check_mode
-        )
-    except steps.StepError as exc:
-        module.fail_json(msg=str(exc))
-    module.exit_json(changed=result.changed, steps=[result.as_dict()])
+
+
+def work(steps, settings, p, dry):
+    return [steps.k8s_isolate(steps.kube_for(settings), p["name"], p["fault_id"], dry_run=dry)], {}
 
 
 if __name__ == "__main__":

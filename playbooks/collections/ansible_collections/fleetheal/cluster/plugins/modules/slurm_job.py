@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.fleetheal.cluster.plugins.module_utils.steps import run_module
 
 DOCUMENTATION = r"""
 module: slurm_job
@@ -45,44 +45,26 @@ steps:
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
+    run_module(
+        {
             "node": {"type": "str", "required": True},
             "state": {"type": "str", "required": True, "choices": ["requeued", "signalled"]},
             "incident": {"type": "str", "required": True},
             "fault_id": {"type": "str", "required": True},
             "job_id": {"type": "str", "default": ""},
             "same_nodes": {"type": "bool", "default": False},
-            "dry_run": {"type": "bool", "default": False},
-            "settings": {"type": "dict", "default": {}},
         },
-        supports_check_mode=True,
+        work,
     )
-    try:
-        from fleetheal import steps
-    except ImportError as exc:
-        module.fail_json(msg=f"fleetheal is not importable by {module._name}'s interpreter: {exc}")
-    p = module.params
-    dry = p["dry_run"] or module.check_mode
-    settings = steps.Settings.from_vars(p["settings"])
+
+
+def work(steps, settings, p, dry):
     slurm = steps.Slurm(settings)
-    try:
-        if p["state"] == "requeued":
-            results = steps.requeue_jobs(
-                slurm,
-                p["node"],
-                p["incident"],
-                p["fault_id"],
-                job_id=p["job_id"],
-                same_nodes=p["same_nodes"],
-                dry_run=dry,
-            )
-        else:
-            jobs = steps.target_jobs(slurm.squeue(), p["node"], p["job_id"])
-            results = [steps.signal_jobs(slurm, [j["job_id"] for j in jobs], settings.grace_signal, dry_run=dry)]
-    except steps.StepError as exc:
-        module.fail_json(msg=str(exc))
-    module.exit_json(changed=any(r.changed for r in results), steps=[r.as_dict() for r in results])
+    if p["state"] == "requeued":
+        args = (slurm, p["node"], p["incident"], p["fault_id"])
+        return steps.requeue_jobs(*args, job_id=p["job_id"], same_nodes=p["same_nodes"], dry_run=dry), {}
+    jobs = steps.target_jobs(slurm.squeue(), p["node"], p["job_id"])
+    return [steps.signal_jobs(slurm, [j["job_id"] for j in jobs], settings.grace_signal, dry_run=dry)], {}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.fleetheal.cluster.plugins.module_utils.steps import run_module
 
 DOCUMENTATION = r"""
 module: slurm_node
@@ -44,38 +44,26 @@ promoted:
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
+    run_module(
+        {
             "name": {"type": "str", "required": True},
             "state": {"type": "str", "required": True, "choices": ["drained", "promoted"]},
             "incident": {"type": "str", "required": True},
             "reason": {"type": "str", "default": ""},
-            "dry_run": {"type": "bool", "default": False},
-            "settings": {"type": "dict", "default": {}},
         },
-        supports_check_mode=True,
+        work,
     )
-    try:
-        from fleetheal import steps
-    except ImportError as exc:
-        module.fail_json(msg=f"fleetheal is not importable by {module._name}'s interpreter: {exc}")
-    p = module.params
-    dry = p["dry_run"] or module.check_mode
-    settings = steps.Settings.from_vars(p["settings"])
+
+
+def work(steps, settings, p, dry):
     slurm = steps.Slurm(settings)
-    node = ""
-    try:
-        if p["state"] == "drained":
-            results = [steps.drain_node(slurm, p["name"], p["reason"], dry_run=dry)]
-        else:
-            promoted = steps.promote_standby(slurm, p["name"], p["incident"], dry_run=dry)
-            results = [promoted]
-            node = promoted.node
-            if promoted.changed:
-                results.append(steps.k8s_promote(steps.kube_for(settings), node, dry_run=dry))
-    except steps.StepError as exc:
-        module.fail_json(msg=str(exc))
-    module.exit_json(changed=any(r.changed for r in results), steps=[r.as_dict() for r in results], promoted=node)
+    if p["state"] == "drained":
+        return [steps.drain_node(slurm, p["name"], p["reason"], dry_run=dry)], {"promoted": ""}
+    promoted = steps.promote_standby(slurm, p["name"], p["incident"], dry_run=dry)
+    results = [promoted]
+    if promoted.changed:
+        results.append(steps.k8s_promote(steps.kube_for(settings), promoted.node, dry_run=dry))
+    return results, {"promoted": promoted.node}
 
 
 if __name__ == "__main__":
