@@ -452,7 +452,13 @@ def promote_standby(
             )
         pick = free[0]
         if dry_run:
-            return StepResult("standby_promote", "would", f"would promote standby node {pick} in place of {node}")
+            k8s = (
+                f", label it {contracts.LABEL_POOL}=active and remove its {contracts.TAINT_STANDBY} taint"
+                if s.kubernetes
+                else ""
+            )
+            detail = f"would promote standby node {pick} (resume it{k8s}) in place of {node}"
+            return StepResult("standby_promote", "would", detail, node=pick)
         taken.add(pick)
     comment = f"{contracts.DRAIN_REASON_PREFIX} promoted for {node} incident={incident}"
     try:

@@ -37,7 +37,9 @@ steps:
   type: list
   returned: always
 promoted:
-  description: The standby node promoted for the incident, by this run or an earlier one (empty when none).
+  description: >-
+    The standby node promoted for the incident (by this run or an earlier one), or the one a dry run would
+    promote; empty when none.
   type: str
   returned: always
 """
