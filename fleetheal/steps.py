@@ -20,7 +20,7 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +41,7 @@ class StepError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    step: str  # slurm_drain, slurm_signal, slurm_requeue, standby_promote, k8s_isolate, k8s_promote
+    step: str  # slurm_drain, slurm_signal, slurm_requeue, standby_promote, k8s_cordon, k8s_promote
     outcome: str  # done | would | skipped | failed
     detail: str
     changed: bool = False
@@ -262,9 +262,9 @@ class Slurm:
         self.env = {**os.environ, **settings.slurm_env}
         self.prefix = (settings.slurm_bin_dir.rstrip("/") + "/") if settings.slurm_bin_dir else ""
 
-    def run(self, command: str, *args: str, retries: int | None = None) -> str:
+    def run(self, command: str, *args: str) -> str:
         s = self.settings
-        tries = 1 + (s.slurm_retries if retries is None else retries)
+        tries = 1 + s.slurm_retries
         last = ""
         for attempt in range(tries):
             try:
@@ -295,9 +295,9 @@ class Slurm:
         return _doc(self.run("squeue", "--json"))
 
 
-def drain_node(slurm: Slurm, node: str, reason: str, *, sinfo: Any = None, dry_run: bool = False) -> StepResult:
+def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False) -> StepResult:
     """Drain `node` with an owned reason; never over a reason fleetheal does not own."""
-    info = slurm_node(sinfo if sinfo is not None else slurm.sinfo(), node)
+    info = slurm_node(slurm.sinfo(), node)
     if not info["found"]:
         raise StepError(f"Slurm does not know node {node}")
     if info["drained"] and not info["reason_owned"]:
@@ -388,6 +388,20 @@ def requeue_now(
         return list(pool.map(boost, plan.jobs))
 
 
+def requeue_would(slurm: Slurm, plan: RequeuePlan, *, same_nodes: bool = False) -> list[StepResult]:
+    """What a dry run reports for the planned jobs."""
+    s = slurm.settings
+    return [
+        StepResult(
+            "slurm_requeue",
+            "would",
+            f"would send {s.grace_signal} to job {j['job_id']}, wait {s.grace_seconds:g} s, requeue it"
+            f"{' on ' + ','.join(j['nodes']) if same_nodes else ''} with priority {plan.priority}",
+        )
+        for j in plan.jobs
+    ]
+
+
 def requeue_jobs(
     slurm: Slurm,
     node: str,
@@ -396,56 +410,40 @@ def requeue_jobs(
     *,
     job_id: str = "",
     same_nodes: bool = False,
-    squeue: Any = None,
     dry_run: bool = False,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> list[StepResult]:
     """Grace signal (every job at once), grace period, requeue and priority boost: `requeue_plan`,
-    `signal_jobs`, the grace period, `requeue_now`."""
+    `signal_jobs`, the grace period, `requeue_now`. (The first responder runs the same sequence with an
+    asynchronous grace period, so that waiting holds no thread.)"""
     s = slurm.settings
-    plan = requeue_plan(slurm, node, incident, job_id=job_id, squeue=squeue)
+    plan = requeue_plan(slurm, node, incident, job_id=job_id)
     if dry_run:
-        return plan.results + [
-            StepResult(
-                "slurm_requeue",
-                "would",
-                f"would send {s.grace_signal} to job {j['job_id']}, wait {s.grace_seconds:g} s, requeue it"
-                f"{' on ' + ','.join(j['nodes']) if same_nodes else ''} with priority {plan.priority}",
-            )
-            for j in plan.jobs
-        ]
+        return plan.results + requeue_would(slurm, plan, same_nodes=same_nodes)
     if not plan.jobs:
         return plan.results
     signalled = signal_jobs(slurm, [j["job_id"] for j in plan.jobs], s.grace_signal)
     if s.grace_seconds > 0:
-        sleep(s.grace_seconds)
+        time.sleep(s.grace_seconds)
     return [*plan.results, signalled, *requeue_now(slurm, plan, node, incident, fault_id, same_nodes=same_nodes)]
 
 
 _PROMOTE_LOCK = threading.Lock()
+#: Standby nodes a promotion in this process has picked and not yet resumed (guarded by _PROMOTE_LOCK):
+#: concurrent promotions (the first responder's, across incidents) never pick the same node.
+_CLAIMED: set[str] = set()
 
 
-def promote_standby(
-    slurm: Slurm,
-    node: str,
-    incident: str,
-    *,
-    sinfo: Any = None,
-    dry_run: bool = False,
-    claimed: set[str] | None = None,
-) -> StepResult:
+def promote_standby(slurm: Slurm, node: str, incident: str, *, dry_run: bool = False) -> StepResult:
     """Resume one warm-standby node (drained with the owned standby reason) in place of `node`, once per
-    incident (the promoted node's comment names it). Concurrent promotions in one process never pick the
-    same node: `claimed` (shared by the caller) holds the nodes already taken."""
+    incident (the promoted node's comment names it)."""
     s = slurm.settings
     with _PROMOTE_LOCK:
-        doc = sinfo if sinfo is not None else slurm.sinfo()
+        doc = slurm.sinfo()
         done = slurm_nodes_with_comment(doc, f"incident={incident}")
         if done:
             detail = f"{', '.join(done)} already promoted for incident {incident}"
             return StepResult("standby_promote", "done", detail, node=done[0])
-        taken = claimed if claimed is not None else set()
-        free = [n for n in slurm_nodes_with_reason(doc, s.standby_reason) if n != node and n not in taken]
+        free = [n for n in slurm_nodes_with_reason(doc, s.standby_reason) if n != node and n not in _CLAIMED]
         if not free:
             return StepResult(
                 "standby_promote", "skipped", f"no standby node (drained with reason '{s.standby_reason}') to promote"
@@ -459,13 +457,13 @@ def promote_standby(
             )
             detail = f"would promote standby node {pick} (resume it{k8s}) in place of {node}"
             return StepResult("standby_promote", "would", detail, node=pick)
-        taken.add(pick)
+        _CLAIMED.add(pick)
     comment = f"{contracts.DRAIN_REASON_PREFIX} promoted for {node} incident={incident}"
     try:
         slurm.run("scontrol", "update", f"nodename={pick}", "state=RESUME", f"comment={comment}")
-    except StepError:
-        taken.discard(pick)
-        raise
+    finally:
+        with _PROMOTE_LOCK:  # resumed, it is no longer drained as standby; failed, it is free again
+            _CLAIMED.discard(pick)
     detail = f"promoted standby node {pick} in place of {node}"
     return StepResult("standby_promote", "done", detail, changed=True, node=pick)
 
@@ -570,6 +568,3 @@ def k8s_promote(kube: Kube | None, node: str, *, dry_run: bool = False) -> StepR
 def kube_for(settings: Settings) -> Kube | None:
     return Kube(settings) if settings.kubernetes else None
 
-
-def results_detail(results: Iterable[StepResult]) -> str:
-    return "; ".join(f"{r.step} {r.outcome}: {r.detail}" for r in results)

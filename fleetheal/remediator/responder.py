@@ -43,8 +43,6 @@ class FirstResponder:
         self._kube: steps.Kube | None = None
         self._kube_ready = False
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="responder")
-        #: standby nodes promoted by this process and not yet visible as promoted in Slurm
-        self._claimed: set[str] = set()
 
     @classmethod
     def from_runner(cls, playbook_dir: str, site_vars: Mapping[str, Any]) -> FirstResponder:
@@ -54,6 +52,10 @@ class FirstResponder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def handles(self, action: str) -> bool:
+        # A restart in place that only signals (`fleetheal_restart_mode: signal`) is one command the
+        # playbook sends; nothing in Slurm would tell the playbook it was sent already.
+        if action == "RESTART_IN_PLACE" and self.settings.restart_mode != "requeue":
+            return False
         return action in ACTIONS
 
     def kube(self) -> steps.Kube | None:
@@ -78,7 +80,7 @@ class FirstResponder:
         jobs_doc = await self._call(self.slurm.squeue)
         record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry))
         tasks = [
-            self._guard(record, "k8s_cordon", self._cordon(inc, dry)),
+            self._guard(record, "k8s_cordon", self._cordon(inc, dry, record)),
             self._guard(record, "slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs_doc)),
         ]
         if self.settings.promote_standby:
@@ -88,29 +90,21 @@ class FirstResponder:
     async def _guard(self, record: Callable[[steps.StepResult], None], step: str, work: Any) -> None:
         """One branch failing leaves the others running; the playbook retries what failed."""
         try:
-            result = await work
+            await work
         except Exception as exc:
             log.warning("first-response step failed", extra={"step": step, "error": str(exc)[:300]})
             record(steps.StepResult(step, "failed", f"{type(exc).__name__}: {str(exc)[:300]}"))
-            return
-        if isinstance(result, steps.StepResult):
-            record(result)
 
-    async def _cordon(self, inc: Incident, dry: bool) -> steps.StepResult:
+    async def _cordon(self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None]) -> None:
         kube = await self._call(self.kube)
-        result: steps.StepResult = await self._call(steps.k8s_isolate, kube, inc.node, inc.fault_id, dry_run=dry)
-        return result
+        record(await self._call(steps.k8s_isolate, kube, inc.node, inc.fault_id, dry_run=dry))
 
     async def _promote(self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None]) -> None:
-        result = await self._call(
-            steps.promote_standby, self.slurm, inc.node, inc.ref, dry_run=dry, claimed=self._claimed
-        )
+        result = await self._call(steps.promote_standby, self.slurm, inc.node, inc.ref, dry_run=dry)
         record(result)
-        node = result.node if result.changed else ""
-        if node:
+        if result.changed:
             kube = await self._call(self.kube)
-            record(await self._call(steps.k8s_promote, kube, node, dry_run=dry))
-            self._claimed.discard(node)  # its Slurm comment now names the incident
+            record(await self._call(steps.k8s_promote, kube, result.node, dry_run=dry))
 
     async def _requeue(
         self,
@@ -122,19 +116,17 @@ class FirstResponder:
         same_nodes: bool = False,
         squeue: Any = None,
     ) -> None:
+        """`steps.requeue_jobs`, with the grace period awaited instead of slept in a thread."""
         s = self.settings
-        if dry:
-            for r in await self._call(
-                steps.requeue_jobs, self.slurm, inc.node, inc.ref, inc.fault_id,
-                job_id=job_id, same_nodes=same_nodes, squeue=squeue, dry_run=True,
-            ):  # fmt: skip
-                record(r)
-            return
         plan: steps.RequeuePlan = await self._call(
             steps.requeue_plan, self.slurm, inc.node, inc.ref, job_id=job_id, squeue=squeue
         )
         for r in plan.results:
             record(r)
+        if dry:
+            for r in steps.requeue_would(self.slurm, plan, same_nodes=same_nodes):
+                record(r)
+            return
         if not plan.jobs:
             return
         record(await self._call(steps.signal_jobs, self.slurm, [j["job_id"] for j in plan.jobs], s.grace_signal))

@@ -13,13 +13,12 @@ description:
   - C(drained) drains O(name) with O(reason), never over a reason fleetheal does not own.
   - C(promoted) resumes one warm-standby node (drained with the standby reason) in place of O(name), once per
     O(incident), and labels its Kubernetes Node active and removes its standby taint when Kubernetes is configured.
+extends_documentation_fragment: [fleetheal.cluster.common]
 options:
   name: {description: The node (Slurm and Kubernetes node name)., type: str, required: true}
   state: {description: What to make true., type: str, required: true, choices: [drained, promoted]}
   incident: {description: The incident id (named in what is changed)., type: str, required: true}
   reason: {description: The owned drain reason (state C(drained))., type: str, default: ""}
-  dry_run: {description: Report what would be done and change nothing., type: bool, default: false}
-  settings: {description: The playbook variables C(fleetheal_*) of vars/remediation.yml., type: dict, default: {}}
 """
 
 EXAMPLES = r"""
