@@ -11,15 +11,11 @@ short_description: Cordon a Kubernetes Node and taint it fleetheal.io/unhealthy
 description:
   - The step of C(fleetheal.steps) the remediator's first responder runs, as a module (one patch, guarded by the
     Node's resourceVersion). Evicting its pods is C(kubernetes.core.k8s_drain)'s, in the playbook.
+extends_documentation_fragment: [fleetheal.cluster.common]
 options:
   name: {description: The Node., type: str, required: true}
   state: {description: What to make true., type: str, required: true, choices: [isolated]}
   fault_id: {description: The taxonomy fault id (the taint's value)., type: str, required: true}
-  dry_run: {description: Report what would be done and change nothing., type: bool, default: false}
-  settings:
-    description: The playbook variables C(fleetheal_*) (fleetheal_kubeconfig, fleetheal_k8s_in_cluster).
-    type: dict
-    default: {}
 """
 
 EXAMPLES = r"""

@@ -16,6 +16,7 @@ description:
     command, boosts their priority and names the incident in their comment; jobs already requeued for O(incident),
     submitted with --no-requeue or at their restart limit are left alone, with the reason.
   - C(signalled) only sends the grace signal.
+extends_documentation_fragment: [fleetheal.cluster.common]
 options:
   node: {description: The node the fault is on., type: str, required: true}
   state: {description: What to do., type: str, required: true, choices: [requeued, signalled]}
@@ -23,8 +24,6 @@ options:
   fault_id: {description: The taxonomy fault id (named in the comment)., type: str, required: true}
   job_id: {description: Only this job (empty for every job on the node)., type: str, default: ""}
   same_nodes: {description: Keep the job on its nodes instead of relocating it., type: bool, default: false}
-  dry_run: {description: Report what would be done and change nothing., type: bool, default: false}
-  settings: {description: The playbook variables C(fleetheal_*) of vars/remediation.yml., type: dict, default: {}}
 """
 
 EXAMPLES = r"""
