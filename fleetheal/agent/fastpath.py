@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 
 DONE, ALREADY, KEPT_FOREIGN, WOULD, FAILED = "done", "already", "kept_foreign", "would", "failed"
 OVER_BUDGET = "over_budget"
+#: After its drain, an agent waits this long before it checks the budget again: slurmctld's clock has then
+#: left the second its drain is stamped with, so every drain stamped no later is visible.
+TIE_WAIT_S = 1.2
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -66,8 +71,10 @@ class SlurmDrainer:
         env: Mapping[str, str] | None = None,
         budget_nodes: int = FLEET_BUDGET_NODES,
         budget_share: float = FLEET_BUDGET_SHARE,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.node = node
+        self._sleep = sleep
         self.budget_nodes = budget_nodes
         self.budget_share = budget_share
         self.scontrol = scontrol
@@ -108,9 +115,10 @@ class SlurmDrainer:
         out = self._scontrol("show", "node", "-o")
         return [parse_node_line(ln) for ln in out.splitlines() if ln.startswith("NodeName=")]
 
-    def budget(self, nodes: list[NodeInfo]) -> tuple[int, int]:
+    def budget(self, nodes: list[NodeInfo], before: Callable[[NodeInfo], bool] | None = None) -> tuple[int, int]:
         """(fault drains fleetheal owns on other nodes, the most the budget allows). Pool drains (standby,
-        quarantine) are not faults; the pool is every node outside the standby pool."""
+        quarantine) are not faults; the pool is every node outside the standby pool. With `before`, only
+        the drains it accepts count."""
         standby, quarantine = POOL_REASONS
 
         def pool_reason(n: NodeInfo) -> bool:
@@ -118,8 +126,14 @@ class SlurmDrainer:
 
         pool = [n for n in nodes if not (n.drained and str(n.reason or "").startswith(standby))]
         faults = [n for n in nodes if n.drained and owns_reason(n.reason) and not pool_reason(n)]
-        others = [n for n in faults if n.name != self.node]
+        others = [n for n in faults if n.name != self.node and (before is None or before(n))]
         return len(others), budget_limit(self.budget_nodes, self.budget_share, len(pool))
+
+    def _me(self, reason: str) -> tuple[NodeInfo | None, list[NodeInfo]]:
+        """This node (None unless it is still drained with `reason`) and the whole fleet, read once."""
+        nodes = self.fleet()
+        me = next((n for n in nodes if n.name == self.node), None)
+        return (me if me is not None and me.drained and me.reason == reason else None), nodes
 
     def drain(self, reason: str) -> tuple[str, str]:
         """Drain with `reason` (must be owned), within the fleet budget. Returns (result, explanation)."""
@@ -142,7 +156,40 @@ class SlurmDrainer:
         if self.dry_run:
             return WOULD, f"would drain {self.node}: {reason}"
         self._scontrol("update", f"nodename={self.node}", "state=drain", f"reason={reason}")
-        return DONE, f"drained {self.node}: {reason}"
+        return self._within_budget_after(reason)
+
+    def _within_budget_after(self, reason: str) -> tuple[str, str]:
+        """Agents of a burst all check the budget at the same moment and all see it free, so each one looks
+        again after its drain and keeps it only if fewer drains than the budget allows come before its own
+        in slurmctld's order: drain time (to the second), then node name.
+
+        A drain made in the same second may not be visible at once, so the look waits until that second has
+        passed on slurmctld (TIE_WAIT_S; the drain itself is already in place). Every drain that comes
+        before this one is then visible, so each drain that stays saw every other one that stays before it:
+        no more than the budget stay, and the first of a burst always does."""
+        self._sleep(TIE_WAIT_S)
+        me, nodes = self._me(reason)
+        if me is None:
+            return DONE, f"drained {self.node}: {reason}"  # someone changed it since: theirs now
+        mine = (drain_time(me), self.node)
+        ahead, limit = self.budget(nodes, lambda n: (drain_time(n), n.name) < mine)
+        if ahead < limit:
+            return DONE, f"drained {self.node}: {reason}"
+        self._scontrol("update", f"nodename={self.node}", "state=resume")
+        return OVER_BUDGET, (
+            f"drained {self.node} and lifted the drain again: {ahead} fleetheal fault drains came before it "
+            f"and the budget allows {limit}; the remediator's gate decides"
+        )
+
+
+_DRAIN_TIME = re.compile(r"\[[^\]@]*@([^\]]*)\]\s*$")
+
+
+def drain_time(node: NodeInfo) -> str:
+    """When slurmctld recorded `node`'s reason (`Reason=... [user@2026-12-02T05:04:10]`, ISO, to the
+    second), or "" when it printed none (which sorts first: counted as earlier than any drain)."""
+    m = _DRAIN_TIME.search(node.fields.get("Reason", ""))
+    return m.group(1) if m else ""
 
 
 class KubeNodeTainter:

@@ -134,6 +134,12 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
     assert reason.startswith("fleetheal:xid-79 incident=agent-n1-")
     assert " gpu=3 at=" in reason
     assert not cluster.node("n2").drained
+    # the drain is counted once the agent has checked the fleet budget again after it (TIE_WAIT_S)
+    cluster.wait_for(
+        "the drain counted",
+        lambda: _series(_metrics(port), "fleetheal_agent_fastpath_actions_total", action="drain", result="done") == 1,
+        timeout=10,
+    )
     m = _metrics(port)
     assert _series(m, "fleetheal_agent_fault_active", fault_id="xid-79", gpu="3", action="ISOLATE_AND_RELOCATE") == 1
     assert _series(m, "fleetheal_agent_faults_total", fault_id="xid-79", **{"class": "hardware"}) == 1
@@ -237,5 +243,42 @@ def test_the_fast_path_never_drains_past_the_fleet_budget(tmp_path):
         # the share: 5 nodes outside the standby pool at 20% allow one drain, and n1 and n3 are two
         n4 = SlurmDrainer("n4", slurm_conf=str(cluster.conf_path), budget_nodes=8, budget_share=0.2)
         assert n4.drain(drain_reason("xid-79", "agent-n4-1"))[0] == OVER_BUDGET
+    finally:
+        cluster.stop()
+
+
+def test_a_burst_of_agents_draining_at_once_stays_within_the_fleet_budget(tmp_path):
+    """Twelve agents hit by one false positive drain at the same instant: each sees the budget free before
+    it drains, so only the check after the drain can hold the line. No more than the budget stay drained,
+    at least one does, and the others are left in service with result over_budget."""
+    import threading
+
+    from fleetheal.agent.fastpath import DONE, OVER_BUDGET, SlurmDrainer
+    from fleetheal.contracts import drain_reason
+
+    _need_slurm()
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=12, gpus_per_node=0)
+    cluster.start()
+    try:
+        agents = [
+            SlurmDrainer(n, slurm_conf=str(cluster.conf_path), budget_nodes=3, budget_share=1.0)
+            for n in cluster.node_names
+        ]
+        results: dict[str, str] = {}
+        go = threading.Barrier(len(agents))
+
+        def one(agent: SlurmDrainer) -> None:
+            go.wait()
+            results[agent.node] = agent.drain(drain_reason("xid-79", f"agent-{agent.node}-1"))[0]
+
+        threads = [threading.Thread(target=one, args=(a,)) for a in agents]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert set(results.values()) <= {DONE, OVER_BUDGET}, results
+        drained = [a.node for a in agents if a.node_info().drained]
+        assert 1 <= len(drained) <= 3, (drained, results)
+        assert sorted(drained) == sorted(n for n, r in results.items() if r == DONE), results
     finally:
         cluster.stop()
