@@ -230,13 +230,12 @@ def slurm_jobs_on_node(squeue: Any, node: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda j: int(j["job_id"]))
 
 
-def slurm_max_priority(squeue: Any, exclude: Any = None) -> int:
-    """The highest priority among pending and active jobs, leaving out job `exclude`."""
-    skip = str(exclude) if exclude is not None else None
+def slurm_max_priority(squeue: Any) -> int:
+    """The highest priority among pending and active jobs."""
     best = 0
     for job in _doc(squeue).get("jobs", []):
         state = str(job.get("job_state") or "").upper()
-        if str(job.get("job_id")) == skip or (state != "PENDING" and state not in _ACTIVE_JOB_STATES):
+        if state != "PENDING" and state not in _ACTIVE_JOB_STATES:
             continue
         best = max(best, int(job.get("priority") or 0))
     return best

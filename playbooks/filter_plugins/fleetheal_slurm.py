@@ -9,14 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetheal.steps import (
-    slurm_job,
-    slurm_jobs_on_node,
-    slurm_max_priority,
-    slurm_node,
-    slurm_nodes_with_comment,
-    slurm_nodes_with_reason,
-)
+from fleetheal.steps import slurm_job, slurm_jobs_on_node, slurm_node
 
 
 def slurm_job_from(job_id: Any, squeue: Any) -> dict[str, Any]:
@@ -28,10 +21,7 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "slurm_node": slurm_node,
-            "slurm_nodes_with_reason": slurm_nodes_with_reason,
-            "slurm_nodes_with_comment": slurm_nodes_with_comment,
             "slurm_job": slurm_job,
             "slurm_job_from": slurm_job_from,
             "slurm_jobs_on_node": slurm_jobs_on_node,
-            "slurm_max_priority": slurm_max_priority,
         }
