@@ -84,7 +84,11 @@ class Settings:
                 continue
             raw = values[key]
             if isinstance(raw, str):
+                # vars/remediation.yml writes the owned pool reasons with the one template Ansible would
+                # render from the contract; any other template cannot be rendered outside Ansible.
                 raw = raw.replace("{{ fleetheal_drain_reason_prefix }}", contracts.DRAIN_REASON_PREFIX)
+                if "{{" in raw or "{%" in raw:
+                    raise ValueError(f"{key}: {raw!r} is a Jinja template; give the remediator a plain value")
             default = getattr(cls, f.name, None)
             if f.name == "slurm_env":
                 kwargs[f.name] = {str(k): str(v) for k, v in dict(raw or {}).items()}

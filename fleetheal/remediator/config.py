@@ -22,7 +22,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from fleetheal import contracts
+from fleetheal import contracts, steps
 from fleetheal.contracts import PLAYBOOK_VARS
 
 ENV_PREFIX = "FLEETHEAL_REMEDIATOR_"
@@ -348,6 +348,10 @@ def _check(cfg: Config) -> None:
             json.dumps(value)
         except (TypeError, ValueError):
             raise ConfigError(f"runner.site_vars.{name}: only strings, numbers, booleans, lists and mappings") from None
+    try:  # what the first responder reads of them (fleetheal.steps.Settings) must make sense outside Ansible
+        steps.Settings.from_vars(r.site_vars)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"runner.site_vars: {exc}") from None
     g = cfg.gate
     b = g.budget
     if b.max_isolated < 0 or b.max_isolated_per_domain < 0:

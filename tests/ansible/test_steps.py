@@ -136,3 +136,11 @@ def test_steps_are_idempotent_per_incident_and_never_take_a_foreign_drain(
     cluster.run("scontrol", "update", "nodename=n2", "state=DRAIN", "reason=admin: bad DIMM")
     foreign = steps.drain_node(slurm, "n2", "fleetheal:xid-48 incident=inc-2")
     assert foreign.outcome == "skipped" and "does not own" in foreign.detail
+
+
+def test_a_templated_setting_the_remediator_cannot_render_is_refused() -> None:
+    with pytest.raises(ValueError, match="fleetheal_standby_reason"):
+        steps.Settings.from_vars({"fleetheal_standby_reason": "{{ site_prefix }}standby"})
+    assert steps.Settings.from_vars({"fleetheal_standby_reason": "{{ fleetheal_drain_reason_prefix }}spare"}) == (
+        steps.Settings(standby_reason="fleetheal:spare")
+    )

@@ -136,3 +136,15 @@ def test_every_key_is_documented_with_its_default():
     for section, cls in cfgmod._SECTIONS.items():
         for key in _keys(cls, f"{section}."):
             assert f"| `{key}` |" in doc, f"document {key} in docs/remediator.md"
+
+
+def test_a_site_setting_the_first_responder_cannot_use_is_refused_at_load(tmp_path):
+    from fleetheal.remediator.config import ConfigError, load
+
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "cluster: {name: c, nodes: {n1: rack-1}}\n"
+        "runner: {site_vars: {fleetheal_grace_seconds: soon, fleetheal_slurm_retries: 1}}\n"
+    )
+    with pytest.raises(ConfigError, match=r"runner\.site_vars"):
+        load(str(path))
