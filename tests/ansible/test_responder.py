@@ -64,9 +64,13 @@ def test_the_first_responder_and_the_hand_run_playbook_leave_the_same_slurm_stat
     site = {"fleetheal_slurm_env": {"SLURM_CONF": str(cluster.conf_path)}, "fleetheal_grace_seconds": 1}
     responder = FirstResponder(steps.Settings.load(PLAYBOOKS, site), kube_factory=lambda _settings: None)
     recorded: list[steps.StepResult] = []
+    # A private loop: asyncio.run() would leave the thread without a current loop, and the Pulumi mock
+    # tests that run later in the same session need one.
+    loop = asyncio.new_event_loop()
     try:
-        asyncio.run(responder.respond(_incident("inc-a", "n1"), recorded.append))
+        loop.run_until_complete(responder.respond(_incident("inc-a", "n1"), recorded.append))
     finally:
+        loop.close()
         responder.close()
     assert all(r.outcome in ("done", "skipped") for r in recorded), recorded
     promoted_a = next(r.node for r in recorded if r.step == "standby_promote")
