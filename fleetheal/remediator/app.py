@@ -277,15 +277,19 @@ class Service:
 
 
 def process_age() -> float | None:
-    """Seconds since this process was started (exec), from /proc; None where /proc is missing."""
+    """Seconds since this process was started (exec), from /proc; None where /proc is missing.
+
+    Both figures count from boot: the process's start time in clock ticks and /proc/uptime. (The boot
+    time of /proc/stat, `btime`, is whole seconds, so an age computed from it and the wall clock was off
+    by up to a second, by an amount fixed for each boot.)"""
     try:
         with open("/proc/self/stat", encoding="ascii") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat", encoding="ascii") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return round(time.time() - (btime + ticks / os.sysconf("SC_CLK_TCK")), 3)
+    return round(uptime - ticks / os.sysconf("SC_CLK_TCK"), 3)
 
 
 def ssl_context(cfg: Config) -> ssl.SSLContext | None:
