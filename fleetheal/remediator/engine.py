@@ -13,6 +13,10 @@ result, so after a crash (SIGKILL) at any point `Engine.start()` resumes every u
 Failed or timed-out attempts are retried `runner.retries` times with exponential backoff (remediation
 playbooks are idempotent). Interrupted attempts (crash, shutdown) do not count as failures, but more
 than MAX_INTERRUPTIONS of them fail the incident rather than loop forever.
+
+The workers run the fast part of every incident (classify, gate, the first response); once an incident
+reaches its playbook, it is handed to a task of its own that waits for a playbook slot
+(`runner.max_concurrent`), so a storm's first responses never queue behind minutes-long playbooks.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class Engine:
         self._queued: set[int] = set()
         self._inflight: set[int] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._follow_ups: set[asyncio.Task[None]] = set()
         self._executor = ThreadPoolExecutor(max_workers=cfg.runner.max_concurrent, thread_name_prefix="playbook")
         self._cancel = threading.Event()
         self._stopping = False
@@ -110,9 +115,10 @@ class Engine:
         deadline = time.monotonic() + 5.0
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._follow_ups]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -155,17 +161,40 @@ class Engine:
             if iid in self._inflight:
                 continue
             self._inflight.add(iid)
+            detached = False
             try:
-                await self._drive(iid)
+                detached = await self._drive(iid, detach=True)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("incident processing failed", extra={"incident": iid})
-                self._fail(iid, "internal error while processing (see the remediator log)")
+                self._crashed(iid)
             finally:
-                self._inflight.discard(iid)
-                if not self._inflight and not self._queued:
-                    self._idle.set()
+                if detached:
+                    task = asyncio.create_task(self._follow_up(iid), name=f"incident-{iid}-playbook")
+                    self._follow_ups.add(task)
+                    task.add_done_callback(self._follow_ups.discard)
+                else:
+                    self._done(iid)
+
+    async def _follow_up(self, iid: int) -> None:
+        """The rest of an incident that reached its playbook, outside the workers."""
+        try:
+            await self._drive(iid)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._crashed(iid)
+        finally:
+            self._done(iid)
+
+    def _crashed(self, iid: int) -> None:
+        log.exception("incident processing failed", extra={"incident": iid})
+        self._fail(iid, "internal error while processing (see the remediator log)")
+
+    def _done(self, iid: int) -> None:
+        self._inflight.discard(iid)
+        if not self._inflight and not self._queued:
+            self._idle.set()
 
     async def _ticker(self) -> None:
         while True:
@@ -193,21 +222,26 @@ class Engine:
 
     # --- the state machine ------------------------------------------------------------------------------
 
-    async def _drive(self, iid: int) -> None:
+    async def _drive(self, iid: int, *, detach: bool = False) -> bool:
+        """Advance the incident; with `detach`, stop (True) where only its playbook is left to run."""
         inc = self.store.get(iid)
         while inc is not None and inc.state not in TERMINAL and not self._stopping:
             if inc.state == "received":
                 self._classify(inc)
             elif inc.state == "classified":
                 if not self._gate(inc):
-                    return  # held
+                    return False  # held
             elif inc.state == "gated":
                 self.store.set_state(iid, "acting")
             elif inc.state == "acting":
+                await self._respond_first(inc)
+                if detach:
+                    return True
                 await self._act(inc)
             inc = self.store.get(iid)
         if inc is not None and inc.resolved_at is not None:
             self.gate.maybe_release(inc.node)
+        return False
 
     def _classify(self, inc: Incident) -> None:
         step = self.store.start_step(inc.id, "classify")
@@ -269,11 +303,13 @@ class Engine:
         self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
         return True
 
-    async def _act(self, inc: Incident) -> None:
+    async def _respond_first(self, inc: Incident) -> None:
         if self.responder is not None and self.responder.handles(inc.action):
             first = [s for s in self.store.steps(inc.id) if s.name == FIRST_STEP]
             if not any(s.ended_at is not None for s in first):
                 await self._first_response(inc, first[0].id if first else None)
+
+    async def _act(self, inc: Incident) -> None:
         attempts = [s for s in self.store.steps(inc.id) if s.name == PLAYBOOK_STEP]
         for s in attempts:
             if s.ended_at is None:

@@ -202,3 +202,50 @@ def test_shutdown_cancels_a_running_playbook_and_the_next_start_resumes_it(cfg):
     store2, runner = asyncio.run(second())
     assert store2.get(iid).state == "done"
     assert [r.attempt for r in runner.requests] == [2]
+
+
+def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
+    """Six nodes at once, one playbook slot held by a slow run: every first response still runs at once.
+
+    Before the playbook stage left the workers, each of the (here 2) workers sat on an incident waiting
+    for a playbook slot, and the first response of every later incident waited minutes behind them.
+    """
+    cfg = make_config(
+        tmp_path,
+        cluster={"name": "lab", "nodes": {f"gpu-{i:03d}": f"rack-{i}" for i in range(8)}},
+        runner={"max_concurrent": 1},
+        gate={"budget": {"max_isolated": 8, "max_isolated_fraction": 1.0}, "breaker": {"storm_nodes": 100}},
+    )
+
+    class Responder:
+        def __init__(self) -> None:
+            self.nodes: list[str] = []
+
+        def handles(self, action: str) -> bool:
+            return action == "ISOLATE_AND_RELOCATE"
+
+        async def respond(self, inc, record) -> None:
+            self.nodes.append(inc.node)
+
+        def close(self) -> None:
+            pass
+
+    async def main():
+        runner = RecordingRunner(delay_s=30.0)
+        responder = Responder()
+        store = Store(cfg.store.path)
+        engine = Engine(cfg, store, runner, TAX, responder=responder)  # type: ignore[arg-type]
+        await engine.start(workers=2)
+        result = store.ingest([validate_alert(alert(node=f"gpu-{i:03d}"), cfg, TAX) for i in range(6)])
+        engine.submit(result.created)
+        for _ in range(200):
+            if len(responder.nodes) == 6:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(responder.nodes) == [f"gpu-{i:03d}" for i in range(6)]
+        assert runner.max_running == 1  # the playbook slot is still held by the first run
+        await engine.stop(grace_s=0.1)
+        firsts = [s for iid in result.created for s in store.steps(iid) if s.name == "first_response"]
+        assert len(firsts) == 6 and all(s.result == "ok" for s in firsts)
+
+    asyncio.run(main())
