@@ -22,6 +22,7 @@ COMMANDS = (
     "fleetheal.infra.cli",
     "fleetheal.remediator.cli",
     "fleetheal.ettr",
+    "fleetheal.launch",
 )
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from fleetheal import contracts
+from fleetheal import contracts, launch
 
 _ACTIVE_JOB_STATES = ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
 #: Slurm's highest settable priority minus the values it reserves.
@@ -374,9 +374,15 @@ def requeue_now(
     nodes, and its start waits for Slurm's own begin time after a requeue (the credentials of its previous
     run must have expired on those nodes: starting sooner is refused with "Job credential revoked")."""
     s = slurm.settings
-    if not plan.jobs:
-        return []
-    slurm.run("scontrol", "requeue", ",".join(j["job_id"] for j in plan.jobs))
+    results: list[StepResult] = []
+    jobs = plan.jobs
+    if same_nodes:
+        in_job = [j for j in jobs if launch.TAG in j["comment"].split()]
+        jobs = [j for j in jobs if j not in in_job]
+        results = [restart_in_job(slurm, j, node, incident, fault_id) for j in in_job]
+    if not jobs:
+        return results
+    slurm.run("scontrol", "requeue", ",".join(j["job_id"] for j in jobs))
     comment = f"{contracts.DRAIN_REASON_PREFIX} requeued after {fault_id} on {node} incident={incident}"
 
     def boost(job: dict[str, Any]) -> StepResult:
@@ -387,22 +393,42 @@ def requeue_now(
         detail = f"sent {s.grace_signal} to job {job['job_id']}, requeued it{where} with priority {plan.priority}"
         return StepResult("slurm_requeue", "done", detail, changed=True)
 
-    with ThreadPoolExecutor(max_workers=min(16, len(plan.jobs))) as pool:
-        return list(pool.map(boost, plan.jobs))
+    with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
+        return results + list(pool.map(boost, jobs))
+
+
+def restart_in_job(slurm: Slurm, job: dict[str, Any], node: str, incident: str, fault_id: str) -> StepResult:
+    """Restart a job run by `fleetheal launch` inside its allocation: no requeue, no credential wait.
+
+    The incident goes into the job's comment first, then the restart order (SIGUSR2 to the batch step,
+    which is the launcher); the launcher restarts once per incident, so sending it twice is harmless.
+    """
+    jid = job["job_id"]
+    comment = (
+        f"{contracts.DRAIN_REASON_PREFIX} restarted in job after {fault_id} on {node} {launch.TAG} incident={incident}"
+    )
+    slurm.run("scontrol", "update", f"jobid={jid}", f"comment={comment}")
+    slurm.run("scancel", "--batch", f"--signal={launch.RESTART_SIGNAL.name.removeprefix('SIG')}", jid)
+    where = ",".join(job["nodes"])
+    return StepResult(
+        "slurm_requeue", "done", f"restarted job {jid} in its allocation on {where} (fleetheal launch)", changed=True
+    )
 
 
 def requeue_would(slurm: Slurm, plan: RequeuePlan, *, same_nodes: bool = False) -> list[StepResult]:
     """What a dry run reports for the planned jobs."""
     s = slurm.settings
-    return [
-        StepResult(
-            "slurm_requeue",
-            "would",
-            f"would send {s.grace_signal} to job {j['job_id']}, wait {s.grace_seconds:g} s, requeue it"
-            f"{' on ' + ','.join(j['nodes']) if same_nodes else ''} with priority {plan.priority}",
+
+    def would(j: dict[str, Any]) -> str:
+        then = f"wait {s.grace_seconds:g} s"
+        if same_nodes and launch.TAG in j["comment"].split():
+            return f"would send {s.grace_signal} to job {j['job_id']}, {then}, restart it in its allocation"
+        where = " on " + ",".join(j["nodes"]) if same_nodes else ""
+        return (
+            f"would send {s.grace_signal} to job {j['job_id']}, {then}, requeue it{where} with priority {plan.priority}"
         )
-        for j in plan.jobs
-    ]
+
+    return [StepResult("slurm_requeue", "would", would(j)) for j in plan.jobs]
 
 
 def requeue_jobs(
@@ -570,4 +596,3 @@ def k8s_promote(kube: Kube | None, node: str, *, dry_run: bool = False) -> StepR
 
 def kube_for(settings: Settings) -> Kube | None:
     return Kube(settings) if settings.kubernetes else None
-

@@ -144,3 +144,66 @@ def test_a_templated_setting_the_remediator_cannot_render_is_refused() -> None:
     assert steps.Settings.from_vars({"fleetheal_standby_reason": "{{ fleetheal_drain_reason_prefix }}spare"}) == (
         steps.Settings(standby_reason="fleetheal:spare")
     )
+
+
+#: A job run by `fleetheal launch`: each start of the command, and each signal it gets, is logged.
+LAUNCH_SCRIPT = """#!/bin/sh
+export PYTHONPATH={repo}
+{exec}{python} -m fleetheal launch --stop-timeout 5 -- sh -c '
+trap "echo USR1 >> {log}/$SLURM_JOB_ID.launch" USR1
+trap "echo TERM >> {log}/$SLURM_JOB_ID.launch; exit 0" TERM
+echo "start $FLEETHEAL_LAUNCH_RESTARTS $FLEETHEAL_INCIDENT" >> {log}/$SLURM_JOB_ID.launch
+while :; do sleep 0.1; done'
+"""
+
+
+def submit_launch(cluster: SlurmCluster, log: Path, *, exec_: bool = True) -> str:
+    import sys
+
+    log.mkdir(exist_ok=True)
+    script = LAUNCH_SCRIPT.format(
+        repo=Path(__file__).resolve().parents[2], python=sys.executable, log=log, exec="exec " if exec_ else ""
+    )
+    return cluster.sbatch(script, "--requeue", "--nodes=2", "--exclusive", "--output=/dev/null")
+
+
+def test_a_job_run_by_fleetheal_launch_restarts_in_its_allocation_once_per_incident(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """No requeue, no credential wait: the same job, the same nodes, Slurm's restart count unchanged; the
+    grace signal reaches the command; a second order for the same incident (a resumed remediator) is a no-op."""
+    slurm = steps.Slurm(settings(cluster))
+    log = tmp_path / "launch"
+    job = submit_launch(cluster, log)
+    nodes = allocated_nodes(running(cluster, job))
+    assert wait_until(lambda: "fleetheal-launch" in job_json(cluster, job)["comment"].split(), 15)
+    lines = log / f"{job}.launch"
+    assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 15)
+    for n in (1, 2):
+        results = steps.requeue_jobs(slurm, nodes[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
+        assert [r.step for r in results] == ["slurm_signal", "slurm_requeue"], results
+        assert "in its allocation" in results[1].detail, results
+        assert wait_until(lambda n=n: f"start {n} inc-{n}" in lines.read_text(), 15), lines.read_text()
+        entry = job_json(cluster, job)
+        assert entry["job_state"] == "RUNNING" and entry["restart_cnt"] == 0
+        assert allocated_nodes(entry) == nodes
+    again = steps.requeue_jobs(slurm, nodes[0], "inc-2", "nccl-timeout", same_nodes=True)
+    assert [r.outcome for r in again] == ["done"] and "already" in again[0].detail
+    text = lines.read_text().split("\n")
+    assert [t for t in text if t.startswith("start")] == ["start 0 ", "start 1 inc-1", "start 2 inc-2"]
+    assert text.count("USR1") == 2 and text.count("TERM") == 2
+
+
+def test_fleetheal_launch_under_a_shell_leaves_the_job_to_a_requeue(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Without `exec` the shell would receive the restart order and die of it: the launcher does not mark
+    the job, and the remediator requeues it as it does any job."""
+    slurm = steps.Slurm(settings(cluster))
+    log = tmp_path / "launch"
+    job = submit_launch(cluster, log, exec_=False)
+    nodes = allocated_nodes(running(cluster, job))
+    lines = log / f"{job}.launch"
+    assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 15)
+    assert "fleetheal-launch" not in job_json(cluster, job)["comment"]
+    results = steps.requeue_jobs(slurm, nodes[0], "inc-1", "nccl-timeout", same_nodes=True)
+    assert "requeued it on" in results[-1].detail, results
+    assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 15)
