@@ -165,8 +165,13 @@ def test_refuse_and_report_tells_the_job_and_keeps_the_node(slurm: SlurmCluster,
         fleetheal_job_id=job,
         fleetheal_explanation="MMU fault from the application: check array bounds",
     )
+    log = slurm.state_dir / "jobs" / f"out-{job}.log"
+    assert wait_until(log.exists)
+    inode = log.stat().st_ino
     run = playbooks.run("refuse_and_report.yml", extravars)
     assert run.rc == 0, run.stdout[-4000:]
+    # Appended in place: the running job still writes into the file its owner reads (not an unlinked one).
+    assert log.stat().st_ino == inode
     entry = job_json(slurm, job)
     assert entry["comment"].startswith("fleetheal: not requeued: xid-31 (user)")
     assert "incident=inc-1" in entry["comment"].split()
