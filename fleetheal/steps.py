@@ -386,7 +386,9 @@ def requeue_now(
     comment = f"{contracts.DRAIN_REASON_PREFIX} requeued after {fault_id} on {node} incident={incident}"
 
     def boost(job: dict[str, Any]) -> StepResult:
-        args = ["update", f"jobid={job['job_id']}", f"priority={plan.priority}", f"comment={comment}"]
+        # A job run by `fleetheal launch` keeps the word that says so.
+        tag = f" {launch.TAG}" if launch.TAG in job["comment"].split() else ""
+        args = ["update", f"jobid={job['job_id']}", f"priority={plan.priority}", f"comment={comment}{tag}"]
         args.append("reqnodelist=" + ",".join(job["nodes"]) if same_nodes else f"excnodelist={node}")
         slurm.run("scontrol", *args)
         where = " on " + ",".join(job["nodes"]) if same_nodes else ""

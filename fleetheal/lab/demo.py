@@ -343,14 +343,21 @@ def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
 
     def running_again() -> str | None:
         info = w.job_info()
-        if info.get("JobState") == "RUNNING" and int(info.get("Restarts", "0")) > restarts0:
+        if info.get("JobState") != "RUNNING":
+            return None
+        if int(info.get("Restarts", "0")) > restarts0:
             o.details["new_nodes"] = _expand(info["NodeList"])
             return f"job {w.job} RUNNING again on {info['NodeList']} (restart count {info['Restarts']})"
+        st = _starts(w.run_dir)
+        if len(st) > starts0 and int(st[-1].get("in_job", 0)) > 0:
+            # `fleetheal launch` restarted it inside its allocation: the same job, no requeue.
+            o.details["new_nodes"] = _expand(info["NodeList"])
+            return f"job {w.job} restarted inside its allocation on {info['NodeList']} (fleetheal launch)"
         return None
 
     def resumed() -> str | None:
         st = _starts(w.run_dir)
-        if len(st) > starts0:
+        if len(st) > starts0 and "running" in o.milestones:
             o.details["resumed_from"] = int(st[-1]["resumed_from"])
             return f"resumed from checkpoint step {st[-1]['resumed_from']} (incident {st[-1].get('incident')})"
         return None

@@ -14,7 +14,8 @@ training client (`fleetheal.agent.client.TrainingReporter`) when it is installed
 Output: one log across restarts (sbatch `--open-mode=append`); each start after the first prints one
 line naming Slurm's restart count (`SLURM_RESTART_COUNT` in the batch environment; prolog and epilog
 see it as `SLURM_JOB_RESTART_COUNT`), the incident from the job's comment (the remediator writes
-`incident=<id>` there when it requeues) and the checkpoint step it resumed from. Machine-readable
+`incident=<id>` there when it requeues; `fleetheal launch`, which runs the coordinator and restarts it
+inside the allocation, passes it as FLEETHEAL_INCIDENT) and the checkpoint step it resumed from. Machine-readable
 events go to `events.jsonl` in the run directory (start, checkpoint, signal, end), which the lab's
 status, demo and tests read.
 """
@@ -136,7 +137,11 @@ class Coordinator:
         self.job = os.environ.get("SLURM_JOB_ID", "local")
         # Slurm names it SLURM_RESTART_COUNT in the batch environment, SLURM_JOB_RESTART_COUNT in prolog/epilog.
         count = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("SLURM_JOB_RESTART_COUNT") or "0"
-        self.restarts = int(count) if count.isdigit() else 0
+        self.requeues = int(count) if count.isdigit() else 0
+        # `fleetheal launch` counts its restarts inside the allocation (no requeue) in FLEETHEAL_LAUNCH_RESTARTS.
+        in_job = os.environ.get("FLEETHEAL_LAUNCH_RESTARTS", "0")
+        self.in_job = int(in_job) if in_job.isdigit() else 0
+        self.restarts = self.requeues + self.in_job
         self.nodes = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURMD_NODENAME", "local"))
         self.signal: int | None = None
         self.step = 0
@@ -198,10 +203,12 @@ class Coordinator:
         self.step = resumed_from
         host = os.environ.get("SLURMD_NODENAME", "local")
         if self.restarts > 0 or ckpt is not None:
-            incident = _incident_from_comment(self.job) if self.job != "local" else None
+            incident = os.environ.get("FLEETHEAL_INCIDENT") or (
+                _incident_from_comment(self.job) if self.job != "local" else None
+            )
             self.log(
                 f"=== restart {self.restarts} of job {self.job} on {self.nodes} "
-                f"(SLURM_RESTART_COUNT={self.restarts}): incident={incident or 'none'}; "
+                f"(SLURM_RESTART_COUNT={self.requeues}, in-job restarts {self.in_job}): incident={incident or 'none'}; "
                 f"resumed from checkpoint step {resumed_from}"
                 + (f" saved by restart {ckpt['restart']} ({ckpt['why']})" if ckpt else " (no checkpoint found)")
             )
@@ -212,7 +219,7 @@ class Coordinator:
             )
         self.event(
             "start", step=self.step, resumed_from=resumed_from, incident=incident, nodes=self.nodes, host=host,
-            step_time=self.step_time, checkpoint_every=self.ckpt_every,
+            step_time=self.step_time, checkpoint_every=self.ckpt_every, requeues=self.requeues, in_job=self.in_job,
         )  # fmt: skip
         _write_json(self.run_dir / PROGRESS, {"step": self.step, "time": time.time(), "job": self.job})
         self.start_workers()
@@ -317,9 +324,11 @@ def batch_script(
     env = f"export PYTHONPATH={pythonpath}\n" if pythonpath else ""
     return (
         "#!/bin/bash\n"
-        "# fleetheal lab training job: rank 0 here, one rank per other node through srun.\n"
+        "# fleetheal lab training job: rank 0 here, one rank per other node through srun; fleetheal launch\n"
+        "# restarts it inside the allocation when the remediator orders a restart in place.\n"
         f"{env}"
-        f"exec {python} -m fleetheal.lab.train coordinator --run-dir {run_dir} --steps {steps} "
+        f"exec {python} -m fleetheal launch -- {python} -m fleetheal.lab.train coordinator "
+        f"--run-dir {run_dir} --steps {steps} "
         f"--step-time {step_time} --checkpoint-every {checkpoint_every} --grace-wait {grace_wait}{extra}\n"
     )
 

@@ -17,6 +17,7 @@ from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, TAINT_UNHEALTHY
 from fleetheal.lab.controlplane import tools_built
 from fleetheal.lab.demo import CHECKPOINT_EVERY, STEP_TIME, continuity, run_scenarios
 from fleetheal.lab.lab import Lab, _cmdline
+from fleetheal.lab.train import read_events
 
 pytestmark = [pytest.mark.slurm, pytest.mark.prometheus]
 
@@ -144,9 +145,14 @@ def test_nccl_timeout_restarts_in_place(lab, scenarios):
     assert [r["restart"] for r in restarts] == [1, 2]
     assert restarts[1]["incident"] == o.details["incident"]
     assert 0 <= restarts[1]["lost"] <= STEPS_PER_CHECKPOINT, restarts[1]
-    assert int(watcher.job_info()["Restarts"]) == 2
+    # The lab's job runs under `fleetheal launch`: restarted inside its allocation, not requeued again.
+    assert int(watcher.job_info()["Restarts"]) == 1
+    start = [e for e in read_events(watcher.run_dir) if e.get("event") == "start"][-1]
+    assert (start["requeues"], start["in_job"]) == (1, 1)
     inc = o.incidents[0]
     assert (inc["state"], inc["action"], inc["class"]) == ("done", "RESTART_IN_PLACE", "transient")
+    first = [e["detail"] for e in inc["timeline"] if e.get("what") == "first_step"]
+    assert any("in its allocation" in d for d in first), first
 
 
 def test_one_log_across_restarts(scenarios):
@@ -159,7 +165,8 @@ def test_one_log_across_restarts(scenarios):
         resumed = by_fault[fault].details["resumed_from"]
         assert f"incident={incident}" in line
         assert f"resumed from checkpoint step {resumed}" in line
-    assert "SLURM_RESTART_COUNT=1" in restart_lines[0] and "SLURM_RESTART_COUNT=2" in restart_lines[1]
+    assert "SLURM_RESTART_COUNT=1, in-job restarts 0" in restart_lines[0]
+    assert "SLURM_RESTART_COUNT=1, in-job restarts 1" in restart_lines[1]
 
 
 def test_down_leaves_nothing_behind(lab, scenarios):
