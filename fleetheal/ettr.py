@@ -23,6 +23,10 @@ The simulator is a discrete-event model with the standard library only and a see
   a replacement that arrives `replace_s` later; when the pool is empty the job waits for the earliest
   replacement.
 
+The fleetheal profile's platform timings can come from the benchmarks instead of the built-in defaults:
+`fleetheal ettr simulate --from-bench [RESULTS.json]` (`profile_from_bench`) reads bench_lab's Xid 79 and
+NCCL-timeout figures from benchmarks/run.py's results (default benchmarks/results/latest.json).
+
 See docs/ettr.md for the model, the sources of every default and how to read the output.
 """
 
@@ -32,6 +36,7 @@ import argparse
 import heapq
 import json
 import math
+import os
 import random
 import sys
 from collections.abc import Iterable, Sequence
@@ -105,9 +110,16 @@ class Profile:
     replace_s: float  # lead time of a replacement node (repair or provisioning)
     standby_fraction: float  # warm-standby nodes as a share of the job's nodes
     grace_save: float = 0.0  # share of interruptions whose grace-period checkpoint keeps all work
+    #: transient only: known -> job running again on the same nodes (grace period, requeue in place or the
+    #: restart inside the allocation), before the application restart; None: requeue_s, as for hardware.
+    in_place_s: float | None = None
 
     def detect_s(self, detect: str) -> float:
         return {"hw": self.detect_hw_s, "crash": self.detect_crash_s, "symptom": self.detect_symptom_s}[detect]
+
+    def transient_s(self) -> float:
+        """Recovery of a transient interruption before the application restart."""
+        return self.requeue_s if self.in_place_s is None else self.in_place_s
 
     def standby_nodes(self, gpus: int) -> int:
         nodes = gpus // GPUS_PER_NODE
@@ -122,7 +134,9 @@ class Profile:
 # requeue_s = 13.8, promote_s = 10.9. docs/lab.md's demo figure (Xid 79 -> running again 32-42 s) is the
 # same path under the demo's extra load. The hang timeout is the agent's `training.hang_timeout_s` (300 s).
 # Not measured (assumptions, see docs/ettr.md): restart_s 60 s for a large job's launch + NCCL init +
-# checkpoint load (the lab's toy job restarts in 0.1 s); replace_s 4 h; 1% warm standby.
+# checkpoint load (the lab's toy job restarts in 0.1 s); replace_s 4 h; 1% warm standby. A transient
+# interruption takes requeue_s here (in_place_s None); `--from-bench` sets in_place_s from the lab's NCCL
+# timeout figure and the other platform timings from this run's Xid 79 figures (`profile_from_results`).
 FLEETHEAL = Profile(
     name="fleetheal",
     detect_hw_s=0.1,
@@ -237,6 +251,8 @@ def _check(gpus: int, interval_s: float, checkpoint_s: float, horizon_s: float, 
         raise SimulationError(f"simulated time must be > 0, got {horizon_s}")
     for f in fields(profile):
         v = getattr(profile, f.name)
+        if f.name == "in_place_s" and v is None:
+            continue
         if f.name != "name" and (not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v)):
             raise SimulationError(f"{f.name} must be a finite number >= 0, got {v}")
     if profile.grace_save > 1 or profile.standby_fraction > 1:
@@ -307,7 +323,7 @@ def simulate(
                     phases.append(("waiting", ready - ready_after))
             phases.append(("recovery", profile.promote_s + profile.restart_s))
         else:
-            phases.append(("recovery", profile.requeue_s + profile.restart_s))
+            phases.append(("recovery", profile.transient_s() + profile.restart_s))
         for cat, seconds in phases:
             take = min(seconds, horizon - t)
             secs[cat] += take
@@ -320,9 +336,11 @@ def downtime_per_interruption(profile: Profile, components: Sequence[Component] 
     total = total_rate(components)
     r = 0.0
     for c in components:
-        base = profile.detect_s(c.detect) + profile.requeue_s + profile.restart_s
+        base = profile.detect_s(c.detect) + profile.restart_s
         if c.kind == "hardware":
-            base += profile.isolate_s + profile.promote_s
+            base += profile.isolate_s + profile.requeue_s + profile.promote_s
+        else:
+            base += profile.transient_s()
         r += c.per_gpu_day / total * base
     return r
 
@@ -368,6 +386,124 @@ def sweep(
                 best = simulate(gpus, p, interval_s=interval_s, checkpoint_s=checkpoint_s, events=events, seed=seed)
             out.append(best)
     return out
+
+
+# --- platform timings from the benchmark results -----------------------------------------------------
+
+#: `make bench` writes this (benchmarks/run.py); `--from-bench` without a path reads it.
+BENCH_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "latest.json"
+#: bench_lab's figures the profile is taken from: (stable key, name prefix for results written before keys).
+BENCH_FIGURES = {
+    "drained": ("xid79_drained", "Xid 79 -> Slurm node drained"),
+    "running": ("xid79_running_again", "Xid 79 -> job RUNNING again"),
+    "in_place": ("nccl_running_again", "NCCL timeout -> training running again"),
+}
+
+
+class BenchResultsError(ValueError):
+    """The benchmark results cannot give a profile (no file, not JSON, no lab figures)."""
+
+
+@dataclass(frozen=True)
+class BenchProfile:
+    """A profile whose platform timings come from bench_lab's figures, and what was taken from where."""
+
+    profile: Profile
+    origin: str  # where the figures came from (a path, "this bench run")
+    when: str | None  # the bench run's time (results' meta.when), when known
+    used: dict[str, dict[str, Any]]  # profile field -> {"value", "from", "n"}
+    assumed: dict[str, float]  # profile fields kept from the base profile (not measured)
+
+    def describe(self) -> str:
+        """One line: the measured values used and the assumptions kept."""
+        used = ", ".join(f"{k} {v['value']:.2f} s ({v['from']})" for k, v in self.used.items())
+        kept = ", ".join(f"{k} {v:g}" for k, v in self.assumed.items())
+        when = f", run {self.when}" if self.when else ""
+        return f"measured by bench_lab ({self.origin}{when}): {used}; assumed: {kept}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"origin": self.origin, "when": self.when, "used": self.used, "assumed": self.assumed}
+
+
+def _bench_figure(results: Sequence[dict[str, Any]], what: str) -> dict[str, Any] | None:
+    key, prefix = BENCH_FIGURES[what]
+    lab = [r for r in results if r.get("module", "lab") == "lab" and "error" not in r]
+    for r in [r for r in lab if r.get("key") == key] or [r for r in lab if str(r.get("name", "")).startswith(prefix)]:
+        median = r.get("median")
+        if isinstance(median, (int, float)) and math.isfinite(median) and int(r.get("n") or 0) > 0:
+            return r
+    return None
+
+
+def profile_from_results(
+    results: Sequence[dict[str, Any]], base: Profile = FLEETHEAL, *, origin: str, when: str | None = None
+) -> BenchProfile:
+    """`base` with its platform timings taken from bench_lab's figures (the `results` of benchmarks/run.py).
+
+    From "Xid 79 -> Slurm node drained" (median): detect_hw_s, with isolate_s 0 (the agent's drain is the
+    isolation). From "Xid 79 -> job RUNNING again on a spare node" (median, and its per-phase medians when
+    recorded): requeue_s = requeue - drained, promote_s = RUNNING again - requeue (without a requeue phase,
+    requeue_s = RUNNING again - drained and promote_s 0). From "NCCL timeout -> training running again in
+    place" (median), when present: in_place_s. Everything else (application restart, crash and symptom
+    detection, replacement lead time, standby share) stays `base`'s: the lab does not measure it.
+    """
+    drained, running = _bench_figure(results, "drained"), _bench_figure(results, "running")
+    if running is None:
+        raise BenchResultsError(
+            f"{origin}: no lab figure 'Xid 79 -> job RUNNING again' with a median; run the lab benchmark "
+            "(`python benchmarks/run.py --only lab`, needs root) or leave out --from-bench for the built-in profile"
+        )
+    recorded = running.get("phases")
+    phases: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
+    again = float(running["median"])
+    if drained is not None:
+        drain, drain_from, drain_n = float(drained["median"]), "Xid 79 -> drained, median", drained.get("n")
+    elif isinstance(phases.get("drain"), (int, float)):
+        drain, drain_from, drain_n = float(phases["drain"]), "Xid 79 drained phase, median", running.get("n")
+    else:
+        drain, drain_from, drain_n = 0.0, "no drain figure: 0", None
+    drain = min(drain, again)
+    n = running.get("n")
+    used: dict[str, dict[str, Any]] = {
+        "detect_hw_s": {"value": drain, "from": drain_from, "n": drain_n},
+        "isolate_s": {"value": 0.0, "from": "the agent's drain is the isolation", "n": drain_n},
+    }
+    requeue = phases.get("requeue")
+    if isinstance(requeue, (int, float)) and drain <= requeue <= again:
+        used["requeue_s"] = {"value": requeue - drain, "from": "Xid 79 requeue phase - drained, medians", "n": n}
+        used["promote_s"] = {"value": again - requeue, "from": "Xid 79 RUNNING again - requeue phase, medians", "n": n}
+    else:
+        used["requeue_s"] = {"value": again - drain, "from": "Xid 79 RUNNING again - drained, medians", "n": n}
+        used["promote_s"] = {"value": 0.0, "from": "no requeue phase recorded: counted in requeue_s", "n": n}
+    nccl = _bench_figure(results, "in_place")
+    if nccl is not None:
+        used["in_place_s"] = {
+            "value": float(nccl["median"]),
+            "from": "NCCL timeout -> running again in place, median",
+            "n": nccl.get("n"),
+        }
+    profile = replace(base, **{k: v["value"] for k, v in used.items()})
+    kept = ("restart_s", "detect_crash_s", "detect_symptom_s", "replace_s", "standby_fraction")
+    return BenchProfile(profile, origin, when, used, {k: getattr(base, k) for k in kept})
+
+
+def profile_from_bench(path: str | os.PathLike[str] = BENCH_RESULTS, base: Profile = FLEETHEAL) -> BenchProfile:
+    """`profile_from_results` of a results file (`benchmarks/results/latest.json`)."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError as exc:
+        raise BenchResultsError(
+            f"{p}: no benchmark results; run `make bench` (or `python benchmarks/run.py --only lab`, needs root) "
+            "or leave out --from-bench for the built-in profile"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise BenchResultsError(f"{p}: not readable benchmark results: {exc}") from exc
+    results = doc.get("results") if isinstance(doc, dict) else None
+    if not isinstance(results, list):
+        raise BenchResultsError(f"{p}: not benchmarks/run.py results (no 'results' list)")
+    meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+    return profile_from_results([r for r in results if isinstance(r, dict)], base, origin=str(p), when=meta.get("when"))
 
 
 # --- ETTR measured on a lab run ----------------------------------------------------------------------
@@ -499,6 +635,19 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--baseline", choices=sorted(PROFILES), default="manual", help="peer profile (default manual)")
     s.add_argument(
+        "--from-bench",
+        type=Path,
+        nargs="?",
+        const=BENCH_RESULTS,
+        default=None,
+        metavar="RESULTS.json",
+        help=(
+            "take the fleetheal profile's platform timings (hardware detection, requeue, promotion, restart in "
+            "place) from bench_lab's figures in benchmarks/run.py results (default file: benchmarks/results/"
+            "latest.json); without it the built-in profile is used (docs/ettr.md). Other tweaks apply on top"
+        ),
+    )
+    s.add_argument(
         "--checkpoint-cost",
         type=_nonneg,
         default=CHECKPOINT_S,
@@ -545,8 +694,8 @@ def register(sub: Any) -> None:
     m.set_defaults(func=_cmd_measure)
 
 
-def _profile_from(args: argparse.Namespace, name: str, tweak: bool) -> Profile:
-    p = PROFILES[name]
+def _profile_from(args: argparse.Namespace, name: str, tweak: bool, start: Profile | None = None) -> Profile:
+    p = start or PROFILES[name]
     if not tweak:
         return p
     changes: dict[str, Any] = {}
@@ -569,7 +718,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.interval is not None and args.interval <= 0:
         raise UsageError("--interval must be > 0 seconds")
-    profile = _profile_from(args, args.profile, True)
+    bench: BenchProfile | None = None
+    if args.from_bench is not None:
+        if args.profile != "fleetheal":
+            raise UsageError(
+                f"--from-bench measures fleetheal's platform; it does not apply to --profile {args.profile}"
+            )
+        try:
+            bench = profile_from_bench(args.from_bench, PROFILES[args.profile])
+        except BenchResultsError as exc:
+            raise UsageError(str(exc)) from exc
+    profile = _profile_from(args, args.profile, True, bench.profile if bench else None)
     baseline = _profile_from(args, args.baseline, False)
     try:
         results = sweep(
@@ -602,6 +761,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         "source": SOURCE,
         "rates_per_gpu_day": {c.name: c.per_gpu_day for c in FAILURE_RATES},
         "profile": asdict(profile),
+        "profile_source": bench.as_dict() if bench else {"origin": "built-in", "see": "docs/ettr.md"},
         "baseline": asdict(baseline),
         "checkpoint_s": args.checkpoint_cost,
         "events": args.events,
@@ -618,6 +778,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"ETTR simulated: profile {profile.name} vs {baseline.name}; rates: {SOURCE}; "
         f"checkpoint cost {args.checkpoint_cost:g} s; {args.events} interruptions per run, seed {args.seed}"
     )
+    if bench is not None:
+        print(f"platform timings {bench.describe()}")
+    elif profile.name == "fleetheal":
+        print("platform timings: built-in profile (docs/ettr.md); --from-bench takes them from benchmark results")
     head = (
         f"{'GPUs':>8} {'MTBF':>7} {'ETTR':>7} {'base':>7} {'interval':>9} {'standby':>7} "
         f"{'lost':>6} {'ckpt':>6} {'detect':>6} {'recov':>6} {'wait':>6}"

@@ -196,3 +196,133 @@ def test_measure_cli_and_textfile(tmp_path: Path, capsys: pytest.CaptureFixture[
         main(["ettr", "measure", str(tmp_path / "nope")])
     assert exc.value.code == 2
     assert "no events.jsonl" in capsys.readouterr().err
+
+
+# --- the fleetheal profile from benchmark results (`--from-bench`) ----------------------------------------
+
+
+def _bench_results(tmp_path: Path, *, keys: bool = True, nccl: bool = True) -> Path:
+    """A benchmarks/run.py results file with bench_lab's figures (as run.py writes it)."""
+
+    def fig(name: str, key: str, median: float, n: int = 20, **extra: object) -> dict[str, object]:
+        doc: dict[str, object] = {"module": "lab", "name": name, "unit": "s", "median": median, "p99": median * 2,
+                                  "n": n, "goal": "-", "peer": None, "ratio_to_peer": None, "notes": ""}  # fmt: skip
+        if keys:
+            doc.update(key=key, **extra)
+        return doc
+
+    results: list[dict[str, object]] = [
+        {
+            "module": "agent",
+            "name": "Xid 79 -> Slurm node drained (agent fast path)",
+            "unit": "s",
+            "median": 9.0,
+            "p99": 9.0,
+            "n": 3,
+        },  # another module's figure with a similar name is not taken
+        fig("Xid 79 -> Slurm node drained (agent fast path)", "xid79_drained", 0.08),
+        fig("Xid 79 -> alert at the remediator", "xid79_alert", 1.2),
+        fig(
+            "Xid 79 -> job RUNNING again on a spare node",
+            "xid79_running_again",
+            9.5,
+            phases={"drain": 0.1, "requeue": 5.0, "running": 9.5},
+        ),
+    ]
+    if nccl:
+        results.append(fig("NCCL timeout -> training running again in place", "nccl_running_again", 4.2, n=21))
+    path = tmp_path / "latest.json"
+    path.write_text(json.dumps({"meta": {"when": "2026-12-02T10:00:00Z"}, "results": results}))
+    return path
+
+
+def test_profile_from_bench_takes_the_lab_figures(tmp_path: Path) -> None:
+    bench = ettr.profile_from_bench(_bench_results(tmp_path))
+    p = bench.profile
+    assert p.detect_hw_s == pytest.approx(0.08)  # the drained figure's median, not the phase's 0.1
+    assert p.isolate_s == 0.0
+    assert p.requeue_s == pytest.approx(5.0 - 0.08)
+    assert p.promote_s == pytest.approx(9.5 - 5.0)
+    assert p.in_place_s == pytest.approx(4.2)
+    assert p.transient_s() == pytest.approx(4.2)
+    # not measured by the lab: the base profile's assumptions
+    for field in ("restart_s", "detect_crash_s", "detect_symptom_s", "replace_s", "standby_fraction", "name"):
+        assert getattr(p, field) == getattr(ettr.FLEETHEAL, field)
+    assert set(bench.used) == {"detect_hw_s", "isolate_s", "requeue_s", "promote_s", "in_place_s"}
+    assert bench.used["in_place_s"]["n"] == 21
+    assert bench.when == "2026-12-02T10:00:00Z"
+    assert "restart_s 60" in bench.describe() and "in_place_s 4.20" in bench.describe()
+
+
+def test_profile_from_results_written_before_figure_keys(tmp_path: Path) -> None:
+    """Older results have no keys and no phases: the figures are found by name, the requeue is not split."""
+    p = ettr.profile_from_bench(_bench_results(tmp_path, keys=False, nccl=False)).profile
+    assert p.detect_hw_s == pytest.approx(0.08)
+    assert p.requeue_s == pytest.approx(9.5 - 0.08)
+    assert p.promote_s == 0.0
+    assert p.in_place_s is None
+    assert p.transient_s() == p.requeue_s
+
+
+def test_profile_from_bench_errors(tmp_path: Path) -> None:
+    with pytest.raises(ettr.BenchResultsError, match="no benchmark results"):
+        ettr.profile_from_bench(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ettr.BenchResultsError, match="not readable"):
+        ettr.profile_from_bench(bad)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"meta": {}, "results": [{"module": "lab", "error": "RuntimeError: boom"}]}))
+    with pytest.raises(ettr.BenchResultsError, match="no lab figure"):
+        ettr.profile_from_bench(other)
+
+
+def test_in_place_time_is_the_transient_recovery() -> None:
+    comps = one_component()
+    t = ettr.young_daly_interval(10.0, M)
+    slow = ettr.simulate(GPUS, fixed_downtime(600.0), interval_s=t, checkpoint_s=10.0, events=5_000,
+                         components=comps)  # fmt: skip
+    fast = ettr.simulate(GPUS, replace(fixed_downtime(600.0), in_place_s=6.0), interval_s=t, checkpoint_s=10.0,
+                         events=5_000, components=comps)  # fmt: skip
+    assert slow.breakdown()["recovery"] == pytest.approx(600.0 / (M + 600.0), rel=0.05)
+    assert fast.breakdown()["recovery"] == pytest.approx(6.0 / (M + 6.0), rel=0.05)
+    assert fast.ettr > slow.ettr
+    with pytest.raises(ettr.SimulationError, match="in_place_s"):
+        ettr.simulate(GPUS, replace(ettr.FLEETHEAL, in_place_s=-1.0), interval_s=10)
+
+
+def test_cli_from_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _bench_results(tmp_path)
+    argv = ["ettr", "simulate", "--scales", "1024", "--events", "200", "--from-bench", str(path)]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["profile"]["requeue_s"] == pytest.approx(5.0 - 0.08)
+    assert doc["profile"]["in_place_s"] == pytest.approx(4.2)
+    assert doc["profile_source"]["origin"] == str(path)
+    assert doc["profile_source"]["used"]["promote_s"]["value"] == pytest.approx(4.5)
+    # other tweaks apply on top of the measured timings
+    assert main([*argv, "--restart", "20", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["profile"]["restart_s"] == 20.0 and doc["profile"]["promote_s"] == pytest.approx(4.5)
+    assert main(argv) == 0
+    assert "platform timings measured by bench_lab" in capsys.readouterr().out
+    # without --from-bench: the built-in profile, and the output says so
+    assert main(["ettr", "simulate", "--scales", "1024", "--events", "200", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["profile_source"]["origin"] == "built-in"
+    assert doc["profile"]["requeue_s"] == ettr.FLEETHEAL.requeue_s
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--from-bench", "MISSING"], "no benchmark results"), (["--from-bench", "OK", "--profile", "manual"], "manual")],
+)
+def test_cli_from_bench_errors(
+    extra: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ok = str(_bench_results(tmp_path))
+    argv = [{"MISSING": str(tmp_path / "missing.json"), "OK": ok}.get(a, a) for a in extra]
+    with pytest.raises(SystemExit) as exc:
+        main(["ettr", "simulate", "--scales", "1024", "--events", "100", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
