@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,23 +257,118 @@ def target_jobs(squeue: Any, node: str, job_id: str = "") -> list[dict[str, Any]
 # --- Slurm commands ---------------------------------------------------------------------------------------
 
 
+class _Shared:
+    """Concurrent calls share one read: a call joins the read in flight only if that read started after
+    the call did, else it waits for the next one, which its first waiter runs. So a caller always sees
+    at least its own earlier writes, and a storm of N first responses costs about two reads, not N."""
+
+    def __init__(self, fetch: Callable[[], Any]) -> None:
+        self._fetch = fetch
+        self._cond = threading.Condition()
+        self._running: Future[Any] | None = None  # the read in flight
+        self._claimed = False  # whether a caller is running it
+        self._next: Future[Any] | None = None  # the read that callers arriving now wait for
+
+    def get(self) -> tuple[float, Any]:
+        """(when the read started, on the monotonic clock; what it read)."""
+        with self._cond:
+            if self._running is None:
+                fut = self._running = Future()
+            else:
+                fut = self._next = self._next or Future()
+                while not fut.done() and (self._running is not fut or self._claimed):
+                    self._cond.wait()
+                if fut.done():
+                    return fut.result()  # type: ignore[no-any-return]
+            self._claimed = True
+        started = time.monotonic()
+        try:
+            fut.set_result((started, self._fetch()))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        finally:
+            with self._cond:
+                self._running, self._next, self._claimed = self._next, None, False
+                self._cond.notify_all()
+        return fut.result()  # type: ignore[no-any-return]
+
+
+class _Batched:
+    """Concurrent commands go to Slurm together: what is submitted while a batch runs becomes the next
+    batch, run by its first submitter. `run_batch` takes the items and returns one error (or None) each."""
+
+    def __init__(self, run_batch: Callable[[list[Any]], list[Exception | None]]) -> None:
+        self._run_batch = run_batch
+        self._lock = threading.Lock()
+        self._busy = False
+        self._pending: list[tuple[Any, Future[None]]] = []
+
+    def submit(self, item: Any) -> None:
+        fut: Future[None] = Future()
+        with self._lock:
+            self._pending.append((item, fut))
+            if self._busy:
+                lead = False
+            else:
+                self._busy = lead = True
+        if lead:
+            self._drain()
+        fut.result()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    self._busy = False
+                    return
+            try:
+                errors = self._run_batch([item for item, _ in batch])
+            except Exception as exc:
+                errors = [exc] * len(batch)
+            for (_, fut), error in zip(batch, errors, strict=True):
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
+
+
+def _scontrol_word(arg: str) -> str:
+    """One argument as scontrol's command reader splits a line: quoted when it holds a blank."""
+    if '"' in arg or "\n" in arg:
+        raise StepError(f"scontrol argument {arg!r} holds a quote or a newline")
+    if " " not in arg and "\t" not in arg:
+        return arg
+    key, sep, value = arg.partition("=")
+    return f'{key}="{value}"' if sep else f'"{arg}"'
+
+
 class Slurm:
-    """Slurm's commands with the playbooks' retries, delay and timeout."""
+    """Slurm's commands with the playbooks' retries, delay and timeout.
+
+    Shared by concurrent callers (the first responder's threads): `sinfo()` and `squeue()` share reads
+    (`_Shared`), and `scontrol()` and `scancel_signal()` send what is submitted at the same time as one
+    command (`scontrol` reading its commands from stdin, one `scancel` per signal)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.env = {**os.environ, **settings.slurm_env}
         self.prefix = (settings.slurm_bin_dir.rstrip("/") + "/") if settings.slurm_bin_dir else ""
+        self._sinfo = _Shared(lambda: _doc(self.run("sinfo", "--json")))
+        self._squeue = _Shared(lambda: _doc(self.run("squeue", "--json")))
+        self._scontrol = _Batched(self._scontrol_batch)
+        self._scancel = _Batched(self._scancel_batch)
 
-    def run(self, command: str, *args: str) -> str:
+    def run(self, command: str, *args: str, stdin: str | None = None, retries: int | None = None) -> str:
         s = self.settings
-        tries = 1 + s.slurm_retries
+        tries = 1 + (s.slurm_retries if retries is None else retries)
         last = ""
         for attempt in range(tries):
             try:
                 proc = subprocess.run(
                     [self.prefix + command, *args],
                     env=self.env,
+                    input=stdin,
                     capture_output=True,
                     text=True,
                     timeout=s.slurm_timeout_s,
@@ -282,7 +377,7 @@ class Slurm:
             except (OSError, subprocess.TimeoutExpired) as exc:
                 last = f"{command}: {exc}"
             else:
-                if proc.returncode == 0:
+                if proc.returncode == 0 and not (stdin and proc.stderr.strip()):
                     return proc.stdout
                 last = (
                     f"{command} {' '.join(args)} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:300]}"
@@ -292,10 +387,58 @@ class Slurm:
         raise StepError(last)
 
     def sinfo(self) -> dict[str, Any]:
-        return _doc(self.run("sinfo", "--json"))
+        return self.sinfo_at()[1]
+
+    def sinfo_at(self) -> tuple[float, dict[str, Any]]:
+        """`sinfo --json` and when (monotonic) the read started."""
+        return self._sinfo.get()
 
     def squeue(self) -> dict[str, Any]:
-        return _doc(self.run("squeue", "--json"))
+        return self._squeue.get()[1]  # type: ignore[no-any-return]
+
+    def scontrol(self, *args: str) -> None:
+        """One scontrol command (`update ...`, `requeue ...`), sent with the others submitted meanwhile."""
+        self._scontrol.submit(tuple(args))
+
+    def scancel_signal(self, signal: str, job_ids: Sequence[str]) -> None:
+        """`scancel --batch --signal=SIGNAL` to `job_ids`, with the other jobs signalled meanwhile."""
+        self._scancel.submit((signal, tuple(job_ids)))
+
+    def _scontrol_batch(self, commands: list[tuple[str, ...]]) -> list[Exception | None]:
+        if len(commands) == 1:
+            return [_error_of(self.run, "scontrol", *commands[0])]
+        script = "".join(" ".join(_scontrol_word(a) for a in cmd) + "\n" for cmd in commands)
+        if _error_of(self.run, "scontrol", stdin=script + "quit\n", retries=0) is None:
+            return [None] * len(commands)
+        # Which line failed is not told: each command again on its own. They are idempotent, but for a
+        # requeue, which finds its jobs requeued by the batch already ("pending").
+        return [_error_of(self._scontrol_again, cmd) for cmd in commands]
+
+    def _scontrol_again(self, cmd: tuple[str, ...]) -> None:
+        try:
+            self.run("scontrol", *cmd)
+        except StepError as exc:
+            if cmd[0] != "requeue" or "pending" not in str(exc).lower():
+                raise
+
+    def _scancel_batch(self, items: list[tuple[str, tuple[str, ...]]]) -> list[Exception | None]:
+        errors: list[Exception | None] = [None] * len(items)
+        for signal in dict.fromkeys(sig for sig, _ in items):
+            mine = [i for i, (sig, _) in enumerate(items) if sig == signal]
+            ids = list(dict.fromkeys(j for i in mine for j in items[i][1]))
+            flag = f"--signal={signal}"
+            if _error_of(self.run, "scancel", "--batch", flag, *ids, retries=0) is not None:
+                for i in mine:  # which job failed is not told: each caller's jobs on their own
+                    errors[i] = _error_of(self.run, "scancel", "--batch", flag, *items[i][1])
+        return errors
+
+
+def _error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Exception | None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return exc
+    return None
 
 
 def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False) -> StepResult:
@@ -313,7 +456,7 @@ def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False) -
         return StepResult("slurm_drain", "done", f"{node} is already drained by fleetheal: '{info['reason']}'")
     if dry_run:
         return StepResult("slurm_drain", "would", f"would drain {node} with reason '{reason}'")
-    slurm.run("scontrol", "update", f"nodename={node}", "state=DRAIN", f"reason={reason}")
+    slurm.scontrol("update", f"nodename={node}", "state=DRAIN", f"reason={reason}")
     return StepResult("slurm_drain", "done", f"drained {node} with reason '{reason}'", changed=True)
 
 
@@ -324,7 +467,7 @@ def signal_jobs(slurm: Slurm, job_ids: Sequence[str], signal: str, *, dry_run: b
         return StepResult("slurm_signal", "skipped", "no active job to signal")
     if dry_run:
         return StepResult("slurm_signal", "would", f"would send {signal} to jobs [{', '.join(ids)}]")
-    slurm.run("scancel", "--batch", f"--signal={signal}", *ids)
+    slurm.scancel_signal(signal, ids)
     return StepResult("slurm_signal", "done", f"sent {signal} to jobs [{', '.join(ids)}]", changed=True)
 
 
@@ -382,7 +525,7 @@ def requeue_now(
         results = [restart_in_job(slurm, j, node, incident, fault_id) for j in in_job]
     if not jobs:
         return results
-    slurm.run("scontrol", "requeue", ",".join(j["job_id"] for j in jobs))
+    slurm.scontrol("requeue", ",".join(j["job_id"] for j in jobs))
     comment = f"{contracts.DRAIN_REASON_PREFIX} requeued after {fault_id} on {node} incident={incident}"
 
     def boost(job: dict[str, Any]) -> StepResult:
@@ -390,7 +533,7 @@ def requeue_now(
         tag = f" {launch.TAG}" if launch.TAG in job["comment"].split() else ""
         args = ["update", f"jobid={job['job_id']}", f"priority={plan.priority}", f"comment={comment}{tag}"]
         args.append("reqnodelist=" + ",".join(job["nodes"]) if same_nodes else f"excnodelist={node}")
-        slurm.run("scontrol", *args)
+        slurm.scontrol(*args)
         where = " on " + ",".join(job["nodes"]) if same_nodes else ""
         detail = f"sent {s.grace_signal} to job {job['job_id']}, requeued it{where} with priority {plan.priority}"
         return StepResult("slurm_requeue", "done", detail, changed=True)
@@ -409,8 +552,8 @@ def restart_in_job(slurm: Slurm, job: dict[str, Any], node: str, incident: str, 
     comment = (
         f"{contracts.DRAIN_REASON_PREFIX} restarted in job after {fault_id} on {node} {launch.TAG} incident={incident}"
     )
-    slurm.run("scontrol", "update", f"jobid={jid}", f"comment={comment}")
-    slurm.run("scancel", "--batch", f"--signal={launch.RESTART_SIGNAL.name.removeprefix('SIG')}", jid)
+    slurm.scontrol("update", f"jobid={jid}", f"comment={comment}")
+    slurm.scancel_signal(launch.RESTART_SIGNAL.name.removeprefix("SIG"), [jid])
     where = ",".join(job["nodes"])
     return StepResult(
         "slurm_requeue", "done", f"restarted job {jid} in its allocation on {where} (fleetheal launch)", changed=True
@@ -459,21 +602,25 @@ def requeue_jobs(
 
 
 _PROMOTE_LOCK = threading.Lock()
-#: Standby nodes a promotion in this process has picked and not yet resumed (guarded by _PROMOTE_LOCK):
-#: concurrent promotions (the first responder's, across incidents) never pick the same node.
-_CLAIMED: set[str] = set()
+#: Standby nodes this process promoted -> when their resume ended (infinity while it runs), guarded by
+#: _PROMOTE_LOCK. A `sinfo` read that started before then may still show the node as standby, so in that
+#: read it is not free: concurrent promotions (the first responder's, across incidents) never pick the
+#: same node, and they share their reads.
+_CLAIMED: dict[str, float] = {}
 
 
 def promote_standby(slurm: Slurm, node: str, incident: str, *, dry_run: bool = False) -> StepResult:
     """Resume one warm-standby node (drained with the owned standby reason) in place of `node`, once per
     incident (the promoted node's comment names it)."""
     s = slurm.settings
+    taken, doc = slurm.sinfo_at()
     with _PROMOTE_LOCK:
-        doc = slurm.sinfo()
         done = slurm_nodes_with_comment(doc, f"incident={incident}")
         if done:
             detail = f"{', '.join(done)} already promoted for incident {incident}"
             return StepResult("standby_promote", "done", detail, node=done[0])
+        for name in [n for n, ended in _CLAIMED.items() if ended < taken]:
+            del _CLAIMED[name]  # this read shows what its resume did
         free = [n for n in slurm_nodes_with_reason(doc, s.standby_reason) if n != node and n not in _CLAIMED]
         if not free:
             return StepResult(
@@ -488,13 +635,16 @@ def promote_standby(slurm: Slurm, node: str, incident: str, *, dry_run: bool = F
             )
             detail = f"would promote standby node {pick} (resume it{k8s}) in place of {node}"
             return StepResult("standby_promote", "would", detail, node=pick)
-        _CLAIMED.add(pick)
+        _CLAIMED[pick] = float("inf")
     comment = f"{contracts.DRAIN_REASON_PREFIX} promoted for {node} incident={incident}"
     try:
-        slurm.run("scontrol", "update", f"nodename={pick}", "state=RESUME", f"comment={comment}")
-    finally:
-        with _PROMOTE_LOCK:  # resumed, it is no longer drained as standby; failed, it is free again
-            _CLAIMED.discard(pick)
+        slurm.scontrol("update", f"nodename={pick}", "state=RESUME", f"comment={comment}")
+    except BaseException:
+        with _PROMOTE_LOCK:  # not resumed: free again
+            _CLAIMED.pop(pick, None)
+        raise
+    with _PROMOTE_LOCK:
+        _CLAIMED[pick] = time.monotonic()
     detail = f"promoted standby node {pick} in place of {node}"
     return StepResult("standby_promote", "done", detail, changed=True, node=pick)
 

@@ -16,7 +16,9 @@ than MAX_INTERRUPTIONS of them fail the incident rather than loop forever.
 
 The workers run the fast part of every incident (classify, gate, the first response); once an incident
 reaches its playbook, it is handed to a task of its own that waits for a playbook slot
-(`runner.max_concurrent`), so a storm's first responses never queue behind minutes-long playbooks.
+(`runner.max_concurrent`), so a storm's first responses never queue behind minutes-long playbooks. Nor do
+they share the CPU with them: a playbook starts only when no first response is queued or running (or
+after FOLLOW_UP_HOLD_S, so that a steady stream of faults cannot starve the follow-ups).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ MAX_INTERRUPTIONS = 5
 FULL_RECHECK_S = 30.0
 PLAYBOOK_STEP = "playbook"
 FIRST_STEP = "first_response"
+#: The longest a follow-up playbook waits for the first responses in progress to finish.
+FOLLOW_UP_HOLD_S = 20.0
 
 
 class Engine:
@@ -90,10 +94,13 @@ class Engine:
         self._last_recheck = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._responding = 0  # workers busy with an incident's fast part
+        self._quiet = asyncio.Event()  # no incident queued, none in its fast part
+        self._quiet.set()
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
-    async def start(self, workers: int = 16) -> None:
+    async def start(self, workers: int = 64) -> None:
         """Resume unfinished incidents, then start the workers and the gate's tick."""
         resumed = [inc.id for inc in self.store.unfinished() if inc.hold_reason is None]
         if resumed:
@@ -130,6 +137,7 @@ class Engine:
             if iid not in self._queued:
                 self._queued.add(iid)
                 self._idle.clear()
+                self._quiet.clear()
                 self._queue.put_nowait(iid)
 
     def resolved(self, incident_ids: Iterable[int]) -> None:
@@ -159,8 +167,10 @@ class Engine:
             if self._stopping:
                 return
             if iid in self._inflight:
+                self._maybe_quiet()
                 continue
             self._inflight.add(iid)
+            self._responding += 1
             detached = False
             try:
                 detached = await self._drive(iid, detach=True)
@@ -169,6 +179,8 @@ class Engine:
             except Exception:
                 self._crashed(iid)
             finally:
+                self._responding -= 1
+                self._maybe_quiet()
                 if detached:
                     task = asyncio.create_task(self._follow_up(iid), name=f"incident-{iid}-playbook")
                     self._follow_ups.add(task)
@@ -178,6 +190,8 @@ class Engine:
 
     async def _follow_up(self, iid: int) -> None:
         """The rest of an incident that reached its playbook, outside the workers."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._quiet.wait(), FOLLOW_UP_HOLD_S)
         try:
             await self._drive(iid)
         except asyncio.CancelledError:
@@ -186,6 +200,10 @@ class Engine:
             self._crashed(iid)
         finally:
             self._done(iid)
+
+    def _maybe_quiet(self) -> None:
+        if not self._responding and not self._queued:
+            self._quiet.set()
 
     def _crashed(self, iid: int) -> None:
         log.exception("incident processing failed", extra={"incident": iid})

@@ -34,7 +34,7 @@ class FirstResponder:
         self,
         settings: steps.Settings,
         *,
-        workers: int = 64,
+        workers: int = 192,
         kube_factory: Callable[[steps.Settings], steps.Kube | None] = steps.kube_for,
     ) -> None:
         self.settings = settings

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +210,79 @@ def test_fleetheal_launch_under_a_shell_leaves_the_job_to_a_requeue(cluster: Slu
     results = steps.requeue_jobs(slurm, nodes[0], "inc-1", "nccl-timeout", same_nodes=True)
     assert "requeued it on" in results[-1].detail, results
     assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 15)
+
+
+def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(cluster: SlurmCluster) -> None:
+    """A storm's first responses on one Slurm: drains submitted together go to Slurm as one scontrol,
+    reads together as about one sinfo, a standby node is never promoted twice, and a command that fails
+    in a batch fails for its caller only."""
+    cluster.run("scontrol", "update", "nodename=n3", "state=DRAIN", "reason=fleetheal:standby")
+    slurm = steps.Slurm(settings(cluster))
+    calls: list[tuple[str, ...]] = []
+    real_run = slurm.run
+
+    def counted(command: str, *args: str, **kw: Any) -> str:
+        calls.append((command, *args))
+        return real_run(command, *args, **kw)
+
+    slurm.run = counted  # type: ignore[method-assign]
+    barrier = threading.Barrier(8)
+
+    def drain(i: int) -> steps.StepResult:
+        barrier.wait()
+        return steps.drain_node(slurm, ["n1", "n2"][i % 2], f"fleetheal:xid-79 incident=inc-{i}")
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = [r.outcome for r in pool.map(drain, range(8))]
+    assert outcomes == ["done"] * 8
+    assert all("DRAIN" in cluster.node(n).flags for n in ("n1", "n2"))
+    assert len([c for c in calls if c[0] == "sinfo"]) <= 3, calls  # 8 reads of the same state
+    assert len([c for c in calls if c[0] == "scontrol"]) <= 3, calls  # 8 drains
+
+    # A command Slurm refuses fails for its caller; the others of its batch succeed.
+    barrier = threading.Barrier(6)
+
+    def update(i: int) -> None:
+        barrier.wait()
+        slurm.scontrol("update", "nodename=nX" if i % 2 else "nodename=n1", f"comment=batch-{i}")
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(update, i) for i in range(6)]
+    for i, fut in enumerate(futures):
+        if i % 2:
+            with pytest.raises(steps.StepError, match="nodename=nX"):
+                fut.result()
+        else:
+            fut.result()
+
+    # Two promotions at once for two incidents never pick the same standby node.
+    cluster.run("scontrol", "update", "nodename=n2", "state=DRAIN", "reason=fleetheal:standby")
+    with ThreadPoolExecutor(2) as pool:
+        picks = list(pool.map(lambda i: steps.promote_standby(slurm, "n1", f"inc-p{i}"), range(2)))
+    assert sorted(p.outcome for p in picks) == ["done", "done"]
+    assert sorted(p.node for p in picks) == ["n2", "n3"]
+
+
+def test_a_shared_read_never_started_before_its_caller_asked() -> None:
+    """Callers see at least their own earlier writes: joining a read already in flight could miss them."""
+    import time
+
+    reads: list[float] = []
+
+    def fetch() -> int:
+        reads.append(time.monotonic())
+        time.sleep(0.05)
+        return len(reads)
+
+    shared = steps._Shared(fetch)
+
+    def ask(delay: float) -> tuple[float, float]:
+        time.sleep(delay)
+        asked = time.monotonic()
+        started, _ = shared.get()
+        return asked, started
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(ask, [i * 0.01 for i in range(20)]))
+    assert all(started >= asked for asked, started in answers)
+    assert len(reads) < 10  # 20 callers over 0.2 s, reads of 0.05 s

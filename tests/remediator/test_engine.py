@@ -205,7 +205,8 @@ def test_shutdown_cancels_a_running_playbook_and_the_next_start_resumes_it(cfg):
 
 
 def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
-    """Six nodes at once, one playbook slot held by a slow run: every first response still runs at once.
+    """Six nodes at once, one playbook slot held by a slow run: every first response still runs at once,
+    and no playbook shares the machine with them (the follow-ups start once the first responses are done).
 
     Before the playbook stage left the workers, each of the (here 2) workers sat on an incident waiting
     for a playbook slot, and the first response of every later incident waited minutes behind them.
@@ -220,19 +221,23 @@ def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
     class Responder:
         def __init__(self) -> None:
             self.nodes: list[str] = []
+            self.playbooks_running: list[int] = []
+            self.runner = RecordingRunner(delay_s=30.0)
 
         def handles(self, action: str) -> bool:
             return action == "ISOLATE_AND_RELOCATE"
 
         async def respond(self, inc, record) -> None:
             self.nodes.append(inc.node)
+            self.playbooks_running.append(self.runner.max_running)
+            await asyncio.sleep(0.05)
 
         def close(self) -> None:
             pass
 
     async def main():
-        runner = RecordingRunner(delay_s=30.0)
         responder = Responder()
+        runner = responder.runner
         store = Store(cfg.store.path)
         engine = Engine(cfg, store, runner, TAX, responder=responder)  # type: ignore[arg-type]
         await engine.start(workers=2)
@@ -243,7 +248,12 @@ def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
                 break
             await asyncio.sleep(0.01)
         assert sorted(responder.nodes) == [f"gpu-{i:03d}" for i in range(6)]
-        assert runner.max_running == 1  # the playbook slot is still held by the first run
+        assert responder.playbooks_running == [0] * 6
+        for _ in range(200):
+            if runner.max_running:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.max_running == 1  # the playbook slot is held by the first run, the others wait
         await engine.stop(grace_s=0.1)
         firsts = [s for iid in result.created for s in store.steps(iid) if s.name == "first_response"]
         assert len(firsts) == 6 and all(s.result == "ok" for s in firsts)
