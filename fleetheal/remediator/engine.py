@@ -14,11 +14,11 @@ Failed or timed-out attempts are retried `runner.retries` times with exponential
 playbooks are idempotent). Interrupted attempts (crash, shutdown) do not count as failures, but more
 than MAX_INTERRUPTIONS of them fail the incident rather than loop forever.
 
-The workers run the fast part of every incident (classify, gate, the first response); once an incident
-reaches its playbook, it is handed to a task of its own that waits for a playbook slot
-(`runner.max_concurrent`), so a storm's first responses never queue behind minutes-long playbooks. Nor do
-they share the CPU with them: a playbook starts only when no first response is queued or running (or
-after FOLLOW_UP_HOLD_S, so that a steady stream of faults cannot starve the follow-ups).
+The workers classify and gate; an incident allowed to act is handed to a task of its own, which runs
+its first response at once (concurrently with every other incident's: a storm's first responses never
+queue behind each other) and then waits for a playbook slot (`runner.max_concurrent`). The playbooks
+never share the CPU with first responses either: one starts only when no incident is queued or in its
+first response (or after FOLLOW_UP_HOLD_S, so that a steady stream of faults cannot starve them).
 """
 
 from __future__ import annotations
@@ -94,18 +94,21 @@ class Engine:
         self._last_recheck = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._responding = 0  # workers busy with an incident's fast part
+        self._responding = 0  # incidents being classified, gated or in their first response
         self._quiet = asyncio.Event()  # no incident queued, none in its fast part
         self._quiet.set()
+        self._warming: asyncio.Future[None] | None = None  # the first responder loading its clients
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
-    async def start(self, workers: int = 64) -> None:
+    async def start(self, workers: int = 16) -> None:
         """Resume unfinished incidents, then start the workers and the gate's tick."""
         resumed = [inc.id for inc in self.store.unfinished() if inc.hold_reason is None]
         if resumed:
             log.info("resuming unfinished incidents", extra={"count": len(resumed)})
         self.submit(resumed)
+        if self.responder is not None:
+            self._warming = asyncio.get_running_loop().run_in_executor(None, self.responder.warm)
         self._tasks = [asyncio.create_task(self._worker(), name=f"engine-worker-{i}") for i in range(workers)]
         self._tasks.append(asyncio.create_task(self._ticker(), name="engine-tick"))
 
@@ -179,20 +182,28 @@ class Engine:
             except Exception:
                 self._crashed(iid)
             finally:
-                self._responding -= 1
-                self._maybe_quiet()
                 if detached:
-                    task = asyncio.create_task(self._follow_up(iid), name=f"incident-{iid}-playbook")
+                    self._responding += 1  # until its first response ended
+                    task = asyncio.create_task(self._follow_up(iid), name=f"incident-{iid}-act")
                     self._follow_ups.add(task)
                     task.add_done_callback(self._follow_ups.discard)
                 else:
                     self._done(iid)
+                self._responding -= 1
+                self._maybe_quiet()
 
     async def _follow_up(self, iid: int) -> None:
-        """The rest of an incident that reached its playbook, outside the workers."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._quiet.wait(), FOLLOW_UP_HOLD_S)
+        """An incident allowed to act, outside the workers: its first response, then its playbook."""
         try:
+            try:
+                inc = self.store.get(iid)
+                if inc is not None and inc.state == "acting":
+                    await self._respond_first(inc)
+            finally:
+                self._responding -= 1
+                self._maybe_quiet()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._quiet.wait(), FOLLOW_UP_HOLD_S)
             await self._drive(iid)
         except asyncio.CancelledError:
             raise
@@ -241,7 +252,7 @@ class Engine:
     # --- the state machine ------------------------------------------------------------------------------
 
     async def _drive(self, iid: int, *, detach: bool = False) -> bool:
-        """Advance the incident; with `detach`, stop (True) where only its playbook is left to run."""
+        """Advance the incident; with `detach`, stop (True) where it starts acting."""
         inc = self.store.get(iid)
         while inc is not None and inc.state not in TERMINAL and not self._stopping:
             if inc.state == "received":
@@ -252,9 +263,9 @@ class Engine:
             elif inc.state == "gated":
                 self.store.set_state(iid, "acting")
             elif inc.state == "acting":
-                await self._respond_first(inc)
                 if detach:
                     return True
+                await self._respond_first(inc)
                 await self._act(inc)
             inc = self.store.get(iid)
         if inc is not None and inc.resolved_at is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,6 +43,7 @@ class FirstResponder:
         self._kube_factory = kube_factory
         self._kube: steps.Kube | None = None
         self._kube_ready = False
+        self._kube_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="responder")
 
     @classmethod
@@ -59,10 +61,21 @@ class FirstResponder:
         return action in ACTIONS
 
     def kube(self) -> steps.Kube | None:
-        if not self._kube_ready:
-            self._kube = self._kube_factory(self.settings)
-            self._kube_ready = True
-        return self._kube
+        with self._kube_lock:
+            if not self._kube_ready:
+                self._kube = self._kube_factory(self.settings)
+                self._kube_ready = True
+            return self._kube
+
+    def warm(self) -> None:
+        """Before the first fault: load the Kubernetes client and open a connection (seconds on a small
+        machine, which the first incident of a storm would otherwise wait for)."""
+        try:
+            kube = self.kube()
+            if kube is not None:
+                kube.core.list_node(limit=1, _preload_content=False)
+        except Exception as exc:
+            log.warning("Kubernetes API not reachable yet", extra={"error": str(exc)[:300]})
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()

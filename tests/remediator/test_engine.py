@@ -227,6 +227,9 @@ def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
         def handles(self, action: str) -> bool:
             return action == "ISOLATE_AND_RELOCATE"
 
+        def warm(self) -> None:
+            pass
+
         async def respond(self, inc, record) -> None:
             self.nodes.append(inc.node)
             self.playbooks_running.append(self.runner.max_running)
