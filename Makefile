@@ -40,6 +40,7 @@ demo-classify: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/yamllint -s .
 	# The repository's own collection (fleetheal.cluster) sits next to the playbooks; ansible-playbook finds it there.

@@ -70,8 +70,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(found: list[dict[str, Any]]) -> str:
-    cols = [("line", "LINE"), ("fault_id", "FAULT"), ("xid", "XID"), ("pci_bus_id", "PCI BUS"),
-            ("class", "CLASS"), ("action", "ACTION"), ("severity", "SEVERITY")]
+    cols = [
+        ("line", "LINE"),
+        ("fault_id", "FAULT"),
+        ("xid", "XID"),
+        ("pci_bus_id", "PCI BUS"),
+        ("class", "CLASS"),
+        ("action", "ACTION"),
+        ("severity", "SEVERITY"),
+    ]
     cols = [(k, h) for k, h in cols if any(k in e for e in found)]
     rows = [[h for _, h in cols]] + [["-" if e.get(k) is None else str(e[k]) for k, _ in cols] for e in found]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]

@@ -73,6 +73,7 @@ def owns_reason(reason: str | None) -> bool:
     """True when a Slurm node reason was written by fleetheal."""
     return bool(reason) and str(reason).startswith(DRAIN_REASON_PREFIX)
 
+
 #: Extra variables the remediator passes to every remediation playbook (all validated first).
 #: Playbooks assert `fleetheal_action` is what the taxonomy maps `fleetheal_fault_id` to.
 PLAYBOOK_VARS = (

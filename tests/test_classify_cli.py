@@ -28,7 +28,9 @@ def test_xid_json() -> None:
 
 
 def test_line_table() -> None:
-    out = fleetheal("classify", "[Mon Aug  5 03:54:13 2024] NVRM: Xid (PCI:0000:00:07): 31, pid=25, name=python3.10, MMU Fault")
+    out = fleetheal(
+        "classify", "[Mon Aug  5 03:54:13 2024] NVRM: Xid (PCI:0000:00:07): 31, pid=25, name=python3.10, MMU Fault"
+    )
     assert out.returncode == 0, out.stderr
     assert "xid-31" in out.stdout and "REFUSE_AND_REPORT" in out.stdout and "0000:00:07" in out.stdout
     assert "compute-sanitizer" in out.stdout  # the explanation a researcher reads
@@ -63,7 +65,10 @@ def test_unknown_xid_is_observed_not_an_error() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["classify", "--file", "/nonexistent/kern.log"], "cannot read /nonexistent/kern.log: No such file or directory"),
+        (
+            ["classify", "--file", "/nonexistent/kern.log"],
+            "cannot read /nonexistent/kern.log: No such file or directory",
+        ),
         (["classify"], "one of the arguments line --xid --file is required"),
         (["classify", "--xid", "abc"], "invalid int value: 'abc'"),
         (["classify", "--xid", "0"], "--xid must be a positive Xid code, got 0"),

@@ -23,12 +23,20 @@ def test_checked_in_files_are_up_to_date(repo: Path) -> None:
 def test_check_names_the_command_to_run(tmp_path: Path, repo: Path) -> None:
     (tmp_path / "policies").mkdir()
     shutil.copy(repo / "policies" / "faults.yaml", tmp_path / "policies" / "faults.yaml")
-    out = subprocess.run([sys.executable, "-m", "fleetheal", "generate", "--check", "--root", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetheal", "generate", "--check", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "stale: policies/alert-rules.yml (run `fleetheal generate` or `make generate`)" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "fleetheal", "generate", "--root", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetheal", "generate", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0
     assert generate.stale(tmp_path) == []
 
@@ -36,8 +44,11 @@ def test_check_names_the_command_to_run(tmp_path: Path, repo: Path) -> None:
 def test_ansible_vars_map_every_fault(repo: Path) -> None:
     doc = yaml.safe_load((repo / generate.ANSIBLE_VARS).read_text())
     tx = taxonomy.load()
-    assert doc["fleetheal_taxonomy_faults"]["xid-79"] == {"class": "hardware", "action": "ISOLATE_AND_RELOCATE",
-                                                         "severity": "critical"}
+    assert doc["fleetheal_taxonomy_faults"]["xid-79"] == {
+        "class": "hardware",
+        "action": "ISOLATE_AND_RELOCATE",
+        "severity": "critical",
+    }
     assert set(doc["fleetheal_taxonomy_faults"]) == set(tx.faults)
     assert set(doc["fleetheal_taxonomy_actions"]) == set(tx.actions)
     assert doc["fleetheal_drain_reason_prefix"] == "fleetheal:"
@@ -52,20 +63,42 @@ def test_every_alerting_fault_has_one_rule() -> None:
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) missing: run scripts/bootstrap.sh")
 def test_promtool_checks_and_unit_tests_the_rules(repo: Path) -> None:
-    check = subprocess.run([PROMTOOL, "check", "rules", str(repo / generate.ALERT_RULES)], capture_output=True,
-                           text=True, timeout=60)
+    check = subprocess.run(
+        [PROMTOOL, "check", "rules", str(repo / generate.ALERT_RULES)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
-    tests = subprocess.run([PROMTOOL, "test", "rules", str(repo / "tests" / "promtool" / "alert-rules.test.yml")],
-                           capture_output=True, text=True, timeout=60, cwd=repo / "tests" / "promtool")
+    tests = subprocess.run(
+        [PROMTOOL, "test", "rules", str(repo / "tests" / "promtool" / "alert-rules.test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=repo / "tests" / "promtool",
+    )
     assert tests.returncode == 0, tests.stdout + tests.stderr
     assert "SUCCESS" in tests.stdout + tests.stderr
 
 
 def test_taxonomy_check_cli(shared: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "fleetheal", "taxonomy", "check", "--catalog",
-                          str(shared / "reference" / "xid-catalog.csv")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fleetheal",
+            "taxonomy",
+            "check",
+            "--catalog",
+            str(shared / "reference" / "xid-catalog.csv"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("taxonomy OK: ")
-    out = subprocess.run([sys.executable, "-m", "fleetheal", "taxonomy", "check", "--catalog", "/nonexistent.csv"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetheal", "taxonomy", "check", "--catalog", "/nonexistent.csv"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "cannot read /nonexistent.csv" in out.stderr

@@ -16,7 +16,14 @@ def fixture_lines(path: Path) -> list[str]:
 # (start of the fixture line, fault id or None for a context line, xid, pci bus id, pid, process)
 XID_EXPECTED = [
     ("[Fri Aug 30 11:43:09 2024] NVRM: Xid (PCI:0000:cb:00): 13,", "xid-13", 13, "0000:cb:00", None, None),
-    ("[Fri Aug 30 11:43:14 2024] NVRM: Xid (PCI:0000:cb:00): 109", "xid-109", 109, "0000:cb:00", 1797828, "pt_main_thread"),
+    (
+        "[Fri Aug 30 11:43:14 2024] NVRM: Xid (PCI:0000:cb:00): 109",
+        "xid-109",
+        109,
+        "0000:cb:00",
+        1797828,
+        "pt_main_thread",
+    ),
     ("Jan 18 11:38:05 localhost kernel:", "xid-3", 3, "0000:01:00", None, None),
     ("May 13 17:18:57 hyperion", "xid-69", 69, "0000:08:00", None, None),
     ("Dec 23 23:30:56 rescue", "xid-32", 32, "0000:01:00", None, None),
@@ -98,7 +105,9 @@ def test_every_fault_fixture_line(shared: Path) -> None:
 
 
 def test_sympathetic_xid_names_its_cause() -> None:
-    (e,) = parse_line("kernel: NVRM: Xid (PCI:0000:ed:00): 45, pid=1, name=python3, Ch 0000000c caused by previous Xid 145")
+    (e,) = parse_line(
+        "kernel: NVRM: Xid (PCI:0000:ed:00): 45, pid=1, name=python3, Ch 0000000c caused by previous Xid 145"
+    )
     assert e.fault.action == "OBSERVE"
     assert "caused by Xid 145" in e.detail
 
@@ -125,11 +134,21 @@ def test_prefixes_do_not_matter(line: str) -> None:
         ("NVRM: Xid (PCI:0000:4e:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB", "xid-95", 95),
         ("NVRM: Xid (PCI:0000:4e:00): 171, Uncorrectable DRAM error", "xid-171", 171),
         ("NVRM: Xid (PCI:0000:4e:00): 201, a code from a future driver", "unknown", 201),
-        ("NVRM: Xid (PCI:0000:4e:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
-         "xid-154-node-reboot", 154),
-        ("NVRM: Xid (PCI:0000:4e:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
-         "xid-154-gpu-reset", 154),
-        ("NVRM: Xid (PCI:0000:4e:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 03 (0xffffffff 0x99999999)", "xid-145-observe", 145),
+        (
+            "NVRM: Xid (PCI:0000:4e:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
+            "xid-154-node-reboot",
+            154,
+        ),
+        (
+            "NVRM: Xid (PCI:0000:4e:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+            "xid-154-gpu-reset",
+            154,
+        ),
+        (
+            "NVRM: Xid (PCI:0000:4e:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 03 (0xffffffff 0x99999999)",
+            "xid-145-observe",
+            145,
+        ),
         ("NVRM: Xid (PCI:0000:4e:00): 150, MSE_WATCHDOG Fatal (0x00000000 0x00000000)", "xid-150-reset-gpu", 150),
     ],
 )

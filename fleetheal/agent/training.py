@@ -35,6 +35,8 @@ def slurm_job_id(job: str) -> str:
     """`job` when it is a Slurm job id (what the client sends under Slurm), else "" (a torchrun run id
     or "local" names no job the remediator could act on alone)."""
     return job if _SLURM_JOB_ID.fullmatch(job) else ""
+
+
 _JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 

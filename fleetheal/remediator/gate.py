@@ -82,8 +82,6 @@ class BudgetState:
     domains: dict[str, tuple[int, int, int]]  # domain -> (pool, isolated, limit)
 
 
-
-
 class Gate:
     def __init__(
         self,

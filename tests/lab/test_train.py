@@ -92,8 +92,16 @@ def test_a_rank_stopped_by_slurm_tells_its_agent_it_ended(tmp_path):
     (run_dir / "progress.json").write_text(json.dumps({"step": 7}))
     env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURMD_NODENAME": "n2"}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "fleetheal.lab.train", "worker", "--run-dir", str(run_dir),
-         "--socket-template", str(agent_socket)],
+        [
+            sys.executable,
+            "-m",
+            "fleetheal.lab.train",
+            "worker",
+            "--run-dir",
+            str(run_dir),
+            "--socket-template",
+            str(agent_socket),
+        ],
         env=env,
     )
     try:

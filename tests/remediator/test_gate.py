@@ -281,7 +281,9 @@ def test_one_failure_raising_several_alerts_is_acted_on_once(tmp_path):
     async def scenario(h):
         # Xid 79 and the GPU-lost reading of the same GPU, then Xid 48 elsewhere on the node: one isolation.
         await h.send(alert(node="gpu-004", gpu="3", fault_id="xid-79"))
-        await h.send(alert(node="gpu-004", gpu="3", fault_id="gpu-lost"), alert(node="gpu-004", gpu="5", fault_id="xid-48"))
+        await h.send(
+            alert(node="gpu-004", gpu="3", fault_id="gpu-lost"), alert(node="gpu-004", gpu="5", fault_id="xid-48")
+        )
         assert [(r.extravars["fleetheal_fault_id"], r.action) for r in h.runner.requests] == [
             ("xid-79", "ISOLATE_AND_RELOCATE")
         ]
