@@ -45,6 +45,9 @@ class FirstResponder:
         self._kube_ready = False
         self._kube_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="responder")
+        # The API server's calls wait in a pool of their own (one thread per kept connection), so that a
+        # storm's cordons never hold back its grace signals and requeues.
+        self._kube_pool = ThreadPoolExecutor(max_workers=steps.Kube.CONNECTIONS, thread_name_prefix="responder-k8s")
 
     @classmethod
     def from_runner(cls, playbook_dir: str, site_vars: Mapping[str, Any]) -> FirstResponder:
@@ -52,6 +55,7 @@ class FirstResponder:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._kube_pool.shutdown(wait=False, cancel_futures=True)
 
     def handles(self, action: str) -> bool:
         # A restart in place that only signals (`fleetheal_restart_mode: signal`) is one command the
@@ -81,6 +85,10 @@ class FirstResponder:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
+    async def _kube_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._kube_pool, lambda: fn(self.kube(), *args, **kwargs))
+
     async def respond(self, inc: Incident, record: Callable[[steps.StepResult], None]) -> None:
         """Run the first response of `inc`'s action; each step's result goes to `record` as it ends."""
         dry = bool(inc.dry_run)
@@ -109,15 +117,13 @@ class FirstResponder:
             record(steps.StepResult(step, "failed", f"{type(exc).__name__}: {str(exc)[:300]}"))
 
     async def _cordon(self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None]) -> None:
-        kube = await self._call(self.kube)
-        record(await self._call(steps.k8s_isolate, kube, inc.node, inc.fault_id, dry_run=dry))
+        record(await self._kube_call(steps.k8s_isolate, inc.node, inc.fault_id, dry_run=dry))
 
     async def _promote(self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None]) -> None:
         result = await self._call(steps.promote_standby, self.slurm, inc.node, inc.ref, dry_run=dry)
         record(result)
         if result.changed:
-            kube = await self._call(self.kube)
-            record(await self._call(steps.k8s_promote, kube, result.node, dry_run=dry))
+            record(await self._kube_call(steps.k8s_promote, result.node, dry_run=dry))
 
     async def _requeue(
         self,
