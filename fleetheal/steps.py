@@ -295,42 +295,43 @@ class _Shared:
 
 class _Batched:
     """Concurrent commands go to Slurm together: what is submitted while a batch runs becomes the next
-    batch, run by its first submitter. `run_batch` takes the items and returns one error (or None) each."""
+    batch, run by one of its submitters (a caller never runs a batch after the one holding its command).
+    `run_batch` takes the items and returns one error (or None) each."""
 
     def __init__(self, run_batch: Callable[[list[Any]], list[Exception | None]]) -> None:
         self._run_batch = run_batch
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._busy = False
         self._pending: list[tuple[Any, Future[None]]] = []
 
     def submit(self, item: Any) -> None:
         fut: Future[None] = Future()
-        with self._lock:
+        with self._cond:
             self._pending.append((item, fut))
-            if self._busy:
-                lead = False
-            else:
-                self._busy = lead = True
-        if lead:
-            self._drain()
-        fut.result()
-
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                batch, self._pending = self._pending, []
-                if not batch:
-                    self._busy = False
-                    return
+            while self._busy and not fut.done():
+                self._cond.wait()
+            if fut.done():
+                return fut.result()
+            self._busy = True
+            batch, self._pending = self._pending, []
+        try:
             try:
-                errors = self._run_batch([item for item, _ in batch])
+                errors = self._run_batch([i for i, _ in batch])
             except Exception as exc:
                 errors = [exc] * len(batch)
-            for (_, fut), error in zip(batch, errors, strict=True):
+            for (_, done), error in zip(batch, errors, strict=True):
                 if error is None:
-                    fut.set_result(None)
+                    done.set_result(None)
                 else:
-                    fut.set_exception(error)
+                    done.set_exception(error)
+        finally:
+            for _, done in batch:  # interrupted: nobody waits forever
+                if not done.done():
+                    done.set_exception(StepError("interrupted while the command ran"))
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        return fut.result()
 
 
 def _scontrol_word(arg: str) -> str:

@@ -286,3 +286,36 @@ def test_a_shared_read_never_started_before_its_caller_asked() -> None:
         answers = list(pool.map(ask, [i * 0.01 for i in range(20)]))
     assert all(started >= asked for asked, started in answers)
     assert len(reads) < 10  # 20 callers over 0.2 s, reads of 0.05 s
+
+
+def test_a_batch_caller_waits_for_its_own_batch_only_and_gets_its_own_error() -> None:
+    import time
+
+    starts: list[float] = []
+    seen: list[int] = []
+
+    def run_batch(items: list[int]) -> list[Exception | None]:
+        starts.append(time.monotonic())
+        time.sleep(0.05)
+        seen.extend(items)
+        return [ValueError(f"item {i}") if i % 5 == 0 else None for i in items]
+
+    batched = steps._Batched(run_batch)
+
+    def call(i: int) -> tuple[float, float, str]:
+        time.sleep(i * 0.01)
+        asked = time.monotonic()
+        try:
+            batched.submit(i)
+            error = ""
+        except ValueError as exc:
+            error = str(exc)
+        return asked, time.monotonic(), error
+
+    with ThreadPoolExecutor(30) as pool:
+        answers = list(pool.map(call, range(30)))
+    assert sorted(seen) == list(range(30))  # every command sent once
+    assert [e for _, _, e in answers] == [f"item {i}" if i % 5 == 0 else "" for i in range(30)]
+    assert len(starts) < 15
+    for asked, answered, _ in answers:  # the batch in flight as it asked (or just starting), then its own
+        assert len([t for t in starts if asked < t < answered]) <= 2
