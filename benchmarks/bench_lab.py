@@ -265,22 +265,8 @@ class Bench:
             return
         r["running"] = again
 
-        def resumed() -> float | None:
-            st = self.starts()
-            return float(st[-1]["time"]) - t0 if len(st) > starts0 else None
-
-        res = _poll(resumed, 60, 0.1)
-        if res is not None:
-            r["resumed"] = res
-        sig = [e for e in read_events(self.run_dir) if e.get("event") == "signal" and float(e["time"]) > t0]
-        if sig:
-            r["grace_signal"] = float(sig[0]["time"]) - t0
-        inc = self.finished(node, XID, t0, 180)
-        if inc is None:
-            self.failures[XID].append(f"{node} gpu {gpu}: incident not finished within 180 s")
-        else:
-            r["alert"] = float(inc["received_at"]) - t0
-            full = self.lab.incident(inc["id"])
+        full = self.after_running(r, XID, node=node, t0=t0, starts0=starts0, timeout=180, where=f"{node} gpu {gpu}")
+        if full is not None:
             firsts = _timeline_firsts(full, t0)
             r["playbook_start"] = firsts.get("playbook", float("nan"))
             for key, value in firsts.items():
@@ -291,6 +277,32 @@ class Bench:
             r["incident_done"] = float(full.get("phases", {}).get("total") or float("nan"))
         self.rounds[XID].append(r)
         self.repair(node)
+
+    def after_running(
+        self, r: dict[str, Any], fault: str, *, node: str, t0: float, starts0: int, timeout: float, where: str
+    ) -> dict[str, Any] | None:
+        """Once the job runs again: when its training started again (the first start after the fault), when
+        it got the grace signal, when the alert reached the remediator; the finished incident, or None."""
+        assert self.run_dir is not None
+
+        def resumed() -> float | None:
+            st = self.starts()
+            return float(st[starts0]["time"]) - t0 if len(st) > starts0 else None
+
+        res = _poll(resumed, 60, 0.1)
+        if res is not None:
+            r["resumed"] = res
+        sig = [e for e in read_events(self.run_dir) if e.get("event") == "signal" and float(e["time"]) > t0]
+        if sig:
+            r["grace_signal"] = float(sig[0]["time"]) - t0
+        inc = self.finished(node, fault, t0, timeout)
+        if inc is None:
+            self.failures[fault].append(f"{where}: incident not finished within {timeout:.0f} s")
+            return None
+        r["alert"] = float(inc["received_at"]) - t0
+        r["state"] = inc.get("state")
+        full: dict[str, Any] = self.lab.incident(inc["id"])
+        return full
 
     def repair(self, node: str) -> None:
         """A technician returns the node to the warm-standby pool."""
@@ -386,28 +398,13 @@ class Bench:
         r["running"], r["path"] = again
         r["same_nodes"] = sorted(_expand(self.job_info()["NodeList"])) == sorted(nodes)
 
-        def resumed() -> float | None:
-            st = self.starts()
-            return float(st[starts0]["time"]) - t0 if len(st) > starts0 else None
-
-        res = _poll(resumed, 60, 0.1)
-        if res is not None:
-            r["resumed"] = res
-        sig = [e for e in read_events(self.run_dir) if e.get("event") == "signal" and float(e["time"]) > t0]
-        if sig:
-            r["grace_signal"] = float(sig[0]["time"]) - t0
-        inc = self.finished(node, NCCL, t0, 120)
-        if inc is None:
-            self.failures[NCCL].append(f"{where}: incident not finished within 120 s")
-        else:
-            r["alert"] = float(inc["received_at"]) - t0
-            full = self.lab.incident(inc["id"])
+        full = self.after_running(r, NCCL, node=node, t0=t0, starts0=starts0, timeout=120, where=where)
+        if full is not None:
             firsts = _timeline_firsts(full, t0)
             for key, value in firsts.items():
                 if "equeue" in key:  # slurm_requeue: a requeue in place, or the in-job restart order
                     r.setdefault("restart_order", value)
             r["incident_done"] = float(full.get("phases", {}).get("total") or float("nan"))
-            r["state"] = inc.get("state")
         clear(self.lab.node_dir(node) / "sim-gpus.json", fault_id=NCCL)
         self.rounds[NCCL].append(r)
 

@@ -398,17 +398,21 @@ class Slurm:
         return self._squeue.get()[1]  # type: ignore[no-any-return]
 
     def scontrol(self, *args: str) -> None:
-        """One scontrol command (`update ...`, `requeue ...`), sent with the others submitted meanwhile."""
-        self._scontrol.submit(tuple(args))
+        """One scontrol command (`update ...`, `requeue ...`), sent with the others submitted meanwhile.
+        Checked before it joins a batch: a newline in a value would be a second command in scontrol's input,
+        and a refused command must fail for its caller only."""
+        words = [_scontrol_word(a) for a in args]
+        self._scontrol.submit((tuple(args), " ".join(words)))
 
     def scancel_signal(self, signal: str, job_ids: Sequence[str]) -> None:
         """`scancel --batch --signal=SIGNAL` to `job_ids`, with the other jobs signalled meanwhile."""
         self._scancel.submit((signal, tuple(job_ids)))
 
-    def _scontrol_batch(self, commands: list[tuple[str, ...]]) -> list[Exception | None]:
+    def _scontrol_batch(self, batch: list[tuple[tuple[str, ...], str]]) -> list[Exception | None]:
+        commands = [args for args, _ in batch]
         if len(commands) == 1:
             return [_error_of(self.run, "scontrol", *commands[0])]
-        script = "".join(" ".join(_scontrol_word(a) for a in cmd) + "\n" for cmd in commands)
+        script = "".join(line + "\n" for _, line in batch)
         if _error_of(self.run, "scontrol", stdin=script + "quit\n", retries=0) is None:
             return [None] * len(commands)
         # Which line failed is not told: each command again on its own. They are idempotent, but for a

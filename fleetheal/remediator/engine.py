@@ -97,7 +97,6 @@ class Engine:
         self._responding = 0  # incidents being classified, gated or in their first response
         self._quiet = asyncio.Event()  # no incident queued, none in its fast part
         self._quiet.set()
-        self._warming: asyncio.Future[None] | None = None  # the first responder loading its clients
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -108,7 +107,7 @@ class Engine:
             log.info("resuming unfinished incidents", extra={"count": len(resumed)})
         self.submit(resumed)
         if self.responder is not None:
-            self._warming = asyncio.get_running_loop().run_in_executor(None, self.responder.warm)
+            asyncio.get_running_loop().run_in_executor(None, self.responder.warm)
         self._tasks = [asyncio.create_task(self._worker(), name=f"engine-worker-{i}") for i in range(workers)]
         self._tasks.append(asyncio.create_task(self._ticker(), name="engine-tick"))
 
@@ -182,15 +181,14 @@ class Engine:
             except Exception:
                 self._crashed(iid)
             finally:
-                if detached:
-                    self._responding += 1  # until its first response ended
+                if detached:  # still responding: the task counts it down when its first response ended
                     task = asyncio.create_task(self._follow_up(iid), name=f"incident-{iid}-act")
                     self._follow_ups.add(task)
                     task.add_done_callback(self._follow_ups.discard)
                 else:
+                    self._responding -= 1
                     self._done(iid)
-                self._responding -= 1
-                self._maybe_quiet()
+                    self._maybe_quiet()
 
     async def _follow_up(self, iid: int) -> None:
         """An incident allowed to act, outside the workers: its first response, then its playbook."""

@@ -319,3 +319,18 @@ def test_a_batch_caller_waits_for_its_own_batch_only_and_gets_its_own_error() ->
     assert len(starts) < 15
     for asked, answered, _ in answers:  # the batch in flight as it asked (or just starting), then its own
         assert len([t for t in starts if asked < t < answered]) <= 2
+
+
+def test_a_value_with_a_newline_never_reaches_scontrol_as_a_second_command() -> None:
+    """scontrol reads a batch from stdin, one command a line: a comment or reason carrying a newline would
+    smuggle in a command of its own (`delete ...`, `shutdown`). It is refused for its caller, before it
+    joins a batch, and nothing is run."""
+    slurm = steps.Slurm(steps.Settings())
+    ran: list[tuple[str, ...]] = []
+    slurm.run = lambda *a, **kw: ran.append(a) or ""  # type: ignore[method-assign]
+    for bad in ("comment=x\nshutdown", 'reason=a" state=DOWN "'):
+        with pytest.raises(steps.StepError, match="quote or a newline"):
+            slurm.scontrol("update", "nodename=n1", bad)
+    assert ran == []
+    slurm.scontrol("update", "nodename=n1", "comment=two words")
+    assert ran == [("scontrol", "update", "nodename=n1", "comment=two words")]
