@@ -113,7 +113,7 @@ class RunnerConfig:
     )
     #: Parent of the private run directories (one per step attempt).
     run_dir: str = "/var/lib/fleetheal/runs"
-    #: Inventory file or directory; unset -> a private inventory with only localhost (local connection).
+    #: Site inventory (group variables, say) given before the private one holding the incidents' hosts.
     inventory: str | None = None
     #: ansible.cfg for the runs (ANSIBLE_CONFIG); unset -> Ansible's defaults.
     ansible_cfg: str | None = None
@@ -123,8 +123,10 @@ class RunnerConfig:
     retries: int = 2
     #: First retry delay; doubles each attempt.
     backoff_s: float = 5.0
-    #: Playbooks running at once.
+    #: Playbook runs at once.
     max_concurrent: int = 4
+    #: Incidents one run of a playbook serves at most (one inventory host each, as many forks).
+    max_hosts_per_run: int = 50
     #: Names of environment variables handed to Ansible; everything else (secrets) stays out.
     env_passthrough: tuple[str, ...] = (
         "PATH",
@@ -140,7 +142,7 @@ class RunnerConfig:
     #: Extra environment for Ansible (non-secret values such as paths).
     envvars: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     #: Site settings for the playbooks (`fleetheal_*` names from playbooks/vars/remediation.yml, e.g. the
-    #: grace period, kubeconfig, report dir). Passed as extra vars; the per-incident contract variables win.
+    #: grace period, kubeconfig, report dir). Passed as extra vars; never a per-incident contract variable.
     site_vars: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     #: Run the latency-critical steps of an isolation or a restart in-process before the playbook
     #: (fleetheal/remediator/responder.py); false: the playbook does everything, as a human would.
@@ -333,8 +335,11 @@ def _check(cfg: Config) -> None:
     if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
         raise ConfigError(f"store.synchronous: {cfg.store.synchronous!r} is not one of FULL, NORMAL, EXTRA")
     r = cfg.runner
-    if r.timeout_s < 1 or r.retries < 0 or r.backoff_s < 0 or r.max_concurrent < 1:
-        raise ConfigError("runner: timeout_s >= 1, retries >= 0, backoff_s >= 0 and max_concurrent >= 1 are required")
+    if r.timeout_s < 1 or r.retries < 0 or r.backoff_s < 0 or r.max_concurrent < 1 or r.max_hosts_per_run < 1:
+        raise ConfigError(
+            "runner: timeout_s >= 1, retries >= 0, backoff_s >= 0, max_concurrent >= 1 and max_hosts_per_run >= 1"
+            " are required"
+        )
     for name in (*r.env_passthrough, *r.envvars):
         if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"runner: {name!r} is not an environment variable name")

@@ -19,6 +19,8 @@ its first response at once (concurrently with every other incident's: a storm's 
 queue behind each other) and then waits for a playbook slot (`runner.max_concurrent`). The playbooks
 never share the CPU with first responses either: one starts only when no incident is queued or in its
 first response (or after FOLLOW_UP_HOLD_S, so that a steady stream of faults cannot starve them).
+Attempts of the same playbook waiting for a slot run together, as one ansible-runner run over one host
+per incident (at most `runner.max_hosts_per_run`; runner.py), each with its own result.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fleetheal.remediator.gate import Gate, Verdict
 from fleetheal.remediator.metrics import Metrics
 from fleetheal.remediator.responder import FirstResponder
 from fleetheal.remediator.runner import (
+    Run,
     Runner,
     RunnerEvent,
     RunnerInputError,
@@ -58,6 +61,8 @@ PLAYBOOK_STEP = "playbook"
 FIRST_STEP = "first_response"
 #: The longest a follow-up playbook waits for the first responses in progress to finish.
 FOLLOW_UP_HOLD_S = 20.0
+#: Once a playbook slot is free, how long the attempts of one playbook gather before they run together.
+BATCH_WINDOW_S = 0.25
 
 
 class Engine:
@@ -88,6 +93,8 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._follow_ups: set[asyncio.Task[None]] = set()
         self._executor = ThreadPoolExecutor(max_workers=cfg.runner.max_concurrent, thread_name_prefix="playbook")
+        self._slots = asyncio.Semaphore(cfg.runner.max_concurrent)
+        self._waiting: dict[str, list[tuple[Run, asyncio.Future[Any]]]] = {}  # playbook -> attempts
         self._cancel = threading.Event()
         self._stopping = False
         self._hold_state: tuple[bool, bool, int] | None = None
@@ -182,9 +189,7 @@ class Engine:
                 self._crashed(iid)
             finally:
                 if detached:  # still responding: the task counts it down when its first response ended
-                    task = asyncio.create_task(self._follow_up(iid), name=f"incident-{iid}-act")
-                    self._follow_ups.add(task)
-                    task.add_done_callback(self._follow_ups.discard)
+                    self._spawn(self._follow_up(iid), f"incident-{iid}-act")
                 else:
                     self._responding -= 1
                     self._done(iid)
@@ -432,11 +437,8 @@ class Engine:
                     self.metrics.playbook_started(inc, first_start[0])
             self.store.add_event(inc.id, event.kind, event.detail, step_id)
 
-        loop = asyncio.get_running_loop()
         try:
-            outcome = await loop.run_in_executor(
-                self._executor, self.runner.run, request, on_event, self._cancel.is_set
-            )
+            outcome = await self._run_playbook((request, on_event))
         except RunnerInputError as exc:
             detail = f"{playbook}: refused to run: {exc}"
             self.store.end_step(step_id, "error", detail, (inc.id, "failed", {"outcome": detail}))
@@ -458,6 +460,55 @@ class Engine:
             self._finished(inc, "done")
         else:
             self.store.end_step(step_id, outcome.status, detail)
+
+    async def _run_playbook(self, run: Run) -> StepOutcome:
+        """Wait for a slot with the other attempts of the same playbook; run with them; this one's outcome."""
+        done: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
+        playbook = run[0].playbook
+        waiting = self._waiting.setdefault(playbook, [])
+        waiting.append((run, done))
+        if len(waiting) == 1:  # nobody is gathering this playbook's attempts yet
+            self._spawn(self._gather(playbook), f"playbook-{playbook}")
+        return await done
+
+    async def _gather(self, playbook: str) -> None:
+        waiting = self._waiting[playbook]
+        while waiting:
+            await self._slots.acquire()
+            await asyncio.sleep(BATCH_WINDOW_S)
+            batch = waiting[: self.cfg.runner.max_hosts_per_run]
+            del waiting[: len(batch)]
+            self._spawn(self._run_batch(batch), f"playbook-{playbook}-run")
+        del self._waiting[playbook]  # no await since the loop's test: nothing joined in between
+
+    async def _run_batch(self, batch: list[tuple[Run, asyncio.Future[Any]]]) -> None:
+        try:
+            run_dir = str(run_dir_for(self.cfg.runner.run_dir, batch[0][0][0]))
+            for (request, _), _ in batch[1:]:  # a batch runs in its first attempt's directory
+                self.store.set_step_run_dir(request.step_id, run_dir)
+            loop = asyncio.get_running_loop()
+            runs = [run for run, _ in batch]
+            outcomes: list[StepOutcome | Exception]
+            try:
+                outcomes = [
+                    *await loop.run_in_executor(self._executor, self.runner.run_batch, runs, self._cancel.is_set)
+                ]
+            except Exception as exc:
+                outcomes = [exc] * len(batch)
+            for (_, done), outcome in zip(batch, outcomes, strict=True):
+                if done.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    done.set_exception(outcome)
+                else:
+                    done.set_result(outcome)
+        finally:
+            self._slots.release()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._follow_ups.add(task)
+        task.add_done_callback(self._follow_ups.discard)
 
     # --- helpers ---------------------------------------------------------------------------------------
 

@@ -1,20 +1,30 @@
-"""Run one remediation playbook through ansible-runner. The only module that imports `ansible_runner`.
+"""Run remediation playbooks through ansible-runner. The only module that imports `ansible_runner`.
 
-Each step attempt gets its own private data directory (`<run_dir>/<incident>/step<S>-attempt<A>/`):
-ansible-runner rewrites the inventory there and passes any `env/extravars` it finds to later runs, so a
-shared directory would leak one incident's variables into the next.
+One run serves a batch of step attempts of the same playbook (one per incident, each on its own node):
+each incident is one host of the inventory group `fleetheal_incidents` (local connection, the
+incident's variables as its host variables), and Ansible's forks run them side by side, so 150
+follow-ups cost one ansible-playbook start-up instead of 150. A host's result is its own: the others
+failing does not fail it. A human runs the same playbook with `-e fleetheal_node=...` on the group
+`fleetheal_control` instead (the playbooks' `hosts:` line).
+
+Each run gets its own private data directory, the one of its first step attempt
+(`<run_dir>/<incident>/step<S>-attempt<A>/`): ansible-runner rewrites the inventory there and passes any
+`env/extravars` it finds to later runs, so a shared directory would leak one run's variables into the next.
 
 What reaches Ansible:
-- extra variables: only the names in `contracts.PLAYBOOK_VARS`, with values the alert validator let
-  through (checked again here: plain names, booleans, small counts); they are written to `env/extravars`;
+- variables: only the names in `contracts.PLAYBOOK_VARS`, with values the alert validator let through
+  (checked again here: plain names, booleans, small counts), as host variables of the incident's host
+  in `inventory/hosts.json`; the site settings (`runner.site_vars`, never a per-incident name) as extra
+  variables in `env/extravars`;
 - environment: the allow-listed variables of `runner.env_passthrough`, `runner.envvars` and what
   ansible-runner sets for itself. Anything whose name looks like a secret, and any value equal to a
   known secret (the bearer token), is dropped before the runner writes its `command` artifact, which
   otherwise stores the whole environment.
 After the run every artifact file is scrubbed of known secret values once more.
 
-Engine-facing API: `AnsibleRunner.run(request, on_event, cancel) -> StepOutcome`; tests substitute any
-object with the same `run` method (see `Runner`).
+Engine-facing API: `AnsibleRunner.run_batch([(request, on_event), ...], cancel)` returns one outcome (or
+the RunnerInputError that refused it) per request; tests substitute any object with the same method (see
+`Runner`). `run(request, on_event, cancel)` is a batch of one.
 """
 
 from __future__ import annotations
@@ -82,10 +92,16 @@ class RunnerEvent:
     pid: int | None = None
 
 
+#: A step attempt and where its timeline events go.
+Run = tuple[StepRequest, Callable[[RunnerEvent], None]]
+#: The inventory group of the hosts a batch runs on, one per incident (the playbooks' `hosts:` line).
+INCIDENTS_GROUP = "fleetheal_incidents"
+
+
 class Runner(Protocol):
-    def run(
-        self, request: StepRequest, on_event: Callable[[RunnerEvent], None], cancel: Callable[[], bool]
-    ) -> StepOutcome: ...
+    def run_batch(self, runs: Sequence[Run], cancel: Callable[[], bool]) -> list[StepOutcome | RunnerInputError]:
+        """Run the same playbook for every request at once; one outcome per request, in order."""
+        ...
 
 
 def check_extravars(extravars: Mapping[str, Any]) -> dict[str, str | bool | int]:
@@ -103,6 +119,7 @@ def check_extravars(extravars: Mapping[str, Any]) -> dict[str, str | bool | int]
 
 
 def run_dir_for(run_root: str, request: StepRequest) -> Path:
+    """The private directory of a run whose first request is `request`."""
     return Path(run_root) / request.ref / f"step{request.step_id}-attempt{request.attempt}"
 
 
@@ -259,23 +276,20 @@ class AnsibleRunner:
             out[key] = value
         return out
 
-    def _prepare_dir(self, request: StepRequest, extravars: Mapping[str, Any]) -> Path:
-        private = run_dir_for(self.cfg.run_dir, request)
+    def _prepare_dir(self, first: StepRequest, hosts: Mapping[str, Mapping[str, Any]]) -> Path:
+        private = run_dir_for(self.cfg.run_dir, first)
         if private.exists():  # a leftover of a crash before this attempt was recorded: start clean
             shutil.rmtree(private)
         (private / "env").mkdir(parents=True, mode=0o700)
+        (private / "inventory").mkdir(mode=0o700)
         os.chmod(private.parent, 0o700)
-        fd = os.open(private / "env" / "extravars", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(dict(extravars), f, sort_keys=True)
-        if self.cfg.inventory is None:
-            (private / "inventory").mkdir(mode=0o700)
-            # The remediation playbooks run on the control host, group fleetheal_control.
-            (private / "inventory" / "hosts").write_text(
-                "[fleetheal_control]\n"
-                f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n",
-                encoding="utf-8",
-            )
+        for path, doc in (
+            (private / "env" / "extravars", dict(self.cfg.site_vars)),
+            (private / "inventory" / "hosts.json", {INCIDENTS_GROUP: {"hosts": hosts}}),
+        ):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, sort_keys=True)
         return private
 
     # --- the run ---------------------------------------------------------------------------------------
@@ -283,15 +297,41 @@ class AnsibleRunner:
     def run(
         self, request: StepRequest, on_event: Callable[[RunnerEvent], None], cancel: Callable[[], bool]
     ) -> StepOutcome:
-        # Site settings first: the incident's own (validated) variables always win.
-        extravars = {**self.cfg.site_vars, **check_extravars(request.extravars)}
-        playbook = self.playbook_path(request.playbook)
-        private = self._prepare_dir(request, extravars)
+        """One request alone (a batch of one); RunnerInputError when it is refused."""
+        (outcome,) = self.run_batch([(request, on_event)], cancel)
+        if isinstance(outcome, RunnerInputError):
+            raise outcome
+        return outcome
+
+    def run_batch(self, runs: Sequence[Run], cancel: Callable[[], bool]) -> list[StepOutcome | RunnerInputError]:
+        outcomes: list[StepOutcome | RunnerInputError | None] = [None] * len(runs)
+        hosts: dict[str, dict[str, Any]] = {}
+        handlers: dict[str, Callable[[RunnerEvent], None]] = {}
+        for i, (request, on_event) in enumerate(runs):
+            try:
+                incident_vars = check_extravars(request.extravars)
+                if request.playbook != runs[0][0].playbook or request.ref in hosts:
+                    raise RunnerInputError(f"{request.ref}: a batch runs one playbook, one attempt per incident")
+                playbook = self.playbook_path(request.playbook)
+            except RunnerInputError as exc:
+                outcomes[i] = exc
+                continue
+            hosts[request.ref] = {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                **incident_vars,
+            }
+            handlers[request.ref] = on_event
+        if not hosts:
+            return [o for o in outcomes if o is not None]
+        first = next(r for r, _ in runs if r.ref in hosts)
+        private = self._prepare_dir(first, hosts)
 
         import ansible_runner  # only here: importing it costs ~0.3 s and the agent never needs it
 
         added = self.environment()
         seen_pid: list[int] = []
+        stats: dict[str, Any] = {}
         secrets = self.secrets
 
         def handler(event: dict[str, Any]) -> bool:
@@ -299,19 +339,27 @@ class AnsibleRunner:
             pid = event.get("pid")
             if isinstance(pid, int) and not seen_pid:
                 seen_pid.append(pid)
-                on_event(RunnerEvent("process", f"ansible-playbook pid {pid}", pid))
+                for cb in handlers.values():
+                    cb(RunnerEvent("process", f"ansible-playbook pid {pid}", pid))
+            if event.get("event") == "playbook_on_stats":
+                stats.update(event.get("event_data") or {})
             converted = _convert_event(event)
             if converted is not None:
-                on_event(converted)
+                host = (event.get("event_data") or {}).get("host")
+                for cb in [handlers[host]] if host in handlers else handlers.values():
+                    cb(converted)
             return True  # keep the (scrubbed) event in the artifacts
 
+        inventory = str(private / "inventory")
         rc = ansible_runner.RunnerConfig(
             private_data_dir=str(private),
             playbook=str(playbook),
-            inventory=self.cfg.inventory or str(private / "inventory"),
+            # A site inventory (group variables, say) comes first; the incidents' hosts are always ours.
+            inventory=[self.cfg.inventory, inventory] if self.cfg.inventory else inventory,
             roles_path=self.cfg.roles_path,
             envvars=added,
             ident="run",
+            forks=len(hosts),
             timeout=self.cfg.timeout_s,
             quiet=True,
             suppress_env_files=True,
@@ -325,13 +373,28 @@ class AnsibleRunner:
         finally:
             scrub_tree(private, secrets)
         status = str(runner.status)
-        detail = {
-            "successful": "playbook succeeded",
-            "failed": f"playbook failed (rc {runner.rc})",
-            "timeout": f"playbook killed after {self.cfg.timeout_s} s",
-            "canceled": "playbook canceled",
-        }.get(status, f"runner status {status}")
-        return StepOutcome(status, runner.rc, detail, str(private))
+        together = f" (one run for {len(hosts)} incidents)" if len(hosts) > 1 else ""
+        for i, (request, _) in enumerate(runs):
+            if outcomes[i] is None:
+                host_status, detail = _host_outcome(status, runner.rc, stats, request.ref, self.cfg.timeout_s)
+                outcomes[i] = StepOutcome(host_status, runner.rc, detail + together, str(private))
+        return [o for o in outcomes if o is not None]
+
+
+def _host_outcome(status: str, rc: int | None, stats: Mapping[str, Any], host: str, timeout_s: int) -> tuple[str, str]:
+    """One host's result in a run: its own failures count, the other hosts' do not."""
+    if status in ("successful", "failed") and stats:
+        if host in (stats.get("failures") or {}) or host in (stats.get("dark") or {}):
+            return "failed", f"playbook failed (rc {rc})"
+        if host not in (stats.get("processed") or {}):
+            return "failed", "playbook never ran on this incident's host (no host matched)"
+        return "successful", "playbook succeeded"
+    return status, {
+        "successful": "playbook succeeded",
+        "failed": f"playbook failed (rc {rc})",
+        "timeout": f"playbook killed after {timeout_s} s",
+        "canceled": "playbook canceled",
+    }.get(status, f"runner status {status}")
 
 
 def _convert_event(event: Mapping[str, Any]) -> RunnerEvent | None:

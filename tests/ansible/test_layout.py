@@ -21,8 +21,21 @@ def test_one_playbook_per_action_on_the_shared_skeleton() -> None:
         assert f"__fleetheal_playbook_action: {name}\n" in text, action.playbook
         for step in ("tasks/validate.yml", "tasks/guard.yml", "tasks/finish.yml", "tasks/failed.yml"):
             assert step in text, f"{action.playbook} skips {step}"
-        # A missing node variable must hit no host.
-        assert "'fleetheal_no_node_given'" in text
+        # By hand the node names the host; from the remediator, one host per incident.
+        assert "'fleetheal_control' if (fleetheal_node" in text and "else 'fleetheal_incidents'" in text
+
+
+def test_no_playbook_sets_a_per_incident_variable() -> None:
+    """The remediator passes an incident's variables as host variables (one host per incident in a
+    batch), and play variables and vars files outrank those: a default for one of them there would
+    silently replace every incident's value."""
+    sources = [REPO / "playbooks" / "vars" / "remediation.yml", REPO / "playbooks" / "vars" / "taxonomy.yml"]
+    for path in sources:
+        assert not set(yaml.safe_load(path.read_text())) & set(contracts.PLAYBOOK_VARS), path
+    tx = taxonomy.load()
+    for action in tx.actions.values():
+        for play in yaml.safe_load((REPO / "playbooks" / action.playbook).read_text()):
+            assert not set(play.get("vars") or {}) & set(contracts.PLAYBOOK_VARS), action.playbook
 
 
 def test_playbook_vars_agree_with_contracts() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from fleetheal.remediator import config as cfgmod
-from fleetheal.remediator.runner import RunnerEvent, StepOutcome, StepRequest, check_extravars
+from fleetheal.remediator.runner import RunnerEvent, RunnerInputError, StepOutcome, StepRequest, check_extravars
 
 HERE = Path(__file__).resolve().parent
 TEST_PLAYBOOKS = HERE / "playbooks"
@@ -131,31 +131,49 @@ class RecordingRunner:
         self.delay_s = delay_s
         self.outcomes = outcomes or {}
         self.requests: list[StepRequest] = []
+        self.batches: list[list[int]] = []  # the incident ids of each run
         self.running = 0
         self.max_running = 0
         self._lock = threading.Lock()
 
+    def run_batch(self, runs, cancel):
+        """One "run" for the batch: it counts once in `running` and takes `delay_s` once, like a real run."""
+        with self._lock:
+            self.batches.append([request.incident_id for request, _ in runs])
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        deadline = time.monotonic() + self.delay_s
+        try:
+            outcomes = []
+            for request, on_event in runs:
+                try:
+                    outcomes.append(self.run(request, on_event, cancel, deadline))
+                except RunnerInputError as exc:
+                    outcomes.append(exc)
+            return outcomes
+        finally:
+            with self._lock:
+                self.running -= 1
+
     def run(
-        self, request: StepRequest, on_event: Callable[[RunnerEvent], None], cancel: Callable[[], bool]
+        self,
+        request: StepRequest,
+        on_event: Callable[[RunnerEvent], None],
+        cancel: Callable[[], bool],
+        deadline: float | None = None,
     ) -> StepOutcome:
         check_extravars(request.extravars)
         with self._lock:
             self.requests.append(request)
-            self.running += 1
-            self.max_running = max(self.max_running, self.running)
-        try:
-            on_event(RunnerEvent("playbook_start", request.playbook))
-            deadline = time.monotonic() + self.delay_s
-            while time.monotonic() < deadline:
-                if cancel():
-                    return StepOutcome("canceled", 254, "canceled")
-                time.sleep(0.01)
-            status = self.outcomes.get(request.attempt, "successful")
-            on_event(RunnerEvent("stats", f"status={status}"))
-            return StepOutcome(status, 0 if status == "successful" else 2, f"recorded ({status})")
-        finally:
-            with self._lock:
-                self.running -= 1
+        on_event(RunnerEvent("playbook_start", request.playbook))
+        deadline = time.monotonic() + self.delay_s if deadline is None else deadline
+        while time.monotonic() < deadline:
+            if cancel():
+                return StepOutcome("canceled", 254, "canceled")
+            time.sleep(0.01)
+        status = self.outcomes.get(request.attempt, "successful")
+        on_event(RunnerEvent("stats", f"status={status}"))
+        return StepOutcome(status, 0 if status == "successful" else 2, f"recorded ({status})")
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ def test_retries_exhausted_fail_the_incident(tmp_path):
 
 def test_a_runner_that_refuses_its_input_fails_without_retry(cfg):
     class Refusing(RecordingRunner):
-        def run(self, request, on_event, cancel):
+        def run(self, request, on_event, cancel, deadline=None):
             self.requests.append(request)
             raise RunnerInputError("playbook /x does not exist")
 
@@ -260,5 +260,38 @@ def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
         await engine.stop(grace_s=0.1)
         firsts = [s for iid in result.created for s in store.steps(iid) if s.name == "first_response"]
         assert len(firsts) == 6 and all(s.result == "ok" for s in firsts)
+
+    asyncio.run(main())
+
+
+def test_attempts_waiting_for_a_playbook_slot_run_together(tmp_path):
+    """Seven isolations, one slot: the first run holds it; the six that waited go as one run, not six
+    (a storm's follow-ups cost one ansible-playbook start-up per wave), and each gets its own result."""
+    cfg = make_config(
+        tmp_path,
+        cluster={"name": "lab", "nodes": {f"gpu-{i:03d}": f"rack-{i}" for i in range(8)}},
+        runner={"max_concurrent": 1, "max_hosts_per_run": 4},
+        gate={"budget": {"max_isolated": 8, "max_isolated_fraction": 1.0}, "breaker": {"storm_nodes": 100}},
+    )
+
+    async def main():
+        runner = RecordingRunner(delay_s=0.5, outcomes={})
+        store, engine = await start(cfg, runner)
+        (first,) = store.ingest([validate_alert(alert(node="gpu-000"), cfg, TAX)]).created
+        engine.submit([first])
+        for _ in range(300):
+            if runner.batches:
+                break
+            await asyncio.sleep(0.01)
+        rest = await send(store, engine, cfg, *(alert(node=f"gpu-{i:03d}") for i in range(1, 7)))
+        await engine.stop()
+        assert runner.batches[0] == [first]
+        assert sorted(i for b in runner.batches[1:] for i in b) == sorted(rest)
+        assert [len(b) for b in runner.batches[1:]] == [4, 2]  # at most max_hosts_per_run each
+        assert runner.max_running == 1
+        for iid in [first, *rest]:
+            assert store.get(iid).state == "done"
+            (attempt,) = [s for s in store.steps(iid) if s.name == "playbook"]
+            assert attempt.result == "successful"
 
     asyncio.run(main())

@@ -81,8 +81,50 @@ def test_site_vars_reach_the_playbook_beneath_the_incident_variables(tmp_path):
     start, _ = records(tmp_path)
     assert start["extra_vars"] == sorted([*request().extravars, *site])
     written = json.loads((Path(outcome.run_dir) / "env" / "extravars").read_text())
-    assert written["fleetheal_slurm_env"] == {"SLURM_CONF": "/lab/slurm.conf"}
-    assert written["fleetheal_node"] == "gpu-001"
+    assert written == site  # the site's settings only; the incident's are its host's variables
+    hosts = json.loads((Path(outcome.run_dir) / "inventory" / "hosts.json").read_text())
+    assert hosts["fleetheal_incidents"]["hosts"]["inc-000001"]["fleetheal_node"] == "gpu-001"
+    assert oct((Path(outcome.run_dir) / "inventory" / "hosts.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_one_run_serves_many_incidents_each_with_its_own_result_and_timeline(tmp_path):
+    """Three incidents, one ansible-playbook: the one whose inputs its playbook rejects fails alone,
+    a request the runner refuses never joins, and each timeline holds its own host's task results."""
+    cfg = make_config(tmp_path)
+    bad = request(incident=2, step=2, node="gpu-002", fleetheal_fault_id="xid-13")
+    unsafe = request(incident=4, step=4, node="gpu-004 -e x=y")
+    batch = [request(incident=1, step=1, node="gpu-001"), bad, request(incident=3, step=3, node="gpu-003"), unsafe]
+    events: dict[int, list] = {r.incident_id: [] for r in batch}
+    outcomes = AnsibleRunner(cfg.runner).run_batch([(r, events[r.incident_id].append) for r in batch], lambda: False)
+    first, second, third, refused = outcomes
+    assert first.ok and third.ok and second.status == "failed", outcomes
+    assert isinstance(refused, RunnerInputError) and not events[4]
+    assert "one run for 3 incidents" in first.detail
+    assert first.run_dir == second.run_dir == str(run_dir_for(cfg.runner.run_dir, batch[0]))
+    pids = {e.pid for evs in events.values() for e in evs if e.kind == "process"}
+    assert len(pids) == 1  # one ansible-playbook
+    starts = {r["incident"]: r["node"] for r in records(tmp_path) if r["phase"] == "start"}
+    assert starts == {"inc-000001": "gpu-001", "inc-000003": "gpu-003"}  # no variable crossed hosts
+    for iid, evs in events.items():
+        hosts = {
+            e.detail.rsplit("(", 1)[-1].split(")")[0]
+            for e in evs
+            if e.kind in ("task_ok", "task_changed", "task_failed")
+        }
+        assert hosts <= {f"inc-{iid:06d}"}, (iid, hosts)
+    assert any(e.kind == "task_failed" for e in events[2]) and not any(e.kind == "task_failed" for e in events[1])
+
+
+def test_a_run_that_never_reaches_the_incidents_host_is_not_a_success(tmp_path):
+    """A playbook whose play matches no host exits 0; that is no remediation."""
+    (tmp_path / "pb").mkdir()
+    (tmp_path / "pb" / "nothing.yml").write_text(
+        "- hosts: fleetheal_no_such_group\n  gather_facts: false\n  tasks: [{ansible.builtin.ping: {}}]\n"
+    )
+    cfg = make_config(tmp_path, runner={"playbook_dir": str(tmp_path / "pb")})
+    req = StepRequest(1, 1, 1, "ISOLATE_AND_RELOCATE", "nothing.yml", request().extravars)
+    outcome = AnsibleRunner(cfg.runner).run(req, lambda e: None, lambda: False)
+    assert outcome.status == "failed" and "never ran" in outcome.detail
 
 
 def test_artifacts_keep_no_secret_and_not_the_whole_environment(tmp_path, secret_env):
