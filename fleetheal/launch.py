@@ -21,6 +21,17 @@ The protocol, all through Slurm (the remediator never reaches the node):
 3. The wrapper restarts CMD once per incident id it has not restarted for (a SIGUSR2 without one, sent
    by the job's owner, restarts too), and exports FLEETHEAL_LAUNCH_RESTARTS and FLEETHEAL_INCIDENT.
 
+Spare nodes: with `--nodes N` the command needs N nodes and the rest of the allocation are spares (the
+sbatch script asked for more, the command runs `srun -N N ...`); the wrapper adds `fleetheal-nodes=N` to
+the comment. When a node of such a job fails (and it is not the batch host, where the wrapper itself runs),
+the remediator relocates the job inside its allocation: it writes `shrink=NODE` with the incident, sends
+the restart order, and takes NODE out of the allocation (`scontrol update jobid=J nodelist=REST`). The
+wrapper stops CMD, waits until NODE has left the allocation, and starts CMD again with the allocation's
+SLURM_JOB_NODELIST, SLURM_NODELIST, SLURM_JOB_NUM_NODES and SLURM_NNODES (SLURM_JOB_CPUS_PER_NODE and
+SLURM_TASKS_PER_NODE, which no longer hold, are removed). No requeue, no scheduler, no credential wait.
+Shrinking kills the job step's tasks on NODE, and CMD may end of that before the order arrives: when CMD
+fails, the wrapper first reads the comment, and an incident it has not handled is an order.
+
 Every other signal (Slurm's SIGTERM, fleetheal's grace signal SIGUSR1, SIGINT, SIGHUP) is passed on to
 CMD's process group. The wrapper exits with CMD's status when CMD ends by itself.
 """
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -42,7 +54,15 @@ from typing import Any
 TAG = "fleetheal-launch"
 #: The restart order; one fixed signal, so the remediator and every job agree on it.
 RESTART_SIGNAL = signal.SIGUSR2
+#: Comment words: the nodes the command needs (the rest are spares), the node an order shrinks away.
+NODES_WORD = "fleetheal-nodes="
+SHRINK_WORD = "shrink="
+#: Restarts inside the allocation so far (Slurm's restart count sees only requeues); the remediator's.
+RESTARTS_WORD = "fleetheal-restarts="
+#: How long the wrapper waits for the remediator to take a node out of the allocation.
+SHRINK_WAIT_S = 120.0
 _INCIDENT = re.compile(r"(?:^|\s)incident=(\S+)")
+_RESIZED_ENV = ("SLURM_JOB_CPUS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGCONT)
 
 
@@ -50,18 +70,42 @@ def _say(text: str) -> None:
     print(f"fleetheal launch: {text}", file=sys.stderr, flush=True)
 
 
-def _job_comment(job: str) -> str | None:
-    out = subprocess.run(
-        ["squeue", "--noheader", "--jobs", job, "--format", "%k"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
+def word_value(comment: str, prefix: str) -> str | None:
+    """The value of the last word of `comment` that starts with `prefix` (`shrink=n2` -> "n2"), or None."""
+    values = [w.removeprefix(prefix) for w in comment.split() if w.startswith(prefix)]
+    return values[-1] if values else None
+
+
+def needed_nodes(comment: str) -> int | None:
+    """The nodes a launched job's command needs (`fleetheal-nodes=N` in its comment), or None."""
+    value = word_value(comment, NODES_WORD)
+    return int(value) if value is not None and value.isascii() and value.isdigit() and int(value) > 0 else None
+
+
+def _job_record(job: str) -> dict[str, Any] | None:
+    """The job's comment, node count, node list (Slurm's compressed form) and nodes, or None."""
+    out = subprocess.run(["squeue", "--json", "--jobs", job], check=False, capture_output=True, text=True, timeout=10)
     if out.returncode != 0:
         return None
-    comment = out.stdout.strip()
-    return "" if comment == "(null)" else comment
+    try:
+        entries = [e for e in json.loads(out.stdout).get("jobs", []) if str(e.get("job_id")) == job]
+    except (ValueError, AttributeError):
+        return None
+    if not entries:
+        return None
+    entry = entries[0]
+    allocated = (entry.get("job_resources") or {}).get("allocated_nodes") or []
+    return {
+        "comment": str(entry.get("comment") or ""),
+        "count": int(entry.get("node_count") or 0),
+        "nodelist": str(entry.get("nodes") or ""),
+        "nodes": [str(n.get("nodename")) for n in allocated if n.get("nodename")],
+    }
+
+
+def _job_comment(job: str) -> str | None:
+    record = _job_record(job)
+    return None if record is None else record["comment"]
 
 
 def is_batch_script(ppid: int | None = None) -> bool:
@@ -73,10 +117,13 @@ def is_batch_script(ppid: int | None = None) -> bool:
 
 
 class Launcher:
-    def __init__(self, cmd: list[str], *, stop_timeout: float, job: str | None) -> None:
+    def __init__(self, cmd: list[str], *, stop_timeout: float, job: str | None, nodes: int | None = None) -> None:
         self.cmd = cmd
         self.stop_timeout = stop_timeout
         self.job = job
+        self.nodes = nodes
+        self.shrink = ""
+        self.allocation: dict[str, str] = {}
         self.child: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.handled: set[str] = set()
@@ -103,8 +150,15 @@ class Launcher:
         match = _INCIDENT.search(comment)
         if match:
             self.handled.add(match.group(1))  # an incident of an earlier run of this job, handled by it
-        if TAG not in words:
-            new = " ".join([*words, TAG])
+        wanted = [TAG]
+        if self.nodes is not None:
+            allocated = int(os.environ.get("SLURM_JOB_NUM_NODES") or 0)
+            if allocated and self.nodes > allocated:
+                _say(f"--nodes {self.nodes} is more than the job's {allocated} nodes: no spare nodes")
+            else:
+                wanted.append(f"{NODES_WORD}{self.nodes}")
+        if any(w not in words for w in wanted):
+            new = " ".join([*[w for w in words if w != TAG and not w.startswith(NODES_WORD)], *wanted])
             out = subprocess.run(
                 ["scontrol", "update", f"jobid={self.job}", f"comment={new}"],
                 check=False,
@@ -127,24 +181,54 @@ class Launcher:
         if child is not None and child.poll() is None:
             os.killpg(child.pid, signum)
 
-    def _wanted(self) -> bool:
-        """Restart for an incident not handled yet, or for a SIGUSR2 with no incident (the owner's)."""
+    def _wanted(self, *, quiet: bool = False) -> bool:
+        """Restart for an incident not handled yet, or for a SIGUSR2 with no incident (the owner's).
+        `quiet`: asked because the command failed, not because of an order: no incident, no restart."""
         comment = _job_comment(self.job) if self.job else ""
         match = _INCIDENT.search(comment or "")
         if match is None:
             self.incident = ""
-            return True
+            self.shrink = ""
+            return not quiet
         if match.group(1) in self.handled:
-            _say(f"restart for incident {match.group(1)} was done already: ignored")
+            if not quiet:
+                _say(f"restart for incident {match.group(1)} was done already: ignored")
             return False
         self.incident = match.group(1)
         self.handled.add(self.incident)
+        self.shrink = word_value(comment or "", SHRINK_WORD) or ""
         return True
+
+    def _wait_shrink(self) -> None:
+        """Wait until the node the order names has left the allocation, then take the allocation's
+        node list and count into the command's environment."""
+        if not (self.shrink and self.job):
+            return
+        deadline = time.monotonic() + SHRINK_WAIT_S
+        record = _job_record(self.job)
+        while record is None or self.shrink in record["nodes"]:
+            if time.monotonic() > deadline:
+                _say(f"{self.shrink} is still in the allocation after {SHRINK_WAIT_S:g} s: starting on it")
+                break
+            time.sleep(0.1)
+            record = _job_record(self.job)
+        if record is not None and record["nodelist"]:
+            count = str(record["count"])
+            self.allocation = {
+                "SLURM_JOB_NODELIST": record["nodelist"],
+                "SLURM_NODELIST": record["nodelist"],
+                "SLURM_JOB_NUM_NODES": count,
+                "SLURM_NNODES": count,
+            }
 
     # --- the child -----------------------------------------------------------------------------------
 
     def _start(self) -> subprocess.Popen[bytes]:
         env = dict(os.environ, FLEETHEAL_LAUNCH_RESTARTS=str(self.restarts))
+        if self.allocation:
+            env.update(self.allocation)
+            for name in _RESIZED_ENV:
+                env.pop(name, None)
         if self.incident:
             env["FLEETHEAL_INCIDENT"] = self.incident
         return subprocess.Popen(self.cmd, env=env, start_new_session=True)
@@ -176,13 +260,19 @@ class Launcher:
             return 127
         while True:
             code = self.child.poll()
-            if self.pending_restart:
+            # A shrink kills the step's tasks on the node it removes, so the command may fail before the
+            # order arrives; the incident is in the comment before either.
+            failed_by_order = restartable and code not in (None, 0) and self._wanted(quiet=True)
+            if self.pending_restart or failed_by_order:
                 self.pending_restart = False
-                if self._wanted():
+                if failed_by_order or self._wanted():
                     t0 = time.monotonic()
                     self._stop_child()
+                    self._wait_shrink()
                     self.restarts += 1
                     why = f" for incident {self.incident}" if self.incident else ""
+                    if self.shrink:
+                        why += f", {self.shrink} shrunk away (now {self.allocation.get('SLURM_JOB_NODELIST', '?')})"
                     self.child = self._start()
                     took = time.monotonic() - t0
                     _say(f"restart {self.restarts}{why}: command stopped and started again in {took:.2f} s")
@@ -192,8 +282,8 @@ class Launcher:
             time.sleep(0.05)
 
 
-def launch(cmd: list[str], *, stop_timeout: float = 60.0) -> int:
-    launcher = Launcher(cmd, stop_timeout=stop_timeout, job=os.environ.get("SLURM_JOB_ID"))
+def launch(cmd: list[str], *, stop_timeout: float = 60.0, nodes: int | None = None) -> int:
+    launcher = Launcher(cmd, stop_timeout=stop_timeout, job=os.environ.get("SLURM_JOB_ID"), nodes=nodes)
     return launcher.run(launcher.tag_job())
 
 
@@ -206,6 +296,12 @@ def register(sub: Any) -> None:
         epilog="example (last line of the sbatch script): exec fleetheal launch -- srun python train.py",
     )
     p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds from SIGTERM to SIGKILL on a restart")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        help="nodes the command needs; the rest of the allocation are spares, and a failed node is shrunk "
+        "away from the job (no requeue) while enough remain",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=run)
 
@@ -218,4 +314,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("launch needs a command: fleetheal launch -- CMD [ARGS...]")
     if args.stop_timeout <= 0:
         raise UsageError("--stop-timeout must be > 0")
-    return launch(cmd, stop_timeout=args.stop_timeout)
+    if args.nodes is not None and args.nodes < 1:
+        raise UsageError("--nodes must be >= 1")
+    return launch(cmd, stop_timeout=args.stop_timeout, nodes=args.nodes)

@@ -206,6 +206,7 @@ def _summary(job: dict[str, Any]) -> dict[str, Any]:
         "state": str(job.get("job_state") or "").upper(),
         "state_reason": str(job.get("state_reason") or ""),
         "nodes": [str(n.get("nodename")) for n in allocated if n.get("nodename")],
+        "batch_host": str(job.get("batch_host") or ""),
         "required_nodes": str(job.get("required_nodes") or ""),
         "requeue": bool(job.get("requeue")),
         "priority": int(job.get("priority") or 0),
@@ -483,6 +484,7 @@ class RequeuePlan:
     results: list[StepResult]
     jobs: list[dict[str, Any]]
     priority: int
+    node: str = ""
 
 
 def requeue_plan(slurm: Slurm, node: str, incident: str, *, job_id: str = "", squeue: Any = None) -> RequeuePlan:
@@ -493,12 +495,12 @@ def requeue_plan(slurm: Slurm, node: str, incident: str, *, job_id: str = "", sq
     jobs = target_jobs(doc, node, job_id)
     if not jobs:
         what = f"job {job_id} is not active on {node}" if job_id else f"no active job on {node}"
-        return RequeuePlan([StepResult("slurm_requeue", "skipped", what)], [], 0)
+        return RequeuePlan([StepResult("slurm_requeue", "skipped", what)], [], 0, node)
     results: list[StepResult] = []
     act: list[dict[str, Any]] = []
     for job in jobs:
         jid = job["job_id"]
-        if f"incident={incident}" in job["comment"].split():
+        if f"incident={incident}" in job["comment"].split() and not _shrink_pending(job, node):
             results.append(
                 StepResult("slurm_requeue", "done", f"job {jid} was already requeued for incident {incident}")
             )
@@ -506,12 +508,83 @@ def requeue_plan(slurm: Slurm, node: str, incident: str, *, job_id: str = "", sq
             results.append(
                 StepResult("slurm_requeue", "skipped", f"job {jid} not requeued: submitted with --no-requeue")
             )
-        elif job["restart_cnt"] >= s.max_restarts:
-            why = f"restart limit reached ({job['restart_cnt']} of {s.max_restarts})"
+        elif restarts(job) >= s.max_restarts:
+            why = f"restart limit reached ({restarts(job)} of {s.max_restarts}: requeues and restarts in the job)"
             results.append(StepResult("slurm_requeue", "skipped", f"job {jid} not requeued: {why}"))
         else:
             act.append(job)
-    return RequeuePlan(results, act, min(slurm_max_priority(doc) + s.priority_boost, MAX_PRIORITY))
+    return RequeuePlan(results, act, min(slurm_max_priority(doc) + s.priority_boost, MAX_PRIORITY), node)
+
+
+def restarts(job: Mapping[str, Any]) -> int:
+    """Every restart the retry limit counts: Slurm's requeues and the launcher's restarts in the job."""
+    return int(job["restart_cnt"]) + _in_job_restarts(job["comment"])
+
+
+def _in_job_restarts(comment: str) -> int:
+    # The job's owner can write its comment too: a word that is not a count counts as none.
+    value = launch.word_value(comment, launch.RESTARTS_WORD) or ""
+    return int(value) if value.isascii() and value.isdigit() else 0
+
+
+def _launch_words(job: Mapping[str, Any], *, restarted: bool = False) -> str:
+    """The comment words of `fleetheal launch` a new comment keeps (with one more restart in the job)."""
+    comment = job["comment"]
+    if launch.TAG not in comment.split():
+        return ""
+    words = [launch.TAG]
+    needed = launch.needed_nodes(comment)
+    if needed is not None:
+        words.append(f"{launch.NODES_WORD}{needed}")
+    in_job = _in_job_restarts(comment) + (1 if restarted else 0)
+    if in_job:
+        words.append(f"{launch.RESTARTS_WORD}{in_job}")
+    return " " + " ".join(words)
+
+
+def can_shrink(job: Mapping[str, Any], node: str) -> bool:
+    """A job run by `fleetheal launch --nodes N` that still has N nodes without `node`, and whose batch
+    script (the launcher) does not run on `node`, is relocated inside its allocation instead of requeued."""
+    words = job["comment"].split()
+    needed = launch.needed_nodes(job["comment"])
+    rest = [n for n in job["nodes"] if n != node]
+    return (
+        launch.TAG in words
+        and needed is not None
+        and node in job["nodes"]
+        and bool(job["batch_host"])
+        and job["batch_host"] != node
+        and len(rest) >= needed
+    )
+
+
+def _shrink_pending(job: Mapping[str, Any], node: str) -> bool:
+    """The order to shrink `node` away is in the job's comment, but the node is still allocated to it
+    (the step stopped between the order and the shrink): the shrink is done again."""
+    return launch.word_value(job["comment"], launch.SHRINK_WORD) == node and node in job["nodes"]
+
+
+def shrink_in_job(slurm: Slurm, job: Mapping[str, Any], node: str, incident: str, fault_id: str) -> StepResult:
+    """Relocate a job inside its allocation: the incident and the node to drop go into its comment, the
+    restart order to its launcher, then `node` leaves the allocation. The launcher restarts the command on
+    the nodes that remain (it waits for the shrink); no requeue, no scheduler, no credential wait."""
+    jid = job["job_id"]
+    rest = [n for n in job["nodes"] if n != node]
+    needed = launch.needed_nodes(job["comment"])
+    comment = (
+        f"{contracts.DRAIN_REASON_PREFIX} shrunk away from {node} after {fault_id}"
+        f"{_launch_words(job, restarted=True)} {launch.SHRINK_WORD}{node} incident={incident}"
+    )
+    slurm.scontrol("update", f"jobid={jid}", f"comment={comment}")
+    slurm.scancel_signal(launch.RESTART_SIGNAL.name.removeprefix("SIG"), [jid])
+    slurm.scontrol("update", f"jobid={jid}", "nodelist=" + ",".join(rest))
+    return StepResult(
+        "slurm_requeue",
+        "done",
+        f"relocated job {jid} inside its allocation: {node} shrunk away, restarted on {','.join(rest)} "
+        f"({needed} needed; fleetheal launch)",
+        changed=True,
+    )
 
 
 def requeue_now(
@@ -528,15 +601,19 @@ def requeue_now(
         in_job = [j for j in jobs if launch.TAG in j["comment"].split()]
         jobs = [j for j in jobs if j not in in_job]
         results = [restart_in_job(slurm, j, node, incident, fault_id) for j in in_job]
+    else:
+        shrunk = [j for j in jobs if can_shrink(j, node)]
+        jobs = [j for j in jobs if j not in shrunk]
+        results = [shrink_in_job(slurm, j, node, incident, fault_id) for j in shrunk]
     if not jobs:
         return results
     slurm.scontrol("requeue", ",".join(j["job_id"] for j in jobs))
     comment = f"{contracts.DRAIN_REASON_PREFIX} requeued after {fault_id} on {node} incident={incident}"
 
     def boost(job: dict[str, Any]) -> StepResult:
-        # A job run by `fleetheal launch` keeps the word that says so.
-        tag = f" {launch.TAG}" if launch.TAG in job["comment"].split() else ""
-        args = ["update", f"jobid={job['job_id']}", f"priority={plan.priority}", f"comment={comment}{tag}"]
+        # A job run by `fleetheal launch` keeps the words that say so.
+        words = _launch_words(job)
+        args = ["update", f"jobid={job['job_id']}", f"priority={plan.priority}", f"comment={comment}{words}"]
         args.append("reqnodelist=" + ",".join(job["nodes"]) if same_nodes else f"excnodelist={node}")
         slurm.scontrol(*args)
         where = " on " + ",".join(job["nodes"]) if same_nodes else ""
@@ -555,7 +632,8 @@ def restart_in_job(slurm: Slurm, job: dict[str, Any], node: str, incident: str, 
     """
     jid = job["job_id"]
     comment = (
-        f"{contracts.DRAIN_REASON_PREFIX} restarted in job after {fault_id} on {node} {launch.TAG} incident={incident}"
+        f"{contracts.DRAIN_REASON_PREFIX} restarted in job after {fault_id} on {node}"
+        f"{_launch_words(job, restarted=True)} incident={incident}"
     )
     slurm.scontrol("update", f"jobid={jid}", f"comment={comment}")
     slurm.scancel_signal(launch.RESTART_SIGNAL.name.removeprefix("SIG"), [jid])
@@ -573,6 +651,11 @@ def requeue_would(slurm: Slurm, plan: RequeuePlan, *, same_nodes: bool = False) 
         then = f"wait {s.grace_seconds:g} s"
         if same_nodes and launch.TAG in j["comment"].split():
             return f"would send {s.grace_signal} to job {j['job_id']}, {then}, restart it in its allocation"
+        if not same_nodes and can_shrink(j, plan.node):
+            return (
+                f"would send {s.grace_signal} to job {j['job_id']}, {then}, shrink {plan.node} away from its "
+                "allocation and restart it on the rest"
+            )
         where = " on " + ",".join(j["nodes"]) if same_nodes else ""
         return (
             f"would send {s.grace_signal} to job {j['job_id']}, {then}, requeue it{where} with priority {plan.priority}"

@@ -212,6 +212,70 @@ def test_fleetheal_launch_under_a_shell_leaves_the_job_to_a_requeue(cluster: Slu
     assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 15)
 
 
+#: A job holding a spare node: the command needs 2 of its 3 nodes and runs a real job step on them, which
+#: keeps running through the grace signal as a training that checkpoints does.
+SPARE_SCRIPT = """#!/bin/sh
+export PYTHONPATH={repo}
+exec {python} -m fleetheal launch --nodes 2 --stop-timeout 5 -- sh -c '
+echo "start $FLEETHEAL_LAUNCH_RESTARTS $FLEETHEAL_INCIDENT $SLURM_JOB_NODELIST $SLURM_NNODES" >> {log}/$SLURM_JOB_ID.launch
+exec srun -N 2 sh -c "trap : USR1; echo \\$SLURMD_NODENAME >> {log}/$SLURM_JOB_ID.step; while :; do sleep 0.1; done"'
+"""
+
+
+def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Isolating a node of a job that holds a spare shrinks the node away and restarts the command on the
+    rest: no requeue, same job; the step killed by the shrink does not end the job; a resumed remediator
+    finds nothing left to do; the batch host itself still means a requeue."""
+    import sys
+
+    slurm = steps.Slurm(settings(cluster))
+    log = tmp_path / "spare"
+    log.mkdir()
+    script = SPARE_SCRIPT.format(repo=Path(__file__).resolve().parents[2], python=sys.executable, log=log)
+    job = cluster.sbatch(script, "--requeue", "--nodes=3", "--exclusive", f"--output={log}/%j.out")
+    entry = running(cluster, job)
+    assert allocated_nodes(entry) == ["n1", "n2", "n3"] and entry["batch_host"] == "n1"
+    assert wait_until(lambda: "fleetheal-nodes=2" in job_json(cluster, job)["comment"].split(), 15)
+    step_log = log / f"{job}.step"
+    assert wait_until(lambda: step_log.exists() and sorted(step_log.read_text().split()) == ["n1", "n2"], 15)
+
+    planned = steps.requeue_jobs(slurm, "n2", "inc-1", "xid-79", dry_run=True)
+    assert "shrink n2 away" in planned[-1].detail, planned
+    results = steps.requeue_jobs(slurm, "n2", "inc-1", "xid-79")
+    assert [r.step for r in results] == ["slurm_signal", "slurm_requeue"], results
+    assert "n2 shrunk away, restarted on n1,n3" in results[-1].detail, results
+
+    lines = log / f"{job}.launch"
+    assert wait_until(lambda: "start 1 inc-1 n[1,3] 2" in lines.read_text(), 20), lines.read_text()
+    assert wait_until(lambda: step_log.read_text().split()[2:] and "n3" in step_log.read_text().split()[2:], 15)
+    entry = job_json(cluster, job)
+    assert entry["job_state"] == "RUNNING" and entry["restart_cnt"] == 0, entry
+    assert allocated_nodes(entry) == ["n1", "n3"]
+    assert {"fleetheal-launch", "fleetheal-nodes=2", "fleetheal-restarts=1"} <= set(entry["comment"].split())
+    again = steps.requeue_jobs(slurm, "n2", "inc-1", "xid-79")
+    assert [r.outcome for r in again] == ["skipped"], again
+
+    # No spare left, and n1 runs the launcher: both are requeued as any job.
+    job_now = steps.slurm_job(slurm.squeue(), job)
+    assert not steps.can_shrink(job_now, "n3") and not steps.can_shrink(job_now, "n1")
+    requeued = steps.requeue_jobs(slurm, "n1", "inc-2", "xid-79")
+    assert "requeued it" in requeued[-1].detail, requeued
+    assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 15)
+
+
+def test_restarts_in_the_job_count_toward_the_limit_and_a_forged_comment_word_counts_for_nothing() -> None:
+    """The job's owner can write its comment: words that are not counts neither crash the step nor count."""
+    job = {"comment": "fleetheal-launch fleetheal-nodes=2 fleetheal-restarts=2", "restart_cnt": 1}
+    job |= {"nodes": ["n1", "n2", "n3"], "batch_host": "n1"}
+    assert steps.restarts(job) == 3
+    assert steps.can_shrink(job, "n2") and not steps.can_shrink(job, "n1")
+    for forged in ("fleetheal-restarts=\u00b2", "fleetheal-restarts=-4", "fleetheal-restarts=x"):
+        assert steps.restarts(job | {"comment": f"fleetheal-launch {forged}"}) == 1
+    for forged in ("fleetheal-nodes=\u00b2", "fleetheal-nodes=0", "fleetheal-nodes=2x"):
+        assert not steps.can_shrink(job | {"comment": f"fleetheal-launch {forged}"}, "n2")
+    assert not steps.can_shrink(job | {"comment": "fleetheal-nodes=2"}, "n2")  # not run by the launcher
+
+
 def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(cluster: SlurmCluster) -> None:
     """A storm's first responses on one Slurm: drains submitted together go to Slurm as one scontrol,
     reads together as about one sinfo, a standby node is never promoted twice, and a command that fails

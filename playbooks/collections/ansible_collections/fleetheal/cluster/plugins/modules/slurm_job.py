@@ -15,6 +15,9 @@ description:
   - C(requeued) sends every job its grace signal with one command, waits the grace period, requeues them with one
     command, boosts their priority and names the incident in their comment; jobs already requeued for O(incident),
     submitted with --no-requeue or at their restart limit are left alone, with the reason.
+  - A job run by C(fleetheal launch) is restarted inside its allocation instead of requeued, on the same nodes
+    (O(same_nodes)) or, when it holds spare nodes (C(fleetheal launch --nodes N)), on its other nodes after O(node)
+    is shrunk away from it.
   - C(signalled) only sends the grace signal.
 extends_documentation_fragment: [fleetheal.cluster.common]
 options:
