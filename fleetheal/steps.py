@@ -509,7 +509,7 @@ def requeue_plan(slurm: Slurm, node: str, incident: str, *, job_id: str = "", sq
                 StepResult("slurm_requeue", "skipped", f"job {jid} not requeued: submitted with --no-requeue")
             )
         elif restarts(job) >= s.max_restarts:
-            why = f"restart limit reached ({restarts(job)} of {s.max_restarts}: requeues and restarts in the job)"
+            why = f"restart limit reached ({restarts(job)} of {s.max_restarts}) counting restarts in the job"
             results.append(StepResult("slurm_requeue", "skipped", f"job {jid} not requeued: {why}"))
         else:
             act.append(job)

@@ -210,12 +210,15 @@ def test_restart_in_place_requeues_on_the_same_node_within_the_limit(slurm: Slur
     assert job_json(slurm, job)["restart_cnt"] == 1
 
 
-def test_observe_changes_nothing(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+def test_observe_changes_nothing(slurm: SlurmCluster, playbooks: Playbooks, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also run as the remediator runs it, with no fleetheal_slurm_env among the extra variables (Slurm's
+    configuration from the process environment): the playbook's settings are loaded by its first task, and
+    nothing before it may need them."""
     job, node = submit_running(slurm)
-    run = playbooks.run(
-        "observe.yml",
-        playbooks.base_vars(fleetheal_node=node, fleetheal_fault_id="unknown", fleetheal_action="OBSERVE"),
-    )
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf_path))
+    extravars = playbooks.base_vars(fleetheal_node=node, fleetheal_fault_id="unknown", fleetheal_action="OBSERVE")
+    del extravars["fleetheal_slurm_env"]
+    run = playbooks.run("observe.yml", extravars)
     assert run.rc == 0, run.stdout[-4000:]
     assert run.steps("observe")[0]["detail"].startswith("observed unknown (unknown")
     assert not slurm.node(node).drained
