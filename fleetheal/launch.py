@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
@@ -76,36 +75,35 @@ def word_value(comment: str, prefix: str) -> str | None:
     return values[-1] if values else None
 
 
+def word_count(comment: str, prefix: str) -> int | None:
+    """A count word (`fleetheal-nodes=8`) as an int; None when absent or not an ASCII count (the job's
+    owner can write its comment too)."""
+    value = word_value(comment, prefix)
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
 def needed_nodes(comment: str) -> int | None:
     """The nodes a launched job's command needs (`fleetheal-nodes=N` in its comment), or None."""
-    value = word_value(comment, NODES_WORD)
-    return int(value) if value is not None and value.isascii() and value.isdigit() and int(value) > 0 else None
+    count = word_count(comment, NODES_WORD)
+    return count if count else None
 
 
-def _job_record(job: str) -> dict[str, Any] | None:
-    """The job's comment, node count, node list (Slurm's compressed form) and nodes, or None."""
-    out = subprocess.run(["squeue", "--json", "--jobs", job], check=False, capture_output=True, text=True, timeout=10)
-    if out.returncode != 0:
-        return None
-    try:
-        entries = [e for e in json.loads(out.stdout).get("jobs", []) if str(e.get("job_id")) == job]
-    except (ValueError, AttributeError):
-        return None
-    if not entries:
-        return None
-    entry = entries[0]
-    allocated = (entry.get("job_resources") or {}).get("allocated_nodes") or []
-    return {
-        "comment": str(entry.get("comment") or ""),
-        "count": int(entry.get("node_count") or 0),
-        "nodelist": str(entry.get("nodes") or ""),
-        "nodes": [str(n.get("nodename")) for n in allocated if n.get("nodename")],
-    }
+def _squeue(job: str, fmt: str, *more: str) -> str | None:
+    """One job's fields (`squeue --format`), or None when squeue fails. Text, not --json: Slurm 22.05's
+    `squeue --json` ignores --jobs and would return every job of the cluster (measured)."""
+    out = subprocess.run(
+        ["squeue", "--noheader", "--jobs", job, "--format", fmt, *more],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def _job_comment(job: str) -> str | None:
-    record = _job_record(job)
-    return None if record is None else record["comment"]
+    comment = _squeue(job, "%k")
+    return "" if comment == "(null)" else comment
 
 
 def is_batch_script(ppid: int | None = None) -> bool:
@@ -205,18 +203,17 @@ class Launcher:
         if not (self.shrink and self.job):
             return
         deadline = time.monotonic() + SHRINK_WAIT_S
-        record = _job_record(self.job)
-        while record is None or self.shrink in record["nodes"]:
+        # Listed for that node while it is still allocated to the job; an error (squeue down) is no answer.
+        while _squeue(self.job, "%i", "--nodelist", self.shrink) != "":
             if time.monotonic() > deadline:
                 _say(f"{self.shrink} is still in the allocation after {SHRINK_WAIT_S:g} s: starting on it")
                 break
             time.sleep(0.1)
-            record = _job_record(self.job)
-        if record is not None and record["nodelist"]:
-            count = str(record["count"])
+        count, _, nodelist = (_squeue(self.job, "%D %N") or "").partition(" ")
+        if count.isdigit() and nodelist:
             self.allocation = {
-                "SLURM_JOB_NODELIST": record["nodelist"],
-                "SLURM_NODELIST": record["nodelist"],
+                "SLURM_JOB_NODELIST": nodelist,
+                "SLURM_NODELIST": nodelist,
                 "SLURM_JOB_NUM_NODES": count,
                 "SLURM_NNODES": count,
             }

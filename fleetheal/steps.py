@@ -522,9 +522,7 @@ def restarts(job: Mapping[str, Any]) -> int:
 
 
 def _in_job_restarts(comment: str) -> int:
-    # The job's owner can write its comment too: a word that is not a count counts as none.
-    value = launch.word_value(comment, launch.RESTARTS_WORD) or ""
-    return int(value) if value.isascii() and value.isdigit() else 0
+    return launch.word_count(comment, launch.RESTARTS_WORD) or 0
 
 
 def _launch_words(job: Mapping[str, Any], *, restarted: bool = False) -> str:
