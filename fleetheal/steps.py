@@ -813,6 +813,90 @@ def k8s_isolate(kube: Kube | None, node: str, fault_id: str, *, dry_run: bool = 
     return StepResult("k8s_cordon", "done", f"{node} {what} {contracts.TAINT_UNHEALTHY}", changed=changed)
 
 
+def _pods_to_evict(pods: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[str, str]], list[str]]:
+    """What `kubectl drain --ignore-daemonsets --delete-emptydir-data` evicts: (namespace, name) of every
+    pod but mirror pods and DaemonSet pods; and the pods no controller manages, which it refuses to
+    evict (nothing would recreate them)."""
+    evict: list[tuple[str, str]] = []
+    unmanaged: list[str] = []
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        ns, name = meta.get("namespace", ""), meta.get("name", "")
+        if "kubernetes.io/config.mirror" in (meta.get("annotations") or {}):
+            continue
+        owners = meta.get("ownerReferences") or []
+        finished = pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
+        if not owners and not finished:
+            unmanaged.append(f"{ns}/{name}")
+        elif finished or not any(o.get("kind") == "DaemonSet" for o in owners):
+            evict.append((ns, name))
+    return evict, unmanaged
+
+
+def k8s_drain(
+    kube: Kube | None, node: str, *, timeout_s: float, poll_s: float = 1.0, dry_run: bool = False
+) -> StepResult:
+    """Evict the pods on `node` through the Eviction API, so that their PodDisruptionBudgets apply, wait up
+    to `timeout_s` for them to be gone, then label the node `fleetheal.io/pool=quarantine`. An eviction a
+    budget refuses (HTTP 429) fails the step with the server's message, naming the budget (the playbook
+    retries exactly that); the node then stays in its pool. Run after `k8s_isolate` (cordoned: nothing
+    lands there meanwhile)."""
+    if kube is None:
+        return StepResult("k8s_drain", "skipped", f"no Kubernetes API configured: drain of {node} skipped")
+    if dry_run:
+        return StepResult(
+            "k8s_drain", "would", f"would evict the pods on {node} and label it {contracts.LABEL_POOL}=quarantine"
+        )
+
+    def on_node() -> list[dict[str, Any]]:
+        try:
+            raw = kube.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}", _preload_content=False)
+        except kube._exc as exc:
+            raise StepError(f"kubernetes: list the pods on {node}: {exc.status} {exc.reason}") from exc
+        return list(json.loads(raw.data).get("items") or [])  # type: ignore[attr-defined]
+
+    evict, unmanaged = _pods_to_evict(on_node())
+    if unmanaged:
+        raise StepError(
+            f"kubernetes: {node} runs pods no controller manages, which a drain would lose: {', '.join(unmanaged)}; "
+            "move or delete them, then run the playbook again"
+        )
+    for ns, name in evict:
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}}
+        try:
+            kube.core.create_namespaced_pod_eviction(name, ns, body, _preload_content=False)  # type: ignore[arg-type]
+        except kube._exc as exc:
+            if exc.status == 404:
+                continue
+            try:
+                message = json.loads(exc.body or "{}").get("message", "")
+            except ValueError:
+                message = ""
+            raise StepError(f"Failed to delete pod {ns}/{name}: {exc.status} {exc.reason}: {message}") from exc
+    deadline = time.monotonic() + timeout_s
+    evicted = set(evict)
+    left = evicted
+    while left:
+        left = {(p["metadata"].get("namespace", ""), p["metadata"].get("name", "")) for p in on_node()} & evicted
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    labelled = kube.update_node(
+        node,
+        lambda doc: (
+            None
+            if (doc.get("metadata", {}).get("labels") or {}).get(contracts.LABEL_POOL) == "quarantine"
+            else {"metadata": {"labels": {contracts.LABEL_POOL: "quarantine"}}}
+        ),
+    )
+    detail = f"{len(evict)} pod(s) evicted from {node}"
+    if left:
+        names = ", ".join(sorted(f"{ns}/{name}" for ns, name in left))
+        detail += f", {len(left)} still terminating after {timeout_s:.0f} s ({names})"
+    detail += f"; {contracts.LABEL_POOL}=quarantine"
+    return StepResult("k8s_drain", "done", detail, changed=bool(evict) or labelled)
+
+
 def k8s_promote(kube: Kube | None, node: str, *, dry_run: bool = False) -> StepResult:
     """Label a promoted standby Node `fleetheal.io/pool=active` and remove its standby taint."""
     if kube is None or not node:

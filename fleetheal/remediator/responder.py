@@ -1,9 +1,10 @@
 """The first responder: the latency-critical steps of an action, in-process, the moment the gate allows.
 
 Seconds matter only until the job runs again (DESIGN.md, "Where each step runs"). For the actions below
-the remediator does not wait for ansible-runner: it drains the Slurm node (the agent usually has), and
-then, concurrently, cordons and taints the Kubernetes node, promotes a warm standby, and sends every job
-on the node its grace signal at once, waits the grace period and requeues them all with one command.
+the remediator does not wait for ansible-runner: it cordons and taints the Kubernetes node while it
+drains the Slurm node (the agent usually has), and then, concurrently, promotes a warm standby and sends
+every job on the node its grace signal at once, waits the grace period and requeues them all with one
+command.
 Then the engine starts the action's playbook for what may take minutes (evictions under PDBs, the pool
 label, the NodeSet record, the refill request); the playbook calls the same steps (`fleetheal.steps`,
 through the collection's modules), finds them done for this incident and goes on.
@@ -97,16 +98,23 @@ class FirstResponder:
             await self._requeue(inc, job_id, dry, record, same_nodes=True)
             return
         reason = contracts.drain_reason(inc.fault_id, inc.ref, inc.gpu or None)
-        # The jobs are read before the drain and the promotion change anything (one squeue for all).
-        jobs_doc = await self._call(self.slurm.squeue)
-        record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry))
-        tasks = [
-            self._guard(record, "k8s_cordon", self._cordon(inc, dry, record)),
-            self._guard(record, "slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs_doc)),
-        ]
-        if self.settings.promote_standby:
-            tasks.append(self._guard(record, "standby_promote", self._promote(inc, dry, record)))
-        await asyncio.gather(*tasks)
+
+        def branch(step: str, work: Any) -> asyncio.Future[None]:
+            return asyncio.ensure_future(self._guard(record, step, work))
+
+        # The cordon depends on nothing in Slurm: it starts at once, beside the drain (in a storm the API
+        # server's queue and slurmctld's are different queues).
+        tasks = [branch("k8s_cordon", self._cordon(inc, dry, record))]
+        try:
+            # The jobs are read before the drain and the promotion change anything (one squeue for all).
+            jobs_doc = await self._call(self.slurm.squeue)
+            record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry))
+            tasks.append(branch("slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs_doc)))
+            if self.settings.promote_standby:
+                tasks.append(branch("standby_promote", self._promote(inc, dry, record)))
+        finally:
+            # A failed drain still lets the cordon finish (and be recorded) before the error goes up.
+            await asyncio.gather(*tasks)
 
     async def _guard(self, record: Callable[[steps.StepResult], None], step: str, work: Any) -> None:
         """One branch failing leaves the others running; the playbook retries what failed."""

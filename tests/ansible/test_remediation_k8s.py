@@ -379,8 +379,8 @@ def test_isolate_cordons_taints_evicts_under_the_pdb_and_promotes_the_standby(
 
     isolate = run.steps("k8s_isolate")
     assert [st["outcome"] for st in isolate] == ["done"]
-    # fleetheal.cluster.k8s_node cordoned and tainted it first (the first responder's step); the drain evicts
-    assert f"node {FAILED} already marked unschedulable. 1 Pod(s) deleted from node." in isolate[0]["detail"]
+    # fleetheal.cluster.k8s_node: the cordon and taint (the first responder's step), then the evictions
+    assert f"{FAILED} cordoned and tainted {UNHEALTHY}; 1 pod(s) evicted from {FAILED}" in isolate[0]["detail"]
     assert [st["outcome"] for st in run.steps("standby_promote")] == ["done"]
     assert [st["outcome"] for st in run.steps("k8s_nodeset")] == ["done"]
     assert f"NodeSet {s.ns}/{NODESET}" in run.steps("k8s_nodeset")[0]["detail"]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fleetheal import steps
 from fleetheal.lab.slurm import SlurmCluster
@@ -398,3 +402,54 @@ def test_a_value_with_a_newline_never_reaches_scontrol_as_a_second_command() -> 
     assert ran == []
     slurm.scontrol("update", "nodename=n1", "comment=two words")
     assert ran == [("scontrol", "update", "nodename=n1", "comment=two words")]
+
+
+def test_the_collection_runs_its_steps_in_the_controller(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The playbooks run on the control host: a fleetheal.cluster task runs its step in the controller (the
+    module's action plugin), with no module interpreter: this host's interpreter does not even exist."""
+    repo = Path(__file__).resolve().parents[2]
+    task = {
+        "fleetheal.cluster.slurm_node": {
+            "name": "n2",
+            "state": "drained",
+            "incident": "inc-9",
+            "reason": "fleetheal:xid-79 incident=inc-9",
+            "settings": {"fleetheal_slurm_env": {"SLURM_CONF": str(cluster.conf_path)}},
+        },
+        "register": "drained",
+    }
+    check = {"ansible.builtin.assert": {"that": ["drained.changed", "drained.steps[0].outcome == 'done'"]}}
+    (tmp_path / "play.yml").write_text(
+        yaml.safe_dump([{"hosts": "all", "gather_facts": False, "tasks": [task, check]}])
+    )
+    (tmp_path / "hosts").write_text("control ansible_connection=local ansible_python_interpreter=/nonexistent/python\n")
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(repo / "playbooks" / "collections"))
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts"), str(tmp_path / "play.yml")],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    node = cluster.node("n2")
+    assert node.drained and node.reason == "fleetheal:xid-79 incident=inc-9"
+
+
+def test_a_drain_refuses_pods_no_controller_would_recreate_and_keeps_daemonset_and_mirror_pods() -> None:
+    def pod(name: str, *, owner: str = "", phase: str = "Running", mirror: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"namespace": "ns", "name": name}
+        if owner:
+            meta["ownerReferences"] = [{"kind": owner, "name": "o"}]
+        if mirror:
+            meta["annotations"] = {"kubernetes.io/config.mirror": "x"}
+        return {"metadata": meta, "status": {"phase": phase}}
+
+    pods = [
+        pod("job", owner="Job"),
+        pod("agent", owner="DaemonSet"),
+        pod("static", mirror=True),
+        pod("bare"),
+        pod("bare-done", phase="Succeeded"),
+        pod("slurmd", owner="NodeSet"),
+    ]
+    evict, unmanaged = steps._pods_to_evict(pods)
+    assert evict == [("ns", "job"), ("ns", "bare-done"), ("ns", "slurmd")]
+    assert unmanaged == ["ns/bare"]

@@ -1,5 +1,5 @@
 #!/usr/bin/python
-"""fleetheal.cluster.k8s_node: cordon and taint a Kubernetes Node fleetheal isolates."""
+"""fleetheal.cluster.k8s_node: cordon and taint a Kubernetes Node fleetheal isolates, and drain it."""
 
 from __future__ import annotations
 
@@ -7,15 +7,22 @@ from ansible_collections.fleetheal.cluster.plugins.module_utils.steps import run
 
 DOCUMENTATION = r"""
 module: k8s_node
-short_description: Cordon a Kubernetes Node and taint it fleetheal.io/unhealthy
+short_description: Cordon a Kubernetes Node, taint it fleetheal.io/unhealthy and drain it
 description:
-  - The step of C(fleetheal.steps) the remediator's first responder runs, as a module (one patch, guarded by the
-    Node's resourceVersion). Evicting its pods is C(kubernetes.core.k8s_drain)'s, in the playbook.
+  - Cordon and taint, the step of C(fleetheal.steps) the remediator's first responder runs (one patch, guarded by
+    the Node's resourceVersion).
+  - With O(drain), then evict its pods through the Eviction API as C(kubectl drain --ignore-daemonsets
+    --delete-emptydir-data) would (PodDisruptionBudgets apply; DaemonSet and mirror pods stay; pods no controller
+    manages are refused), wait up to O(drain_timeout_s) for them to be gone and label the Node
+    C(fleetheal.io/pool=quarantine). An eviction a budget refuses fails the task with the server's message, which
+    names the disruption budget; the playbook retries that.
 extends_documentation_fragment: [fleetheal.cluster.common]
 options:
   name: {description: The Node., type: str, required: true}
   state: {description: What to make true., type: str, required: true, choices: [isolated]}
   fault_id: {description: The taxonomy fault id (the taint's value)., type: str, required: true}
+  drain: {description: Also evict the pods and move the Node to the quarantine pool., type: bool, default: false}
+  drain_timeout_s: {description: How long to wait for the evicted pods to be gone., type: int, default: 300}
 """
 
 EXAMPLES = r"""
@@ -35,19 +42,26 @@ steps:
 """
 
 
+#: The module's own options (run_module adds the common ones).
+ARGUMENT_SPEC = {
+    "name": {"type": "str", "required": True},
+    "state": {"type": "str", "required": True, "choices": ["isolated"]},
+    "fault_id": {"type": "str", "required": True},
+    "drain": {"type": "bool", "default": False},
+    "drain_timeout_s": {"type": "int", "default": 300},
+}
+
+
 def main() -> None:
-    run_module(
-        {
-            "name": {"type": "str", "required": True},
-            "state": {"type": "str", "required": True, "choices": ["isolated"]},
-            "fault_id": {"type": "str", "required": True},
-        },
-        work,
-    )
+    run_module(ARGUMENT_SPEC, work)
 
 
 def work(steps, settings, p, dry):
-    return [steps.k8s_isolate(steps.kube_for(settings), p["name"], p["fault_id"], dry_run=dry)], {}
+    kube = steps.kube_for(settings)
+    results = [steps.k8s_isolate(kube, p["name"], p["fault_id"], dry_run=dry)]
+    if p["drain"]:
+        results.append(steps.k8s_drain(kube, p["name"], timeout_s=p["drain_timeout_s"], dry_run=dry))
+    return results, {}
 
 
 if __name__ == "__main__":

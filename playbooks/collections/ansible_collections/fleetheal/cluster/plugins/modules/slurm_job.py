@@ -46,18 +46,19 @@ steps:
 """
 
 
+#: The module's own options (run_module adds the common ones).
+ARGUMENT_SPEC = {
+    "node": {"type": "str", "required": True},
+    "state": {"type": "str", "required": True, "choices": ["requeued", "signalled"]},
+    "incident": {"type": "str", "required": True},
+    "fault_id": {"type": "str", "required": True},
+    "job_id": {"type": "str", "default": ""},
+    "same_nodes": {"type": "bool", "default": False},
+}
+
+
 def main() -> None:
-    run_module(
-        {
-            "node": {"type": "str", "required": True},
-            "state": {"type": "str", "required": True, "choices": ["requeued", "signalled"]},
-            "incident": {"type": "str", "required": True},
-            "fault_id": {"type": "str", "required": True},
-            "job_id": {"type": "str", "default": ""},
-            "same_nodes": {"type": "bool", "default": False},
-        },
-        work,
-    )
+    run_module(ARGUMENT_SPEC, work)
 
 
 def work(steps, settings, p, dry):

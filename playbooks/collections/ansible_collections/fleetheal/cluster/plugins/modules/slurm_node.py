@@ -44,16 +44,17 @@ promoted:
 """
 
 
+#: The module's own options (run_module adds the common ones).
+ARGUMENT_SPEC = {
+    "name": {"type": "str", "required": True},
+    "state": {"type": "str", "required": True, "choices": ["drained", "promoted"]},
+    "incident": {"type": "str", "required": True},
+    "reason": {"type": "str", "default": ""},
+}
+
+
 def main() -> None:
-    run_module(
-        {
-            "name": {"type": "str", "required": True},
-            "state": {"type": "str", "required": True, "choices": ["drained", "promoted"]},
-            "incident": {"type": "str", "required": True},
-            "reason": {"type": "str", "default": ""},
-        },
-        work,
-    )
+    run_module(ARGUMENT_SPEC, work)
 
 
 def work(steps, settings, p, dry):
