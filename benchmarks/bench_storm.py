@@ -41,6 +41,7 @@ tests/remediator.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import datetime as dt
@@ -447,7 +448,9 @@ def _environment(
             "store": {"path": str(rdir / "remediator.sqlite")},
             "runner": {
                 "playbook_dir": str(REPO / "playbooks"), "run_dir": str(rdir / "runs"), "inventory": str(inventory),
-                "timeout_s": 300, "retries": 0, "max_concurrent": max_concurrent, "first_response": True,
+                # The follow-ups' run may last as long as the bench waits for them.
+                "timeout_s": int(max(300, PLAYBOOK_WAIT_S)), "retries": 0, "max_concurrent": max_concurrent,
+                "first_response": True,
                 "envvars": {"K8S_AUTH_KUBECONFIG": str(cp.kubeconfig), "SLURM_CONF": str(cluster.conf_path)},
                 "site_vars": {"fleetheal_grace_seconds": 0, "fleetheal_slurm_retry_delay_s": 1,
                               "fleetheal_k8s_drain_timeout_s": 30, "fleetheal_kubeconfig": str(cp.kubeconfig),
@@ -644,8 +647,9 @@ def _storm(label: str, nodes: int, failed: int, jobs: int, *, raised: bool, max_
                     if f is not None:
                         states[f.state] = states.get(f.state, 0) + 1
                 ends = [f.updated_at - posted[f.node] for f in fresh if f is not None and f.state == "done"]
+                failed = collections.Counter(f.outcome for f in fresh if f is not None and f.state == "failed")
                 done_info = {"states": states, "ends": ends, "waited": time.monotonic() - t_pb,
-                             "elapsed": time.time() - t0}  # fmt: skip
+                             "elapsed": time.time() - t0, "failed": dict(failed.most_common(3))}  # fmt: skip
 
             # Cross-checks: Slurm's and the API server's state now, slurmctld's log, the jobs' own files.
             snodes = cluster.nodes()
@@ -798,6 +802,7 @@ def _playbook_row(r: dict[str, Any]) -> dict[str, Any]:
         f"{n} allowed incidents, ISOLATE_AND_RELOCATE playbook through ansible-runner after the first response, "
         f"runner.max_concurrent {r['max_concurrent']}, retries 0; states after {d['elapsed']:.0f} s: {d['states']}; "
         f"done per node from the alert {_dist(ends)}; {len(ends)} done at {rate:.2f} incidents/s"
+        f"{'; failed outcomes ' + str(d['failed']) if d.get('failed') else ''}"
         f"{'' if complete else f' (time limit {PLAYBOOK_WAIT_S:.0f} s reached: not all done)'}"
     )  # fmt: skip
     return {"name": f"storm {r['label']}: every allowed incident done (follow-up playbooks)", "unit": "s",

@@ -355,7 +355,9 @@ class Engine:
         interruptions = sum(1 for s in attempts if s.result == "interrupted")
         if failures > self.cfg.runner.retries or interruptions > MAX_INTERRUPTIONS:
             why = "retries exhausted" if failures > self.cfg.runner.retries else "interrupted too often"
-            self.store.set_state(inc.id, "failed", outcome=f"playbook failed: {why} after {len(attempts)} attempts")
+            last = attempts[-1].detail.strip() if attempts else ""
+            outcome = f"playbook failed: {why} after {len(attempts)} attempts" + (f" (last: {last[:300]})" * bool(last))
+            self.store.set_state(inc.id, "failed", outcome=outcome)
             self._finished(inc, "failed")
             return
         if failures:

@@ -97,12 +97,15 @@ def test_retries_exhausted_fail_the_incident(tmp_path):
     cfg = make_config(tmp_path, runner={"retries": 1})
 
     async def main():
-        runner = RecordingRunner(outcomes={1: "failed", 2: "failed"})
+        runner = RecordingRunner(outcomes={1: "failed", 2: "timeout"})
         store, engine = await start(cfg, runner)
         (iid,) = await send(store, engine, cfg, alert())
         await engine.stop()
         inc = store.get(iid)
-        assert inc.state == "failed" and inc.outcome == "playbook failed: retries exhausted after 2 attempts"
+        # The outcome says why the last attempt failed (a storm's operator must not have to open each run).
+        last = [s.detail for s in store.steps(iid) if s.name == "playbook"][-1]
+        assert "recorded (timeout)" in last
+        assert inc.state == "failed" and inc.outcome == f"playbook failed: retries exhausted after 2 attempts (last: {last})"
         assert len(runner.requests) == 2
 
     asyncio.run(main())
