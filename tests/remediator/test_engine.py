@@ -105,7 +105,10 @@ def test_retries_exhausted_fail_the_incident(tmp_path):
         # The outcome says why the last attempt failed (a storm's operator must not have to open each run).
         last = [s.detail for s in store.steps(iid) if s.name == "playbook"][-1]
         assert "recorded (timeout)" in last
-        assert inc.state == "failed" and inc.outcome == f"playbook failed: retries exhausted after 2 attempts (last: {last})"
+        assert (
+            inc.state == "failed"
+            and inc.outcome == f"playbook failed: retries exhausted after 2 attempts (last: {last})"
+        )
         assert len(runner.requests) == 2
 
     asyncio.run(main())
