@@ -8,7 +8,7 @@ changed, and a step that finds it there reports `done` without acting again), re
 the shape of the playbooks' report (`{"step", "outcome", "detail"}`, outcome done | would | skipped |
 failed), and honours a dry run ("would ...", nothing changed).
 
-Slurm is driven through its own commands (`scontrol`, `scancel`, `squeue --json`, `sinfo --json`), with
+Slurm is driven through its own commands (`scontrol`, `scancel`, `squeue --json`, `sinfo -O`), with
 the retries, delay and timeout of `playbooks/vars/remediation.yml`. Kubernetes through the official client.
 """
 
@@ -162,6 +162,42 @@ def slurm_node(sinfo: Any, name: str, owned_prefix: str = contracts.DRAIN_REASON
         "reason_owned": False,
         "comment": "",
     }
+
+
+#: `sinfo -N -h -O` fields of a node read, each ended by the unit separator (a character no name, state or
+#: reason of ours holds; the free-text fields come last, so a stray one in a comment cannot shift the rest).
+_SINFO_FIELDS = ("NodeList", "StateComplete", "Reason", "Comment")
+_SEP = "\x1f"
+SINFO_NODES_ARGS = ("-N", "-h", "-O", ",".join(f"{f}:{_SEP}" for f in _SINFO_FIELDS))
+
+
+def parse_sinfo_nodes(text: str) -> dict[str, Any]:
+    """`sinfo SINFO_NODES_ARGS` as `sinfo --json` shapes its nodes (name, state, state_flags, reason,
+    comment), for `slurm_node` and the helpers below.
+
+    The text read costs a fraction of the JSON one (1,500 nodes: 44 kB instead of 1.8 MB, and Slurm 22.05's
+    JSON printer is slow), and a storm's first responses read the whole fleet. `StateComplete` is
+    `state[*][+flag...]` in lower case (`*`: not responding); an empty reason prints `none`, an empty
+    comment `(null)`. `-N` lists a node once per partition: the first line counts."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(_SEP)
+        state, _, rest = rest.partition(_SEP)
+        reason, _, rest = rest.partition(_SEP)
+        comment = rest[:-1] if rest.endswith(_SEP) else rest
+        if not name or not state or name in nodes:
+            continue
+        base, *flags = state.upper().split("+")
+        if base.endswith("*"):
+            flags.append("NOT_RESPONDING")
+        nodes[name] = {
+            "name": name,
+            "state": base.rstrip("*~#%$@^-!").lower(),
+            "state_flags": flags,
+            "reason": "" if reason == "none" else reason,
+            "comment": "" if comment == "(null)" else comment,
+        }
+    return {"nodes": list(nodes.values())}
 
 
 def slurm_nodes_with_reason(sinfo: Any, prefix: str) -> list[str]:
@@ -356,7 +392,7 @@ class Slurm:
         self.settings = settings
         self.env = {**os.environ, **settings.slurm_env}
         self.prefix = (settings.slurm_bin_dir.rstrip("/") + "/") if settings.slurm_bin_dir else ""
-        self._sinfo = _Shared(lambda: _doc(self.run("sinfo", "--json")))
+        self._sinfo = _Shared(lambda: parse_sinfo_nodes(self.run("sinfo", *SINFO_NODES_ARGS)))
         self._squeue = _Shared(lambda: _doc(self.run("squeue", "--json")))
         self._scontrol = _Batched(self._scontrol_batch)
         self._scancel = _Batched(self._scancel_batch)
@@ -392,7 +428,7 @@ class Slurm:
         return self.sinfo_at()[1]
 
     def sinfo_at(self) -> tuple[float, dict[str, Any]]:
-        """`sinfo --json` and when (monotonic) the read started."""
+        """Every node (`parse_sinfo_nodes`) and when (monotonic) the read started."""
         return self._sinfo.get()
 
     def squeue(self) -> dict[str, Any]:

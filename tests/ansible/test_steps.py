@@ -280,6 +280,21 @@ def test_restarts_in_the_job_count_toward_the_limit_and_a_forged_comment_word_co
     assert not steps.can_shrink(job | {"comment": "fleetheal-nodes=2"}, "n2")  # not run by the launcher
 
 
+def test_the_text_node_read_agrees_with_sinfo_json(cluster: SlurmCluster) -> None:
+    """The steps read nodes with `sinfo -O` text (a fraction of the JSON's cost at fleet size): for every
+    node, what `slurm_node` makes of it equals what it makes of `sinfo --json`, whatever the reason holds."""
+    cluster.run("scontrol", "update", "nodename=n1", "state=DRAIN", "reason=fleetheal: a|b,c  d=e")
+    cluster.run("scontrol", "update", "nodename=n2", "comment=fleetheal: promoted for n9 incident=inc-7")
+    cluster.run("scontrol", "update", "nodename=n3", "state=DOWN", "reason=none of ours")
+    text = steps.parse_sinfo_nodes(cluster.run("sinfo", *steps.SINFO_NODES_ARGS).stdout)
+    doc = cluster.run("sinfo", "--json").stdout
+    for name in ("n1", "n2", "n3", "nX"):
+        assert steps.slurm_node(text, name) == steps.slurm_node(doc, name), name
+    assert steps.slurm_node(text, "n1")["reason"] == "fleetheal: a|b,c  d=e"
+    assert steps.slurm_nodes_with_comment(text, "incident=inc-7") == ["n2"]
+    assert steps.slurm_nodes_with_reason(text, "fleetheal:") == ["n1"]
+
+
 def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(cluster: SlurmCluster) -> None:
     """A storm's first responses on one Slurm: drains submitted together go to Slurm as one scontrol,
     reads together as about one sinfo, a standby node is never promoted twice, and a command that fails
