@@ -647,9 +647,9 @@ def _storm(label: str, nodes: int, failed: int, jobs: int, *, raised: bool, max_
                     if f is not None:
                         states[f.state] = states.get(f.state, 0) + 1
                 ends = [f.updated_at - posted[f.node] for f in fresh if f is not None and f.state == "done"]
-                failed = collections.Counter(f.outcome for f in fresh if f is not None and f.state == "failed")
+                outcomes = collections.Counter(f.outcome for f in fresh if f is not None and f.state == "failed")
                 done_info = {"states": states, "ends": ends, "waited": time.monotonic() - t_pb,
-                             "elapsed": time.time() - t0, "failed": dict(failed.most_common(3))}  # fmt: skip
+                             "elapsed": time.time() - t0, "failed": dict(outcomes.most_common(3))}  # fmt: skip
 
             # Cross-checks: Slurm's and the API server's state now, slurmctld's log, the jobs' own files.
             snodes = cluster.nodes()

@@ -131,26 +131,50 @@ def _doc(value: Any) -> dict[str, Any]:
     raise ValueError("expected the JSON document printed by `squeue --json` or `sinfo --json`")
 
 
+_MEMO = "_fleetheal_index"
+
+
+def _memo(doc: dict[str, Any], key: str, build: Callable[[dict[str, Any]], Any]) -> Any:
+    """What `build` derives from `doc`, built once per document: a storm's first responses share one read
+    of the fleet, and scanning it whole for each of N incidents made the storm quadratic. Concurrent
+    callers may both build; they build the same thing."""
+    memo = doc.setdefault(_MEMO, {})
+    if key not in memo:
+        memo[key] = build(doc)
+    return memo[key]
+
+
+def _flags(node: Mapping[str, Any]) -> list[str]:
+    return [str(f).upper() for f in node.get("state_flags") or []]
+
+
+def _nodes_by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    by_name: dict[str, dict[str, Any]] = {}
+    for node in doc.get("nodes", []):
+        by_name.setdefault(str(node.get("name")), node)
+    return by_name
+
+
 def slurm_node(sinfo: Any, name: str, owned_prefix: str = contracts.DRAIN_REASON_PREFIX) -> dict[str, Any]:
     """One node of `sinfo --json`: name, state (upper case), flags, drained, reason, reason_owned.
 
     Returns {"found": False, ...} when Slurm does not know the node.
     """
-    for node in _doc(sinfo).get("nodes", []):
-        if node.get("name") == name:
-            flags = [str(f).upper() for f in node.get("state_flags") or []]
-            reason = str(node.get("reason") or "")
-            return {
-                "found": True,
-                "name": name,
-                "state": str(node.get("state", "unknown")).upper(),
-                "flags": flags,
-                "drained": "DRAIN" in flags,
-                "responding": "NOT_RESPONDING" not in flags and str(node.get("state", "")).upper() != "DOWN",
-                "reason": reason,
-                "reason_owned": reason.startswith(owned_prefix),
-                "comment": str(node.get("comment") or ""),
-            }
+    node = _memo(_doc(sinfo), "by_name", _nodes_by_name).get(name)
+    if node is not None:
+        flags = _flags(node)
+        reason = str(node.get("reason") or "")
+        return {
+            "found": True,
+            "name": name,
+            "state": str(node.get("state", "unknown")).upper(),
+            "flags": flags,
+            "drained": "DRAIN" in flags,
+            "responding": "NOT_RESPONDING" not in flags and str(node.get("state", "")).upper() != "DOWN",
+            "reason": reason,
+            "reason_owned": reason.startswith(owned_prefix),
+            "comment": str(node.get("comment") or ""),
+        }
     return {
         "found": False,
         "name": name,
@@ -202,17 +226,26 @@ def parse_sinfo_nodes(text: str) -> dict[str, Any]:
 
 def slurm_nodes_with_reason(sinfo: Any, prefix: str) -> list[str]:
     """Names of drained nodes whose reason starts with `prefix` (e.g. the standby pool), sorted."""
-    out = []
-    for node in _doc(sinfo).get("nodes", []):
-        flags = [str(f).upper() for f in node.get("state_flags") or []]
-        if "DRAIN" in flags and str(node.get("reason") or "").startswith(prefix):
-            out.append(str(node["name"]))
-    return sorted(out)
+    drained = _memo(
+        _doc(sinfo),
+        "drained",
+        lambda doc: sorted(
+            (str(n["name"]), str(n.get("reason") or "")) for n in doc.get("nodes", []) if "DRAIN" in _flags(n)
+        ),
+    )
+    return [name for name, reason in drained if reason.startswith(prefix)]
 
 
 def slurm_nodes_with_comment(sinfo: Any, text: str) -> list[str]:
     """Names of nodes whose comment has the word `text` (how a promotion is tied to its incident), sorted."""
-    return sorted(str(n["name"]) for n in _doc(sinfo).get("nodes", []) if text in str(n.get("comment") or "").split())
+    commented = _memo(
+        _doc(sinfo),
+        "commented",
+        lambda doc: sorted(
+            (str(n["name"]), frozenset(str(n.get("comment")).split())) for n in doc.get("nodes", []) if n.get("comment")
+        ),
+    )
+    return [name for name, words in commented if text in words]
 
 
 def _stdout_path(job: dict[str, Any]) -> str:
@@ -252,34 +285,50 @@ def _summary(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _jobs_by_id(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    by_id: dict[str, dict[str, Any]] = {}
+    for job in doc.get("jobs", []):
+        by_id.setdefault(str(job.get("job_id")), _summary(job))
+    return by_id
+
+
+def _active_jobs_by_node(doc: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for job in sorted(_memo(doc, "jobs", _jobs_by_id).values(), key=lambda j: int(j["job_id"])):
+        if job["state"] in _ACTIVE_JOB_STATES:
+            for node in dict.fromkeys(job["nodes"]):
+                by_node.setdefault(node, []).append(job)
+    return by_node
+
+
+def _copy(job: dict[str, Any]) -> dict[str, Any]:
+    return {**job, "nodes": list(job["nodes"])}  # the caller's own: the index is shared
+
+
 def slurm_job(squeue: Any, job_id: Any) -> dict[str, Any]:
     """One job of `squeue --json` by id (summary fields), or {} when Slurm no longer lists it."""
-    wanted = str(job_id)
-    for job in _doc(squeue).get("jobs", []):
-        if str(job.get("job_id")) == wanted:
-            return _summary(job)
-    return {}
+    job = _memo(_doc(squeue), "jobs", _jobs_by_id).get(str(job_id))
+    return _copy(job) if job else {}
 
 
 def slurm_jobs_on_node(squeue: Any, node: str) -> list[dict[str, Any]]:
     """Active jobs (running, configuring, completing, suspended) that hold an allocation on `node`."""
-    out = []
-    for job in _doc(squeue).get("jobs", []):
-        summary = _summary(job)
-        if summary["state"] in _ACTIVE_JOB_STATES and node in summary["nodes"]:
-            out.append(summary)
-    return sorted(out, key=lambda j: int(j["job_id"]))
+    return [_copy(j) for j in _memo(_doc(squeue), "on_node", _active_jobs_by_node).get(node, [])]
 
 
-def slurm_max_priority(squeue: Any) -> int:
-    """The highest priority among pending and active jobs."""
+def _max_priority(doc: dict[str, Any]) -> int:
     best = 0
-    for job in _doc(squeue).get("jobs", []):
+    for job in doc.get("jobs", []):
         state = str(job.get("job_state") or "").upper()
         if state != "PENDING" and state not in _ACTIVE_JOB_STATES:
             continue
         best = max(best, int(job.get("priority") or 0))
     return best
+
+
+def slurm_max_priority(squeue: Any) -> int:
+    """The highest priority among pending and active jobs."""
+    return int(_memo(_doc(squeue), "max_priority", _max_priority))
 
 
 def target_jobs(squeue: Any, node: str, job_id: str = "") -> list[dict[str, Any]]:
