@@ -344,20 +344,31 @@ def target_jobs(squeue: Any, node: str, job_id: str = "") -> list[dict[str, Any]
 
 
 class _Shared:
-    """Concurrent calls share one read: a call joins the read in flight only if that read started after
-    the call did, else it waits for the next one, which its first waiter runs. So a caller always sees
-    at least its own earlier writes, and a storm of N first responses costs about two reads, not N."""
+    """Concurrent calls share one read: a call waits for the next read to start (which its first waiter
+    runs), so a caller always sees at least its own earlier writes, and a storm of N first responses
+    costs about two reads, not N. A caller that only needs a read taken after a moment of its own
+    (`since`, wall clock: a first response needs one taken after its alert arrived) also takes the last
+    read or the one in flight when either started after that moment."""
 
     def __init__(self, fetch: Callable[[], Any]) -> None:
         self._fetch = fetch
         self._cond = threading.Condition()
         self._running: Future[Any] | None = None  # the read in flight
         self._claimed = False  # whether a caller is running it
+        self._running_since = 0.0  # when (wall clock) the read in flight started
         self._next: Future[Any] | None = None  # the read that callers arriving now wait for
+        self._last: tuple[float, Any] | None = None  # (when it started, wall clock; its result)
 
-    def get(self) -> tuple[float, Any]:
+    def get(self, since: float | None = None) -> tuple[float, Any]:
         """(when the read started, on the monotonic clock; what it read)."""
         with self._cond:
+            if since is not None and self._last is not None and self._last[0] >= since:
+                return self._last[1]  # type: ignore[no-any-return]
+            if since is not None and self._claimed and self._running is not None and self._running_since >= since:
+                fut = self._running
+                while not fut.done():
+                    self._cond.wait()
+                return fut.result()  # type: ignore[no-any-return]
             if self._running is None:
                 fut = self._running = Future()
             else:
@@ -367,6 +378,7 @@ class _Shared:
                 if fut.done():
                     return fut.result()  # type: ignore[no-any-return]
             self._claimed = True
+            self._running_since = wall = time.time()
         started = time.monotonic()
         try:
             fut.set_result((started, self._fetch()))
@@ -374,6 +386,8 @@ class _Shared:
             fut.set_exception(exc)
         finally:
             with self._cond:
+                if not fut.exception():
+                    self._last = (wall, fut.result())
                 self._running, self._next, self._claimed = self._next, None, False
                 self._cond.notify_all()
         return fut.result()  # type: ignore[no-any-return]
@@ -430,6 +444,12 @@ def _scontrol_word(arg: str) -> str:
     return f'{key}="{value}"' if sep else f'"{arg}"'
 
 
+def _stdin_safe(cmd: Sequence[str]) -> bool:
+    """Whether scontrol reading `cmd` from its input stores what argv would: it keeps the quotes around a
+    value with a blank (a comment would read '"a b"', and its words would not match), but for a reason."""
+    return all((" " not in a and "\t" not in a) or a.lower().startswith("reason=") for a in cmd)
+
+
 class Slurm:
     """Slurm's commands with the playbooks' retries, delay and timeout.
 
@@ -476,41 +496,73 @@ class Slurm:
     def sinfo(self) -> dict[str, Any]:
         return self.sinfo_at()[1]
 
-    def sinfo_at(self) -> tuple[float, dict[str, Any]]:
-        """Every node (`parse_sinfo_nodes`) and when (monotonic) the read started."""
-        return self._sinfo.get()
+    def sinfo_at(self, since: float | None = None) -> tuple[float, dict[str, Any]]:
+        """Every node (`parse_sinfo_nodes`) and when (monotonic) the read started; `since`: see `_Shared`."""
+        return self._sinfo.get(since)
 
-    def squeue(self) -> dict[str, Any]:
-        return self._squeue.get()[1]  # type: ignore[no-any-return]
+    def squeue(self, since: float | None = None) -> dict[str, Any]:
+        return self._squeue.get(since)[1]  # type: ignore[no-any-return]
 
     def scontrol(self, *args: str) -> None:
         """One scontrol command (`update ...`, `requeue ...`), sent with the others submitted meanwhile.
         Checked before it joins a batch: a newline in a value would be a second command in scontrol's input,
         and a refused command must fail for its caller only."""
-        words = [_scontrol_word(a) for a in args]
-        self._scontrol.submit((tuple(args), " ".join(words)))
+        self.scontrol_seq([tuple(args)])
+
+    def scontrol_seq(self, commands: Sequence[Sequence[str]]) -> None:
+        """Commands that must run in this order (a requeue, then the update of the pending job), sent in
+        one batch: a storm's requeues then wait for one batch of scontrol, not two."""
+        cmds = tuple(tuple(c) for c in commands)
+        for cmd in cmds:
+            for arg in cmd:
+                _scontrol_word(arg)
+        self._scontrol.submit(cmds)
 
     def scancel_signal(self, signal: str, job_ids: Sequence[str]) -> None:
         """`scancel --batch --signal=SIGNAL` to `job_ids`, with the other jobs signalled meanwhile."""
         self._scancel.submit((signal, tuple(job_ids)))
 
-    def _scontrol_batch(self, batch: list[tuple[tuple[str, ...], str]]) -> list[Exception | None]:
-        commands = [args for args, _ in batch]
-        if len(commands) == 1:
-            return [_error_of(self.run, "scontrol", *commands[0])]
-        script = "".join(line + "\n" for _, line in batch)
-        if _error_of(self.run, "scontrol", stdin=script + "quit\n", retries=0) is None:
-            return [None] * len(commands)
-        # Which line failed is not told: each command again on its own. They are idempotent, but for a
-        # requeue, which finds its jobs requeued by the batch already ("pending").
-        return [_error_of(self._scontrol_again, cmd) for cmd in commands]
+    def _scontrol_batch(self, batch: list[tuple[tuple[str, ...], ...]]) -> list[Exception | None]:
+        """Each caller's commands in order: the leading ones scontrol can read from its input go to one
+        scontrol together; the rest (a value with a blank, which scontrol reading its input would store
+        with its quotes, but for a reason) then run on their own, concurrently across callers."""
+        heads: list[tuple[tuple[str, ...], ...]] = []
+        tails: list[tuple[tuple[str, ...], ...]] = []
+        for cmds in batch:
+            n = next((i for i, cmd in enumerate(cmds) if not _stdin_safe(cmd)), len(cmds))
+            heads.append(cmds[:n])
+            tails.append(cmds[n:])
+        errors = self._scontrol_script(heads)
+        todo = [i for i, tail in enumerate(tails) if tail and errors[i] is None]
+        if len(todo) == 1:
+            errors[todo[0]] = _error_of(self._scontrol_again, tails[todo[0]])
+        elif todo:
+            with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+                for i, error in zip(
+                    todo, pool.map(lambda i: _error_of(self._scontrol_again, tails[i]), todo), strict=True
+                ):
+                    errors[i] = error
+        return errors
 
-    def _scontrol_again(self, cmd: tuple[str, ...]) -> None:
-        try:
-            self.run("scontrol", *cmd)
-        except StepError as exc:
-            if cmd[0] != "requeue" or "pending" not in str(exc).lower():
-                raise
+    def _scontrol_script(self, heads: list[tuple[tuple[str, ...], ...]]) -> list[Exception | None]:
+        lines = [cmd for head in heads for cmd in head]
+        if len(lines) <= 1:
+            error = _error_of(self.run, "scontrol", *lines[0]) if lines else None
+            return [error if head else None for head in heads]
+        script = "".join(" ".join(_scontrol_word(a) for a in cmd) + "\n" for cmd in lines)
+        if _error_of(self.run, "scontrol", stdin=script + "quit\n", retries=0) is None:
+            return [None] * len(heads)
+        # Which line failed is not told: each caller's commands again on their own, in order. They are
+        # idempotent, but for a requeue, which finds its jobs requeued by the batch already ("pending").
+        return [_error_of(self._scontrol_again, head) if head else None for head in heads]
+
+    def _scontrol_again(self, cmds: tuple[tuple[str, ...], ...]) -> None:
+        for cmd in cmds:
+            try:
+                self.run("scontrol", *cmd)
+            except StepError as exc:
+                if cmd[0] != "requeue" or "pending" not in str(exc).lower():
+                    raise
 
     def _scancel_batch(self, items: list[tuple[str, tuple[str, ...]]]) -> list[Exception | None]:
         errors: list[Exception | None] = [None] * len(items)
@@ -532,9 +584,10 @@ def _error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Exception | 
     return None
 
 
-def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False) -> StepResult:
-    """Drain `node` with an owned reason; never over a reason fleetheal does not own."""
-    info = slurm_node(slurm.sinfo(), node)
+def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False, sinfo: Any = None) -> StepResult:
+    """Drain `node` with an owned reason; never over a reason fleetheal does not own. `sinfo`: a node read
+    taken after the caller was asked to act (default: a new one)."""
+    info = slurm_node(slurm.sinfo() if sinfo is None else sinfo, node)
     if not info["found"]:
         raise StepError(f"Slurm does not know node {node}")
     if info["drained"] and not info["reason_owned"]:
@@ -690,21 +743,25 @@ def requeue_now(
         results = [shrink_in_job(slurm, j, node, incident, fault_id) for j in shrunk]
     if not jobs:
         return results
-    slurm.scontrol("requeue", ",".join(j["job_id"] for j in jobs))
     comment = f"{contracts.DRAIN_REASON_PREFIX} requeued after {fault_id} on {node} incident={incident}"
-
-    def boost(job: dict[str, Any]) -> StepResult:
-        # A job run by `fleetheal launch` keeps the words that say so.
-        words = _launch_words(job)
-        args = ["update", f"jobid={job['job_id']}", f"priority={plan.priority}", f"comment={comment}{words}"]
+    commands: list[tuple[str, ...]] = [("requeue", ",".join(j["job_id"] for j in jobs))]
+    for job in jobs:
+        # The boost and the comment (a job run by `fleetheal launch` keeps the words that say so) go to
+        # the job once it is pending again, in the same batch as its requeue.
+        args = [
+            "update",
+            f"jobid={job['job_id']}",
+            f"priority={plan.priority}",
+            f"comment={comment}{_launch_words(job)}",
+        ]
         args.append("reqnodelist=" + ",".join(job["nodes"]) if same_nodes else f"excnodelist={node}")
-        slurm.scontrol(*args)
+        commands.append(tuple(args))
+    slurm.scontrol_seq(commands)
+    for job in jobs:
         where = " on " + ",".join(job["nodes"]) if same_nodes else ""
         detail = f"sent {s.grace_signal} to job {job['job_id']}, requeued it{where} with priority {plan.priority}"
-        return StepResult("slurm_requeue", "done", detail, changed=True)
-
-    with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
-        return results + list(pool.map(boost, jobs))
+        results.append(StepResult("slurm_requeue", "done", detail, changed=True))
+    return results
 
 
 def restart_in_job(slurm: Slurm, job: dict[str, Any], node: str, incident: str, fault_id: str) -> StepResult:
@@ -780,11 +837,14 @@ _PROMOTE_LOCK = threading.Lock()
 _CLAIMED: dict[str, float] = {}
 
 
-def promote_standby(slurm: Slurm, node: str, incident: str, *, dry_run: bool = False) -> StepResult:
+def promote_standby(
+    slurm: Slurm, node: str, incident: str, *, dry_run: bool = False, read: tuple[float, Any] | None = None
+) -> StepResult:
     """Resume one warm-standby node (drained with the owned standby reason) in place of `node`, once per
-    incident (the promoted node's comment names it)."""
+    incident (the promoted node's comment names it). `read`: `Slurm.sinfo_at()` taken after the caller was
+    asked to act (default: a new one); promotions claimed since it was taken are not picked again."""
     s = slurm.settings
-    taken, doc = slurm.sinfo_at()
+    taken, doc = slurm.sinfo_at() if read is None else read
     with _PROMOTE_LOCK:
         done = slurm_nodes_with_comment(doc, f"incident={incident}")
         if done:

@@ -106,12 +106,17 @@ class FirstResponder:
         # server's queue and slurmctld's are different queues).
         tasks = [branch("k8s_cordon", self._cordon(inc, dry, record))]
         try:
-            # The jobs are read before the drain and the promotion change anything (one squeue for all).
-            jobs_doc = await self._call(self.slurm.squeue)
-            record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry))
+            # The nodes and the jobs are read at once, before the drain and the promotion change anything
+            # (the promotion picks from the same read). Any read taken since the alert arrived will do: a
+            # storm's incidents share the reads in flight.
+            since = inc.received_at
+            nodes, jobs_doc = await asyncio.gather(
+                self._call(self.slurm.sinfo_at, since), self._call(self.slurm.squeue, since)
+            )
+            record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry, sinfo=nodes[1]))
             tasks.append(branch("slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs_doc)))
             if self.settings.promote_standby:
-                tasks.append(branch("standby_promote", self._promote(inc, dry, record)))
+                tasks.append(branch("standby_promote", self._promote(inc, dry, record, nodes)))
         finally:
             # A failed drain still lets the cordon finish (and be recorded) before the error goes up.
             await asyncio.gather(*tasks)
@@ -127,8 +132,10 @@ class FirstResponder:
     async def _cordon(self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None]) -> None:
         record(await self._kube_call(steps.k8s_isolate, inc.node, inc.fault_id, dry_run=dry))
 
-    async def _promote(self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None]) -> None:
-        result = await self._call(steps.promote_standby, self.slurm, inc.node, inc.ref, dry_run=dry)
+    async def _promote(
+        self, inc: Incident, dry: bool, record: Callable[[steps.StepResult], None], read: tuple[float, Any]
+    ) -> None:
+        result = await self._call(steps.promote_standby, self.slurm, inc.node, inc.ref, dry_run=dry, read=read)
         record(result)
         if result.changed:
             record(await self._kube_call(steps.k8s_promote, result.node, dry_run=dry))

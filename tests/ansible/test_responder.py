@@ -10,6 +10,7 @@ import asyncio
 import os
 import re
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -34,7 +35,14 @@ def cluster(tmp_path: Path):
 def _incident(ref: str, node: str) -> types.SimpleNamespace:
     """The fields of a remediator Incident the responder reads."""
     return types.SimpleNamespace(
-        ref=ref, node=node, fault_id="xid-79", action="ISOLATE_AND_RELOCATE", gpu="1", dry_run=False, run_job_id=""
+        ref=ref,
+        node=node,
+        fault_id="xid-79",
+        action="ISOLATE_AND_RELOCATE",
+        gpu="1",
+        dry_run=False,
+        run_job_id="",
+        received_at=time.time(),
     )
 
 

@@ -280,6 +280,20 @@ def test_restarts_in_the_job_count_toward_the_limit_and_a_forged_comment_word_co
     assert not steps.can_shrink(job | {"comment": "fleetheal-nodes=2"}, "n2")  # not run by the launcher
 
 
+def test_a_shared_read_taken_since_a_moment_serves_every_caller_who_needs_no_newer_one() -> None:
+    """A storm's first responses take any read that started after their alert arrived (no new one each);
+    a plain call still waits for a read that starts after it (it must see its own earlier writes)."""
+    import time
+
+    reads: list[float] = []
+    shared = steps._Shared(lambda: reads.append(time.time()) or len(reads))
+    before = time.time()
+    assert shared.get()[1] == 1
+    assert shared.get(since=before)[1] == 1 and len(reads) == 1  # the last read started after `before`
+    assert shared.get(since=time.time())[1] == 2  # a moment after it: a new read
+    assert shared.get()[1] == 3
+
+
 def test_the_text_node_read_agrees_with_sinfo_json(cluster: SlurmCluster) -> None:
     """The steps read nodes with `sinfo -O` text (a fraction of the JSON's cost at fleet size): for every
     node, what `slurm_node` makes of it equals what it makes of `sinfo --json`, whatever the reason holds."""
@@ -327,7 +341,7 @@ def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(c
 
     def update(i: int) -> None:
         barrier.wait()
-        slurm.scontrol("update", "nodename=nX" if i % 2 else "nodename=n1", f"comment=batch-{i}")
+        slurm.scontrol("update", "nodename=nX" if i % 2 else "nodename=n1", f"comment=batch {i}")
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(update, i) for i in range(6)]
@@ -338,12 +352,30 @@ def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(c
         else:
             fut.result()
 
+    # Batched through scontrol's input, a value with a blank is stored as argv would store it (scontrol
+    # keeps the quotes of a quoted value, but for a reason): no comment ends up '"note 1"'.
+    barrier = threading.Barrier(4)
+
+    def note(i: int) -> None:
+        barrier.wait()
+        slurm.scontrol("update", "nodename=n1", f"comment=note {i}")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(note, range(4)))
+    assert steps.slurm_node(slurm.sinfo(), "n1")["comment"] in {f"note {i}" for i in range(4)}
+
     # Two promotions at once for two incidents never pick the same standby node.
     cluster.run("scontrol", "update", "nodename=n2", "state=DRAIN", "reason=fleetheal:standby")
     with ThreadPoolExecutor(2) as pool:
         picks = list(pool.map(lambda i: steps.promote_standby(slurm, "n1", f"inc-p{i}"), range(2)))
     assert sorted(p.outcome for p in picks) == ["done", "done"]
     assert sorted(p.node for p in picks) == ["n2", "n3"]
+    # Commands batched through scontrol's input keep their comments as argv would (it stores a quoted
+    # value with its quotes, but for a reason): each promotion is found again by its incident.
+    for i, pick in enumerate(picks):
+        assert not steps.slurm_node(slurm.sinfo(), pick.node)["comment"].startswith('"')
+        again = steps.promote_standby(slurm, "n1", f"inc-p{i}")
+        assert (again.outcome, again.node, again.changed) == ("done", pick.node, False)
 
 
 def test_a_shared_read_never_started_before_its_caller_asked() -> None:
