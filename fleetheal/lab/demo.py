@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -484,13 +485,22 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
         out(f"  ETTR of the whole run: {value:.2f}")
 
 
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 def run_demo(lab_dir: str | None = None, keep: bool = False) -> int:
     out = print
     t0 = time.monotonic()
     lab = Lab(lab_dir)
+    # A demo stopped by `kill` or a closed terminal takes its lab down like one stopped by Ctrl-C: an
+    # orphaned lab would hold the next `make demo` back.
+    before = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
     out(f"fleetheal lab demo: bringing the lab up in {lab.dir}")
+    ours = False  # whether the lab is this demo's to take down (never another demo's running lab)
     try:
-        lab.up()
+        lab.up()  # a failed `up` stops what it started itself
+        ours = True
         out(f"  ready in {time.monotonic() - t0:.1f}s")
         print_status(lab, out)
         outcomes, w = run_scenarios(lab, out)
@@ -506,9 +516,11 @@ def run_demo(lab_dir: str | None = None, keep: bool = False) -> int:
         out(f"fleetheal lab demo: {exc or 'interrupted'}; logs in {lab.dir / 'logs'}")
         code = 1
     finally:
-        if not keep:
+        if ours and not keep:
             out("\n== taking the lab down")
             lab.down()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
     out(f"demo finished in {time.monotonic() - t0:.0f}s")
     sys.stdout.flush()
     return code

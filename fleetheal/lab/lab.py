@@ -24,6 +24,7 @@ under the lab dir (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab); `up()` s
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -237,6 +238,16 @@ class Lab:
             raise LabError(f"--nodes must be at least 2 (the training job uses 2), got {nodes}")
         if standby < 0 or gpus < 1:
             raise LabError("--standby must be >= 0 and --gpus >= 1")
+        # Two `up`s at once on one directory: the second waits for none and touches nothing of the first's.
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.dir.parent / f".{self.dir.name}.lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LabError(f"another `fleetheal lab up` is starting a lab in {self.dir}") from None
+            self._up_locked(nodes, standby, gpus)
+
+    def _up_locked(self, nodes: int, standby: int, gpus: int) -> None:
         if self.dir.exists() and self.running():
             raise LabError(f"a lab is already running in {self.dir}; run `fleetheal lab down` first")
         if self.dir.exists() and any(self.dir.iterdir()):

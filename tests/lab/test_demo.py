@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, TAINT_UNHEALTHY
 from fleetheal.lab.controlplane import tools_built
-from fleetheal.lab.demo import CHECKPOINT_EVERY, STEP_TIME, continuity, run_scenarios
+from fleetheal.lab.demo import CHECKPOINT_EVERY, STEP_TIME, continuity, run_demo, run_scenarios
 from fleetheal.lab.lab import Lab, _cmdline
 from fleetheal.lab.train import read_events
+from fleetheal.procs import alive
 
 pytestmark = [pytest.mark.slurm, pytest.mark.prometheus]
 
@@ -167,6 +172,46 @@ def test_one_log_across_restarts(scenarios):
         assert f"resumed from checkpoint step {resumed}" in line
     assert "SLURM_RESTART_COUNT=1, in-job restarts 0" in restart_lines[0]
     assert "SLURM_RESTART_COUNT=1, in-job restarts 1" in restart_lines[1]
+
+
+def test_a_second_demo_leaves_the_running_lab_alone(lab, scenarios, capsys):
+    """`make demo` while a lab runs in the same directory refuses, and takes nothing of that lab down."""
+    pids = [p["pid"] for p in lab.meta["processes"].values()]
+    assert run_demo(str(lab.dir)) == 1
+    out = capsys.readouterr().out
+    assert "a lab is already running" in out and "taking the lab down" not in out, out
+    assert all(alive(pid) for pid in pids) and lab.running()
+
+
+def test_a_demo_stopped_by_sigterm_takes_its_lab_down(tmp_path):
+    """`kill` of a demo (or a closed terminal) leaves no orphaned lab to block the next `make demo`."""
+    lab_dir = tmp_path / "lab"
+    env = {k: v for k, v in os.environ.items() if k != "FLEETHEAL_LAB_DIR"}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "fleetheal", "lab", "demo", "--dir", str(lab_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and demo.poll() is None:
+            meta = lab_dir / "lab.json"
+            if meta.exists() and "ready" in meta.read_text():
+                break
+            time.sleep(0.2)
+        assert demo.poll() is None, "the demo ended before its lab was up"
+        demo.send_signal(signal.SIGTERM)
+        out, _ = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            Lab(lab_dir, log=lambda _: None).down(quiet=True)
+    assert demo.returncode == 1, out
+    assert "stopped by SIGTERM" in out and "taking the lab down" in out, out
+    left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if str(lab_dir) in _cmdline(pid)]
+    assert left == [], {pid: _cmdline(pid) for pid in left}
 
 
 def test_down_leaves_nothing_behind(lab, scenarios):
