@@ -506,7 +506,7 @@ def _environment(
                 cluster.stop(graceful=False)
         left = _kill_leftovers(tmp)  # what outlived its parent (e.g. a playbook the remediator left running)
         if left:
-            print(f"bench_storm {label}: killed leftovers {left}", file=sys.stderr)
+            print(f"bench_storm {label}: killed leftovers {dict(collections.Counter(left))}", file=sys.stderr)
         if _env("FLEETHEAL_BENCH_STORM_KEEP"):
             print(f"bench_storm {label}: kept {tmp}", file=sys.stderr)
         else:
