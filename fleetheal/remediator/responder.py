@@ -110,13 +110,13 @@ class FirstResponder:
             # (the promotion picks from the same read). Any read taken since the alert arrived will do: a
             # storm's incidents share the reads in flight.
             since = inc.received_at
-            nodes, jobs_doc = await asyncio.gather(
+            read, jobs_doc = await asyncio.gather(
                 self._call(self.slurm.sinfo_at, since), self._call(self.slurm.squeue, since)
             )
-            record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry, sinfo=nodes[1]))
+            record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry, sinfo=read[1]))
             tasks.append(branch("slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs_doc)))
             if self.settings.promote_standby:
-                tasks.append(branch("standby_promote", self._promote(inc, dry, record, nodes)))
+                tasks.append(branch("standby_promote", self._promote(inc, dry, record, read)))
         finally:
             # A failed drain still lets the cordon finish (and be recorded) before the error goes up.
             await asyncio.gather(*tasks)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -283,8 +284,6 @@ def test_restarts_in_the_job_count_toward_the_limit_and_a_forged_comment_word_co
 def test_a_shared_read_taken_since_a_moment_serves_every_caller_who_needs_no_newer_one() -> None:
     """A storm's first responses take any read that started after their alert arrived (no new one each);
     a plain call still waits for a read that starts after it (it must see its own earlier writes)."""
-    import time
-
     reads: list[float] = []
     shared = steps._Shared(lambda: reads.append(time.time()) or len(reads))
     before = time.time()
@@ -380,8 +379,6 @@ def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(c
 
 def test_a_shared_read_never_started_before_its_caller_asked() -> None:
     """Callers see at least their own earlier writes: joining a read already in flight could miss them."""
-    import time
-
     reads: list[float] = []
 
     def fetch() -> int:
@@ -404,8 +401,6 @@ def test_a_shared_read_never_started_before_its_caller_asked() -> None:
 
 
 def test_a_batch_caller_waits_for_its_own_batch_only_and_gets_its_own_error() -> None:
-    import time
-
     starts: list[float] = []
     seen: list[int] = []
 
