@@ -71,7 +71,7 @@ def _config(tmp: Path, gpus: int, port: int, slurm_conf: str | None) -> Path:
         "log_level": "warning",
         "backend": {"kind": "simulated", "simulated": {"gpus": gpus, "state_file": str(tmp / "sim.json")}},
         "metrics": {"listen": "127.0.0.1", "port": port},
-        "kernel_log": {"path": str(tmp / "kern.log")},
+        "kernel_log": {"path": str(tmp / "kern.log"), "position_file": str(tmp / "kern.pos")},
         "training": {"socket": str(tmp / "training.sock")},
         # every Xid is a new occurrence, so each round drains again after the node was resumed
         "health": {"dedup_s": 0.0},

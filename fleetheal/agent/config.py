@@ -70,6 +70,11 @@ class KernelLogConfig:
     path: str = "/dev/kmsg"
     #: Read what is already there first (default: only lines written after the agent started).
     from_start: bool = False
+    #: Where the agent keeps its place in the log, so a restart reads what was written while it was down
+    #: ("" disables it: a restart starts at the end).
+    position_file: str = "/var/lib/fleetheal-agent/kernel-log.position"  # the unit's StateDirectory
+    #: A restart never reads more than this many bytes behind a file's end (what is skipped is reported).
+    max_backlog_bytes: int = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,11 @@ class TrainingConfig:
     loss_spike_warmup: int = 20
     #: A job not heard from for this long is forgotten (its faults clear).
     job_expiry_s: float = 3600.0
+    #: Jobs tracked at once on this node; reports for more are refused (a flood of invented names).
+    max_jobs: int = 64
+    #: Besides root, uids whose reports are believed for any job name (for example a launcher outside
+    #: Slurm). Anyone else may report only for a Slurm job it owns that runs on this node.
+    trusted_uids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -279,10 +289,12 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         "training.straggler_factor": cfg.training.straggler_factor,
         "training.loss_spike_factor": cfg.training.loss_spike_factor,
         "training.job_expiry_s": cfg.training.job_expiry_s,
+        "training.max_jobs": cfg.training.max_jobs,
         "health.debounce_polls": cfg.health.debounce_polls,
         "health.clear_polls": cfg.health.clear_polls,
         "thresholds.power_cap_ratio": cfg.thresholds.power_cap_ratio,
         "fastpath.slurm.timeout_s": cfg.fastpath.slurm.timeout_s,
+        "kernel_log.max_backlog_bytes": cfg.kernel_log.max_backlog_bytes,
         "fastpath.kubernetes.timeout_s": cfg.fastpath.kubernetes.timeout_s,
     }
     for key, value in positive.items():
@@ -302,6 +314,8 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         raise bad(
             "training.straggler_min_ranks", f"must be >= 2 (a rank needs peers), got {cfg.training.straggler_min_ranks}"
         )
+    if any(uid < 0 for uid in cfg.training.trusted_uids):
+        raise bad("training.trusted_uids", f"uids are >= 0, got {list(cfg.training.trusted_uids)}")
     if not 0 <= cfg.metrics.port <= 65535:
         raise bad("metrics.port", f"must be 0..65535, got {cfg.metrics.port}")
     for key, acts in (

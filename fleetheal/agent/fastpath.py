@@ -182,6 +182,97 @@ class SlurmDrainer:
         )
 
 
+class JobOwners:
+    """Who may speak for a job in a training report: root, a configured trusted uid, or the uid that owns
+    the Slurm job of that id while it runs on this node (`squeue -j JOB -w NODE`, the sender's uid taken
+    by the kernel from the socket, SCM_CREDENTIALS). Anything else is refused: a local user must not raise
+    a fault, let alone a requeue, for someone else's job or for a job that does not exist.
+
+    Answers are cached (an owner for `ttl_s`, a refusal for `negative_ttl_s`) and Slurm is asked at most
+    `lookups_per_s` times a second, so a flood of reports for invented jobs costs slurmctld nothing more.
+    Without Slurm (`squeue=None`), only root and the trusted uids are believed."""
+
+    def __init__(
+        self,
+        node: str,
+        squeue: str | None = "squeue",
+        *,
+        trusted_uids: tuple[int, ...] = (),
+        slurm_conf: str | None = None,
+        timeout_s: float = 10.0,
+        ttl_s: float = 300.0,
+        negative_ttl_s: float = 10.0,
+        lookups_per_s: float = 5.0,
+        max_entries: int = 4096,
+        run: Runner = subprocess.run,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self.squeue = squeue
+        self.trusted = frozenset((0, *trusted_uids))
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self.negative_ttl_s = negative_ttl_s
+        self.lookups_per_s = lookups_per_s
+        self.max_entries = max_entries
+        self._run = run
+        self._clock = clock
+        self._env = dict(os.environ)
+        if slurm_conf:
+            self._env["SLURM_CONF"] = slurm_conf
+        self._cache: dict[str, tuple[float, int | None, str]] = {}  # job -> (expires, owner uid, why not)
+        self._tokens = lookups_per_s
+        self._refilled = clock()
+
+    def refuse(self, uid: int | None, job: str) -> str | None:
+        """None when `uid` may report for `job` (a Slurm job id, or "" for none), else why not."""
+        if uid is None:
+            return "the sender's credentials are unknown"
+        if uid in self.trusted:
+            return None
+        if not job:
+            return f"uid {uid} may report only for a Slurm job it owns on {self.node} (the report names none)"
+        owner, why = self._owner(job)
+        if owner is None:
+            return why
+        if owner != uid:
+            return f"uid {uid} does not own job {job} (uid {owner} does)"
+        return None
+
+    def _owner(self, job: str) -> tuple[int | None, str]:
+        now = self._clock()
+        hit = self._cache.get(job)
+        if hit is not None and hit[0] > now:
+            return hit[1], hit[2]
+        if self.squeue is None:
+            return None, "no Slurm to ask who owns the job (fastpath.slurm disabled): only trusted uids may report"
+        self._tokens = min(self.lookups_per_s, self._tokens + (now - self._refilled) * self.lookups_per_s)
+        self._refilled = now
+        if self._tokens < 1:
+            return None, f"job {job}: owner not checked (more than {self.lookups_per_s:g} new jobs a second)"
+        self._tokens -= 1
+        owner, why = self._ask(job)
+        if len(self._cache) >= self.max_entries:
+            self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+            while len(self._cache) >= self.max_entries:
+                self._cache.pop(next(iter(self._cache)))
+        self._cache[job] = (now + (self.ttl_s if owner is not None else self.negative_ttl_s), owner, why)
+        return owner, why
+
+    def _ask(self, job: str) -> tuple[int | None, str]:
+        argv = [self.squeue or "squeue", "-h", "-j", job, "-w", self.node, "-t", "RUNNING,COMPLETING", "-o", "%U"]
+        try:
+            proc = self._run(argv, capture_output=True, text=True, timeout=self.timeout_s, env=self._env, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"job {job}: cannot ask Slurm who owns it: {exc}"
+        out = proc.stdout.split()
+        if proc.returncode != 0 or not out:
+            return None, f"job {job} is not running on {self.node}"
+        if not out[0].isdigit():
+            return None, f"job {job}: squeue printed {out[0]!r} for its uid"
+        return int(out[0]), ""
+
+
 _DRAIN_TIME = re.compile(r"\[[^\]@]*@([^\]]*)\]\s*$")
 
 

@@ -43,13 +43,14 @@ from fleetheal.agent.fastpath import (
     OVER_BUDGET,
     WOULD,
     FastPathError,
+    JobOwners,
     KubeNodeTainter,
     SlurmDrainer,
 )
 from fleetheal.agent.health import ActiveFault, Change, Detection, HealthTracker, Thresholds, classify_sample, gpu_label
 from fleetheal.agent.simulated import SimulatedGpuBackend
 from fleetheal.agent.training import SOURCE as TRAINING
-from fleetheal.agent.training import MalformedReport, TrainingMonitor, parse_report
+from fleetheal.agent.training import Report, ReportRefused, TrainingMonitor, parse_report, slurm_job_id
 from fleetheal.contracts import NODE_WIDE_GPU, drain_reason
 from fleetheal.logparse import LogParser
 from fleetheal.taxonomy import Taxonomy, load
@@ -110,6 +111,16 @@ def make_drainer(cfg: AgentConfig) -> SlurmDrainer | None:
     )
 
 
+def make_job_owners(cfg: AgentConfig) -> JobOwners:
+    s = cfg.fastpath.slurm
+    squeue = None
+    if s.enabled:
+        squeue = os.path.join(os.path.dirname(s.scontrol), "squeue") if os.sep in s.scontrol else "squeue"
+    return JobOwners(
+        cfg.node, squeue, trusted_uids=cfg.training.trusted_uids, slurm_conf=s.slurm_conf, timeout_s=s.timeout_s
+    )
+
+
 def make_tainter(cfg: AgentConfig) -> KubeNodeTainter | None:
     k = cfg.fastpath.kubernetes
     if not k.enabled:
@@ -155,6 +166,7 @@ class Agent:
         drainer: SlurmDrainer | None = None,
         tainter: KubeNodeTainter | None = None,
         taxonomy: Taxonomy | None = None,
+        job_owners: JobOwners | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         from fleetheal.agent.metrics import AgentMetrics
@@ -180,7 +192,9 @@ class Agent:
             t.loss_spike_factor,
             t.loss_spike_warmup,
             t.job_expiry_s,
+            max_jobs=t.max_jobs,
         )
+        self.job_owners = job_owners if job_owners is not None else make_job_owners(cfg)
         self.thresholds = _thresholds(cfg)
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
@@ -249,6 +263,8 @@ class Agent:
                 self.kernel_line,
                 lambda why: self.read_error(KERNEL_LOG, why),
                 cfg.kernel_log.from_start,
+                position=cfg.kernel_log.position_file,
+                max_backlog=cfg.kernel_log.max_backlog_bytes,
             )
             self._spawn("kernel-log", lambda: follower.run(self.stop_event))
             follower.ready.wait(2.0)
@@ -287,7 +303,10 @@ class Agent:
         try:
             while not self.stop_event.is_set():
                 started = time.monotonic()
-                self.poll_once()
+                try:
+                    self.poll_once()
+                except Exception:  # one bad cycle is logged; the agent keeps watching its node
+                    log.exception("polling cycle failed; the next one runs as usual")
                 self.stop_event.wait(max(0.0, self.cfg.poll_interval_s - (time.monotonic() - started)))
         finally:
             self.shutdown()
@@ -327,31 +346,40 @@ class Agent:
                 gpu = str(index) if index is not None else (bus or ev.pci_bus_id)
             self.detect(Detection(ev.fault.id, gpu, KERNEL_LOG, ev.detail or text[-200:]))
 
-    def training_report(self, data: bytes) -> None:
+    def training_report(self, data: bytes, uid: int | None) -> None:
+        """One datagram from the training socket, sent by a process of `uid` (None: unknown, refused)."""
         try:
             report = parse_report(data)
-        except MalformedReport as exc:
-            self.read_error(TRAINING, f"malformed training report: {exc}")
+            why = self.job_owners.refuse(uid, slurm_job_id(report.job))
+            if why is not None:
+                raise ReportRefused(why)
+            if report.gpu is not None and self._bus_to_gpu and report.gpu not in self._bus_to_gpu.values():
+                raise ReportRefused(f"gpu {report.gpu} is not a GPU of {self.node}")
+            now = self.clock()
+            with self.lock:  # the polling thread reads the same jobs and series
+                detections = self.training.ingest(report, now)
+                self._export_report(report)
+        except ReportRefused as exc:
+            self.read_error(TRAINING, f"training report refused (uid {uid}): {exc}")
             return
-        now = self.clock()
-        with self.lock:
-            detections = self.training.ingest(report, now)
+        for det in detections:
+            self.detect(det)
+
+    def _export_report(self, report: Report) -> None:
         job, rank = report.job, str(report.rank)
         m = self.metrics
         if report.end:
             self._drop_training_series(job, rank)
-        else:
-            self._training_series.add((job, rank))
-            m.training_step.labels(self.node, job, rank).set(report.step)
-            if report.step_time is not None:
-                m.training_step_time.labels(self.node, job, rank).set(report.step_time)
-            if report.loss is not None:
-                m.training_loss.labels(self.node, job, rank).set(report.loss)
-            progress = self.training.jobs.get(job, {}).get(report.rank)
-            if progress is not None:
-                m.training_progress.labels(self.node, job, rank).set(progress.last_progress)
-        for det in detections:
-            self.detect(det)
+            return
+        self._training_series.add((job, rank))
+        m.training_step.labels(self.node, job, rank).set(report.step)
+        if report.step_time is not None:
+            m.training_step_time.labels(self.node, job, rank).set(report.step_time)
+        if report.loss is not None:
+            m.training_loss.labels(self.node, job, rank).set(report.loss)
+        progress = self.training.jobs.get(job, {}).get(report.rank)
+        if progress is not None:
+            m.training_progress.labels(self.node, job, rank).set(progress.last_progress)
 
     def _drop_training_series(self, job: str, rank: str) -> None:
         m = self.metrics
@@ -404,7 +432,7 @@ class Agent:
             changes += self.tracker.expire(now)
             self._apply(changes, now)
             self._write_health()  # no-op unless it changed; also covers the first poll
-        self._export_suspects(suspects)
+            self._export_suspects(suspects)
         self.metrics.polls.inc()
         self.metrics.poll_seconds.observe(time.perf_counter() - started)
 

@@ -37,10 +37,18 @@ def slurm_job_id(job: str) -> str:
     return job if _SLURM_JOB_ID.fullmatch(job) else ""
 
 
-_JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_JOB = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+#: Bounds of the integer fields: a rank of the largest jobs, a step count, a GPU index on one node.
+MAX_RANK = 1 << 24
+MAX_STEP = 1 << 62
+MAX_GPU = 255
 
 
-class MalformedReport(ValueError):
+class ReportRefused(ValueError):
+    """A report the agent does not take (malformed, unauthorised or over a limit); the message says why."""
+
+
+class MalformedReport(ReportRefused):
     """A report that is not valid protocol-1 JSON; the message says which field is wrong."""
 
 
@@ -68,15 +76,15 @@ def parse_report(data: bytes) -> Report:
     job = doc.get("job")
     if isinstance(job, int) and not isinstance(job, bool):
         job = str(job)
-    if not isinstance(job, str) or not _JOB.match(job):
+    if not isinstance(job, str) or not _JOB.fullmatch(job):
         raise MalformedReport(f"job must be 1-64 characters [A-Za-z0-9_.:-], got {job!r}")
 
-    def integer(name: str, required: bool) -> int | None:
+    def integer(name: str, required: bool, most: int) -> int | None:
         value = doc.get(name)
         if value is None and not required:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise MalformedReport(f"{name} must be an integer >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+            raise MalformedReport(f"{name} must be an integer 0..{most}, got {value!r}")
         return value
 
     def number(name: str) -> float | None:
@@ -89,13 +97,13 @@ def parse_report(data: bytes) -> Report:
             raise MalformedReport(f"{name} must be a number, got {value!r}")
         return float(value)
 
-    rank = integer("rank", True)
-    step = integer("step", True)
+    rank = integer("rank", True, MAX_RANK)
+    step = integer("step", True, MAX_STEP)
     assert rank is not None and step is not None
     step_time = number("step_time")
     if step_time is not None and not (math.isfinite(step_time) and step_time >= 0):
         raise MalformedReport(f"step_time must be a finite number >= 0, got {step_time!r}")
-    return Report(job, rank, step, step_time, number("loss"), integer("gpu", False), doc.get("event") == "end")
+    return Report(job, rank, step, step_time, number("loss"), integer("gpu", False, MAX_GPU), doc.get("event") == "end")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +151,23 @@ class TrainingMonitor:
     loss_spike_factor: float = 3.0
     loss_spike_warmup: int = 20
     job_expiry_s: float = 3600.0
+    #: Jobs and ranks per job tracked at once: reports beyond them are refused, so a flood of invented
+    #: names cannot grow memory or the metrics without bound.
+    max_jobs: int = 64
+    max_ranks: int = 1024
     #: Smoothing of the running loss mean (exponential moving average weight of a new value).
     loss_alpha: float = 0.1
     jobs: dict[str, dict[int, _Rank]] = field(default_factory=dict)
 
     def ingest(self, report: Report, now: float) -> list[Detection]:
-        """Record one report; returns the event detections it causes (NaN loss, loss spike)."""
-        ranks = self.jobs.setdefault(report.job, {})
+        """Record one report; returns the event detections it causes (NaN loss, loss spike).
+        ReportRefused when it would track more than max_jobs jobs or max_ranks ranks of one job."""
+        if report.job not in self.jobs and not report.end and len(self.jobs) >= self.max_jobs:
+            raise ReportRefused(f"already tracking {self.max_jobs} jobs (training.max_jobs); job {report.job} ignored")
+        ranks = self.jobs.get(report.job, {})
+        if report.rank not in ranks and not report.end and len(ranks) >= self.max_ranks:
+            raise ReportRefused(f"job {report.job} already has {self.max_ranks} ranks here; rank {report.rank} ignored")
+        ranks = self.jobs.setdefault(report.job, ranks)
         if report.end:
             ranks.pop(report.rank, None)
             if not ranks:

@@ -455,7 +455,12 @@ class Lab:
                     "simulated": {"gpus": gpus, "state_file": str(nd / "sim-gpus.json")},
                 },
                 "metrics": {"listen": "127.0.0.1", "port": port},
-                "kernel_log": {"enabled": True, "path": str(nd / "kmsg"), "from_start": False},
+                "kernel_log": {
+                    "enabled": True,
+                    "path": str(nd / "kmsg"),
+                    "from_start": False,
+                    "position_file": str(nd / "kernel-log.position"),
+                },
                 "training": {"enabled": True, "socket": str(nd / "training.sock")},
                 "fastpath": {
                     "slurm": {"enabled": True, "slurm_conf": str(self.dir / "slurm" / "etc" / "slurm.conf")},

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -74,7 +75,7 @@ def agent(cluster, tmp_path):
         "health_file": str(tmp_path / "health"),
         "backend": {"kind": "simulated", "simulated": {"gpus": 8, "state_file": str(tmp_path / "sim.json")}},
         "metrics": {"listen": "127.0.0.1", "port": port},
-        "kernel_log": {"path": str(tmp_path / "kern.log")},
+        "kernel_log": {"path": str(tmp_path / "kern.log"), "position_file": str(tmp_path / "kern.pos")},
         "training": {"socket": str(tmp_path / "training.sock")},
         "fastpath": {"slurm": {"slurm_conf": str(cluster.conf_path)}},
     }
@@ -282,3 +283,32 @@ def test_a_burst_of_agents_draining_at_once_stays_within_the_fleet_budget(tmp_pa
         assert sorted(drained) == sorted(n for n, r in results.items() if r == DONE), results
     finally:
         cluster.stop()
+
+
+def test_only_a_jobs_owner_or_root_may_report_for_it():
+    """What the agent believes of a training report's sender (its uid, from the socket) is checked against
+    Slurm: the uid must own that job, and the job must run on this node."""
+    from fleetheal.agent.fastpath import JobOwners
+
+    _need_slurm()
+    root = Path(tempfile.mkdtemp(prefix="fleetheal-owners-"))
+    root.chmod(0o755)  # slurmstepd runs the job as its user, from the cluster's spool directory
+    cluster = SlurmCluster(root / "slurm", nodes=2, gpus_per_node=0)
+    cluster.start()
+    nobody = 65534
+    try:
+        job = cluster.sbatch(
+            "#!/bin/sh\nexec sleep 300\n", f"--uid={nobody}", "--nodelist=n1", "--output=/dev/null", "--chdir=/"
+        )
+        cluster.wait_for("job running", lambda: cluster.job(job).get("JobState") == "RUNNING", timeout=30)
+        n1 = JobOwners("n1", slurm_conf=str(cluster.conf_path))
+        assert n1.refuse(nobody, job) is None
+        assert n1.refuse(0, job) is None  # root may report for any job
+        assert n1.refuse(1000, job) == f"uid 1000 does not own job {job} (uid {nobody} does)"
+        assert n1.refuse(nobody, "999999") == "job 999999 is not running on n1"
+        assert "names none" in (n1.refuse(nobody, "") or "")
+        n2 = JobOwners("n2", slurm_conf=str(cluster.conf_path))
+        assert n2.refuse(nobody, job) == f"job {job} is not running on n2"
+    finally:
+        cluster.stop(graceful=False)
+        shutil.rmtree(root, ignore_errors=True)

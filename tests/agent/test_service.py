@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from fleetheal.agent.config import load_config
-from fleetheal.agent.fastpath import SlurmDrainer
+from fleetheal.agent.fastpath import JobOwners, SlurmDrainer
 from fleetheal.agent.service import OK, UNHEALTHY_EXIT, Agent, run_check
 from fleetheal.agent.simulated import SimulatedGpuBackend, inject, pci_bus_id
 
@@ -152,12 +160,12 @@ def test_kernel_lines_map_to_gpus_and_garbage_is_counted(setup):
 
 def test_training_reports_hang_suspect_and_malformed(setup):
     agent, fake, clock = setup()
-    agent.training_report(b"{broken")
-    agent.training_report(json.dumps({"job": "77", "rank": 0, "step": "x"}).encode())
+    agent.training_report(b"{broken", 0)
+    agent.training_report(json.dumps({"job": "77", "rank": 0, "step": "x"}).encode(), 0)
     assert _value(agent, "fleetheal_agent_read_errors_total", source="training") == 2
     for rank in range(4):
         agent.training_report(
-            json.dumps({"job": "77", "rank": rank, "step": 10 if rank != 1 else 9, "gpu": rank}).encode()
+            json.dumps({"job": "77", "rank": rank, "step": 10 if rank != 1 else 9, "gpu": rank}).encode(), 0
         )
     assert _value(agent, "fleetheal_agent_training_step", node="n1", job="77", rank="1") == 9
     clock.t += 61
@@ -215,3 +223,125 @@ def test_a_training_socket_that_cannot_bind_is_counted_not_fatal(tmp_path):
         assert _value(agent, "fleetheal_agent_polls_total") == 1
     finally:
         agent.shutdown()
+
+
+def _socket_agent(tmp_path, job_owners=None, **env):
+    """An agent with its real training socket in a directory every user can reach."""
+    run_dir = Path(tempfile.mkdtemp(prefix="fleetheal-sock-"))
+    run_dir.chmod(0o755)
+    base = {
+        "FLEETHEAL_AGENT_NODE": "n1",
+        "FLEETHEAL_AGENT_POLL_INTERVAL_S": "0.001",
+        "FLEETHEAL_AGENT_METRICS__PORT": "0",
+        "FLEETHEAL_AGENT_KERNEL_LOG__ENABLED": "false",
+        "FLEETHEAL_AGENT_FASTPATH__SLURM__ENABLED": "false",
+        "FLEETHEAL_AGENT_BACKEND__KIND": "simulated",
+        "FLEETHEAL_AGENT_BACKEND__SIMULATED__STATE_FILE": str(tmp_path / "sim.json"),
+        "FLEETHEAL_AGENT_TRAINING__SOCKET": str(run_dir / "training.sock"),
+        **env,
+    }
+    agent = Agent(load_config(None, env=base), job_owners=job_owners)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    sock = run_dir / "training.sock"
+    deadline = time.monotonic() + 10
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return agent, thread, sock, run_dir
+
+
+def test_a_flood_of_reports_for_new_jobs_does_not_stop_the_agent(tmp_path):
+    """Found by hand: about a second of reports for new job names killed `fleetheal agent run` ("dictionary
+    changed size during iteration": the polling loop read the jobs without the lock), the socket went with
+    it, and the memory and metrics grew with every name."""
+    agent, thread, sock, run_dir = _socket_agent(tmp_path)
+    try:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        deadline, i = time.monotonic() + 1.5, 0
+        while time.monotonic() < deadline:
+            c.sendto(json.dumps({"job": f"flood-{i}", "rank": 0, "step": 1}).encode(), str(sock))
+            i += 1
+        c.sendto(json.dumps({"job": "flood-0", "rank": 0, "step": 2}).encode(), str(sock))  # the agent still reads
+        deadline = time.monotonic() + 5
+        while _value(agent, "fleetheal_agent_training_step", node="n1", job="flood-0", rank="0") != 2:
+            assert time.monotonic() < deadline, "the agent stopped reading its socket"
+            time.sleep(0.01)
+        assert thread.is_alive() and sock.exists()
+        assert len(agent.training.jobs) == agent.cfg.training.max_jobs
+        refused = _value(agent, "fleetheal_agent_read_errors_total", source="training")
+        assert refused == i - agent.cfg.training.max_jobs  # every name past the limit, and nothing else
+    finally:
+        agent.stop()
+        thread.join(10)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _send_as(uid: int, path: Path, report: dict) -> None:
+    """Send one report from a child process running as `uid` (the test runs as root)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(json.dumps(report).encode(), str(path))
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+class FakeSqueue:
+    """`squeue -h -j JOB -w NODE ... -o %U` for a cluster where job 4242 of uid 1000 runs on n1."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv, **kwargs):
+        self.calls.append(argv)
+        job, node = argv[argv.index("-j") + 1], argv[argv.index("-w") + 1]
+        out = "1000\n" if (job, node) == ("4242", "n1") else ""
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+
+def test_a_local_user_cannot_raise_a_fault_for_someone_elses_job(tmp_path):
+    """Found by hand: any local user could report a NaN loss for an invented job, or for anyone's job, and
+    have every job on the node requeued. The kernel tells the agent who sent each report."""
+    if os.geteuid() != 0:
+        pytest.skip("SKIPPED LOUDLY: sending as other users needs root")
+    squeue = FakeSqueue()
+    owners = JobOwners("n1", "squeue", run=squeue)
+    agent, thread, sock, run_dir = _socket_agent(tmp_path, job_owners=owners)
+    nan = {"rank": 0, "step": 5, "loss": "nan", "gpu": 0}
+
+    def refused() -> float:
+        return _value(agent, "fleetheal_agent_read_errors_total", source="training") or 0
+
+    def faults() -> set[tuple[str, str]]:
+        return {(a.fault.id, a.job) for a in agent.tracker.active()}
+
+    try:
+        _send_as(65534, sock, {**nan, "job": "4242"})  # someone else's job
+        _send_as(65534, sock, {**nan, "job": "local"})  # no Slurm job at all
+        _send_as(1000, sock, {**nan, "job": "7"})  # a job that does not run here
+        deadline = time.monotonic() + 5
+        while refused() < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert faults() == set()
+        _send_as(1000, sock, {**nan, "job": "4242"})  # the owner
+        deadline = time.monotonic() + 5
+        while faults() != {("nan-loss", "4242")}:
+            assert time.monotonic() < deadline, faults()
+            time.sleep(0.01)
+        _send_as(0, sock, {**nan, "job": "4243", "gpu": 1})  # root speaks for any job
+        deadline = time.monotonic() + 5
+        while ("nan-loss", "4243") not in faults():
+            assert time.monotonic() < deadline, faults()
+            time.sleep(0.01)
+        assert refused() == 3
+        assert len(squeue.calls) == 2  # 4242 (then cached) and 7; "local" and root's report ask nothing
+    finally:
+        agent.stop()
+        thread.join(10)
+        shutil.rmtree(run_dir, ignore_errors=True)

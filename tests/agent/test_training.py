@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from fleetheal.agent.training import MalformedReport, RankProgress, TrainingMonitor, hang_suspect, parse_report
+from fleetheal.agent.training import (
+    MalformedReport,
+    RankProgress,
+    Report,
+    ReportRefused,
+    TrainingMonitor,
+    hang_suspect,
+    parse_report,
+)
 
 
 def _b(**doc):
@@ -35,6 +43,10 @@ def test_parse_a_full_report():
         (_b(job="j", rank=0, step=True), "step must be an integer"),
         (_b(job="j", rank=0, step=1, loss="lots"), "loss must be a number"),
         (_b(job="j", rank=0, step=1, step_time=-1), "step_time must be"),
+        # Found by hand: a trailing newline slipped past the job pattern, and any GPU index was taken.
+        (_b(job="4242\n", rank=0, step=0), "job must be"),
+        (_b(job="j", rank=0, step=0, gpu=10**12), "gpu must be an integer 0..255"),
+        (_b(job="j", rank=1 << 40, step=0), "rank must be an integer"),
     ],
 )
 def test_malformed_reports(data, why):
@@ -132,3 +144,17 @@ def test_a_jobs_own_faults_name_its_slurm_job_and_only_a_slurm_job():
     m.ingest(_report("41", 0, 2), 1.0)
     dets, _ = m.check(30.0)
     assert {(d.fault_id, d.job) for d in dets} == {("job-hang", "41"), ("job-hang", "")}
+
+
+def test_the_monitor_tracks_a_bounded_number_of_jobs_and_ranks():
+    m = TrainingMonitor(max_jobs=3, max_ranks=2)
+    for job in "abc":
+        m.ingest(Report(job, 0, 1), 0.0)
+    with pytest.raises(ReportRefused, match="already tracking 3 jobs"):
+        m.ingest(Report("d", 0, 1), 0.0)
+    m.ingest(Report("a", 1, 1), 0.0)
+    with pytest.raises(ReportRefused, match="already has 2 ranks"):
+        m.ingest(Report("a", 2, 1), 0.0)
+    m.ingest(Report("c", 0, 1, end=True), 0.0)  # a job that ends makes room
+    m.ingest(Report("d", 0, 1), 0.0)
+    assert sorted(m.jobs) == ["a", "b", "d"]
