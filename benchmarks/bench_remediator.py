@@ -42,7 +42,7 @@ TOKEN = "bench-token-0123456789abcdef"
 NODES = {f"gpu-{i:03d}": f"rack-{i // 20}" for i in range(200)}
 PLAYBOOK = """\
 - name: Benchmark playbook (one task)
-  hosts: fleetheal_control
+  hosts: fleetheal_incidents  # the remediator's inventory: one host per incident, its variables as host vars
   gather_facts: false
   tasks:
     - name: Say where we are

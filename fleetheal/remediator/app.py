@@ -4,7 +4,8 @@
   strict validation (400 with the reason), persist in SQLite, then 202; the work happens afterwards in
   the engine. A payload mixing valid and invalid alerts is accepted for the valid ones (202, the body
   lists the rejected ones); one without any valid alert is a 400.
-- `GET /healthz`: 200 while the database answers.
+- `GET /healthz`: 200 while the database answers and incidents move; 503 "degraded" with the reasons when
+  workers stopped, incidents wait to retry after database errors, or the queue stalled.
 - `GET /metrics`: Prometheus text format (see metrics.py).
 
 `Service` wires config, store, engine, runner and metrics together; `serve()` runs it until SIGTERM.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hmac
 import json
 import logging
@@ -253,14 +255,17 @@ class Service:
         self.engine.resolved(result.resolved)
 
     async def healthz(self, request: web.Request) -> web.Response:
+        """200 while the database answers and incidents move; 503 with the reasons otherwise."""
         try:
             unfinished = len(self.store.unfinished())
             held = self.store.held_count()
         except sqlite3.Error as exc:
             return _error(503, f"database: {exc}")
+        degraded = self.engine.health()
         return web.json_response(
             {
-                "status": "ok",
+                "status": "degraded" if degraded else "ok",
+                "degraded": degraded,
                 "cluster": self.cfg.cluster.name,
                 "unfinished_incidents": unfinished,
                 "queue_depth": held,
@@ -268,7 +273,8 @@ class Service:
                 "paused": self.cfg.paused(),
                 "observe_only": self.cfg.gate.observe_only,
                 "dry_run": self.cfg.gate.dry_run,
-            }
+            },
+            status=503 if degraded else 200,
         )
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -301,13 +307,58 @@ def ssl_context(cfg: Config) -> ssl.SSLContext | None:
     return ctx
 
 
+class StartupError(RuntimeError):
+    """The service cannot start: another instance, the database or the port. One line for the operator."""
+
+
+def instance_lock(store_path: str) -> int:
+    """Hold `<store.path>.lock` (flock) for the life of the service and return its descriptor.
+
+    A second remediator on the same database would resume the live one's incidents as if they had been
+    interrupted: kill their playbooks, count failed attempts and do their side effects again. The lock is
+    the kernel's, so it goes with the process however that ends (no stale lock after a SIGKILL)."""
+    path = store_path + ".lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StartupError(f"cannot create the lock file {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise StartupError(
+            f"another remediator (pid {holder}) already serves the database {store_path}; "
+            "stop it first (it holds " + path + ")"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 async def run_service(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT; `ready` gets the URL once the socket listens."""
-    service = Service(cfg)
+    """Serve until SIGTERM or SIGINT; `ready` gets the URL once the socket listens. StartupError when it
+    cannot start (nothing is left running then)."""
+    lock = instance_lock(cfg.store.path)
+    try:
+        await _serve(cfg, ready)
+    finally:
+        os.close(lock)
+
+
+async def _serve(cfg: Config, ready: Callable[[str], None] | None) -> None:
+    try:
+        service = Service(cfg)
+    except (sqlite3.Error, OSError) as exc:
+        raise StartupError(f"cannot open the database {cfg.store.path}: {exc}") from None
     runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, ssl_context=ssl_context(cfg))
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise StartupError(f"cannot listen on {cfg.listen.host}:{cfg.listen.port}: {exc.strerror or exc}") from None
     scheme = "https" if cfg.listen.tls_cert_file else "http"
     addresses = runner.addresses  # the bound (host, port): the real port when listen.port is 0
     port = addresses[0][1] if addresses else cfg.listen.port

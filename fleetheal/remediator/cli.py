@@ -117,7 +117,7 @@ def _dur(seconds: float | None) -> str:
 def serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from fleetheal.remediator.app import run_service, setup_logging
+    from fleetheal.remediator.app import StartupError, run_service, setup_logging
     from fleetheal.remediator.config import ConfigError, require_token
 
     setup_logging(args.log_level)
@@ -126,7 +126,11 @@ def serve(args: argparse.Namespace) -> int:
         require_token(cfg)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
-    asyncio.run(run_service(cfg))
+    try:
+        asyncio.run(run_service(cfg))
+    except StartupError as exc:
+        print(f"fleetheal remediator: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

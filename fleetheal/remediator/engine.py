@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -63,6 +65,12 @@ FIRST_STEP = "first_response"
 FOLLOW_UP_HOLD_S = 20.0
 #: Once a playbook slot is free, how long the attempts of one playbook gather before they run together.
 BATCH_WINDOW_S = 0.25
+#: An incident whose processing hit a database error is taken up again after this delay, doubled on each
+#: further error up to RETRY_MAX_S: a brief write failure (a full or failing disk) delays it, never loses it.
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
+#: Queued incidents that no worker has taken for this long mean the engine is stuck (/healthz: degraded).
+STALL_S = 60.0
 
 
 class Engine:
@@ -104,6 +112,10 @@ class Engine:
         self._responding = 0  # incidents being classified, gated or in their first response
         self._quiet = asyncio.Event()  # no incident queued, none in its fast part
         self._quiet.set()
+        self._retrying: dict[int, int] = {}  # incident -> database errors in a row
+        self._last_error = ""
+        self._last_taken = time.monotonic()
+        self._workers = 0
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -115,6 +127,7 @@ class Engine:
         self.submit(resumed)
         if self.responder is not None:
             asyncio.get_running_loop().run_in_executor(None, self.responder.warm)
+        self._workers = workers
         self._tasks = [asyncio.create_task(self._worker(), name=f"engine-worker-{i}") for i in range(workers)]
         self._tasks.append(asyncio.create_task(self._ticker(), name="engine-tick"))
 
@@ -163,6 +176,21 @@ class Engine:
     def queue_depth(self) -> int:
         return self.store.held_count()
 
+    def health(self) -> list[str]:
+        """Why incidents are not moving, if they are not (empty when healthy): /healthz says degraded."""
+        why = []
+        alive = sum(1 for t in self._tasks if t.get_name().startswith("engine-worker") and not t.done())
+        if self._tasks and alive < self._workers and not self._stopping:
+            why.append(f"{self._workers - alive} of {self._workers} workers have stopped")
+        if self._retrying:
+            why.append(
+                f"{len(self._retrying)} incident(s) waiting to retry after database errors (last: {self._last_error})"
+            )
+        waited = time.monotonic() - self._last_taken
+        if not self._queue.empty() and waited > STALL_S:
+            why.append(f"{self._queue.qsize()} incident(s) queued and none taken for {waited:.0f} s")
+        return why
+
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Until no incident is queued or being worked on (held ones wait at the gate). For tests."""
         await asyncio.wait_for(self._idle.wait(), timeout)
@@ -172,28 +200,39 @@ class Engine:
     async def _worker(self) -> None:
         while True:
             iid = await self._queue.get()
+            self._last_taken = time.monotonic()
             self._queued.discard(iid)
             if self._stopping:
                 return
-            if iid in self._inflight:
-                self._maybe_quiet()
-                continue
-            self._inflight.add(iid)
-            self._responding += 1
-            detached = False
             try:
-                detached = await self._drive(iid, detach=True)
+                await self._work(iid)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                self._crashed(iid)
-            finally:
-                if detached:  # still responding: the task counts it down when its first response ended
-                    self._spawn(self._follow_up(iid), f"incident-{iid}-act")
-                else:
-                    self._responding -= 1
-                    self._done(iid)
-                    self._maybe_quiet()
+            except Exception:  # whatever one incident does, the worker lives on for the next
+                log.exception("engine worker error", extra={"incident": iid})
+
+    async def _work(self, iid: int) -> None:
+        if iid in self._inflight:
+            self._maybe_quiet()
+            return
+        self._inflight.add(iid)
+        self._responding += 1
+        detached = False
+        try:
+            detached = await self._drive(iid, detach=True)
+            if not detached:
+                self._retrying.pop(iid, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._crashed(iid)
+        finally:
+            if detached:  # still responding: the task counts it down when its first response ended
+                self._spawn(self._follow_up(iid), f"incident-{iid}-act")
+            else:
+                self._responding -= 1
+                self._done(iid)
+                self._maybe_quiet()
 
     async def _follow_up(self, iid: int) -> None:
         """An incident allowed to act, outside the workers: its first response, then its playbook."""
@@ -208,6 +247,7 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._quiet.wait(), FOLLOW_UP_HOLD_S)
             await self._drive(iid)
+            self._retrying.pop(iid, None)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -220,12 +260,38 @@ class Engine:
             self._quiet.set()
 
     def _crashed(self, iid: int) -> None:
+        """Called from an exception handler. A database error is not the incident's fault: it is taken up
+        again after a backoff. Anything else is a bug: the incident fails, with the log saying why."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, sqlite3.Error):
+            self._retry_later(iid, exc)
+            return
         log.exception("incident processing failed", extra={"incident": iid})
-        self._fail(iid, "internal error while processing (see the remediator log)")
+        try:
+            self._fail(iid, "internal error while processing (see the remediator log)")
+        except sqlite3.Error as db_exc:
+            self._retry_later(iid, db_exc)
+
+    def _retry_later(self, iid: int, exc: BaseException) -> None:
+        errors = self._retrying[iid] = self._retrying.get(iid, 0) + 1
+        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (errors - 1))
+        self._last_error = f"{type(exc).__name__}: {exc}"[:200]
+        log.warning(
+            "database error; the incident is taken up again later",
+            extra={"incident": iid, "error": self._last_error, "retry_in_s": delay},
+        )
+        if self.metrics is not None:
+            self.metrics.engine_errors.inc()
+        if not self._stopping:
+            asyncio.get_running_loop().call_later(delay, self._resubmit, iid)
+
+    def _resubmit(self, iid: int) -> None:
+        if not self._stopping:
+            self.submit([iid])
 
     def _done(self, iid: int) -> None:
         self._inflight.discard(iid)
-        if not self._inflight and not self._queued:
+        if not self._inflight and not self._queued and not self._retrying:
             self._idle.set()
 
     async def _ticker(self) -> None:
@@ -421,8 +487,9 @@ class Engine:
                 "fleetheal_dry_run": bool(inc.dry_run),
                 "fleetheal_job_id": inc.run_job_id or "",
                 "fleetheal_gpu": inc.gpu,
-                # The gate's facts at its decision (a paused gate holds incidents, so this is false here).
-                "fleetheal_paused": False,
+                # The pause switch now: a gate that let the incident through was not paused, but the switch
+                # may have been turned on since; the playbook's guard then refuses to act.
+                "fleetheal_paused": self.cfg.paused(),
                 "fleetheal_budget_remaining": inc.budget_remaining,
             },
         )

@@ -149,6 +149,11 @@ class Metrics:
             ["class", "action", "state"],
             registry=r,
         )
+        self.engine_errors = Counter(
+            f"{NS}_engine_errors_total",
+            "Database errors while processing incidents (each incident is taken up again after a backoff).",
+            registry=r,
+        )
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
 
     def attach_gate(self, gate: Gate) -> None:

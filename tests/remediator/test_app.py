@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -15,9 +16,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from fleetheal.remediator import alerts
 from fleetheal.remediator.app import Service
 from fleetheal.remediator.store import Store
-from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config
+from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config, nodes
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REPO = Path(__file__).resolve().parents[2]
@@ -320,3 +322,142 @@ def test_tls(tmp_path):
         assert asyncio.run(post()) == 202
     finally:
         stop_server(proc, log)
+
+
+def test_a_brief_database_write_failure_delays_incidents_and_never_stops_the_workers(cfg):
+    """Found by hand: a write error while processing killed the worker that hit it (its error handler wrote
+    to the database too), so a short failure of the disk stopped every worker for good while the webhook
+    kept answering 202 and /healthz said ok. Here the remediator's own connection refuses writes
+    (`PRAGMA query_only`, SQLite's real "attempt to write a readonly database") for more incidents than
+    there are workers, then the disk comes back."""
+    workers = 16
+    count = workers + 4
+    runner = RecordingRunner()
+
+    async def scenario(client, service):
+        other = Store(cfg.store.path)  # the alerts were persisted before the disk failed
+        names = list(nodes())
+        many = [alert(node=names[i % len(names)], fault_id="xid-31" if i % 2 else "nccl-timeout") for i in range(count)]
+        batch = alerts.parse_payload(body(*many), cfg, service.taxonomy).alerts
+        created = other.ingest(batch).created
+        other.close()
+        service.store._db.execute("PRAGMA query_only = ON")
+        service.engine.submit(created)
+        await asyncio.sleep(1.0)
+        health = await client.get("/healthz")
+        doc = await health.json()
+        assert health.status == 503 and doc["status"] == "degraded", doc
+        assert "waiting to retry after database errors" in doc["degraded"][0]
+        assert "readonly database" in doc["degraded"][0]
+        service.store._db.execute("PRAGMA query_only = OFF")
+        await service.engine.wait_idle(timeout=30)
+        states = {service.store.get(i).state for i in created}
+        assert states <= {"done"}, states
+        health = await client.get("/healthz")
+        assert health.status == 200 and (await health.json())["degraded"] == []
+        text = await (await client.get("/metrics")).text()
+        assert "fleetheal_remediator_engine_errors_total" in text
+
+    with_client(cfg, scenario, runner)
+
+
+def test_a_pause_switched_on_after_the_gate_reaches_the_playbooks_guard(tmp_path):
+    """Found by hand: the engine always told the playbook `fleetheal_paused: false`, so the guard that
+    refuses to act while remediation is paused could never fire. Here the operator pauses right after the
+    gate let the incident through (and before its playbook starts)."""
+    pause = tmp_path / "PAUSE"
+    cfg = make_config(tmp_path, gate={"pause_file": str(pause), "recheck_interval_s": 0.05})
+    runner = RecordingRunner()
+
+    async def scenario(client, service):
+        evaluate = service.engine.gate.evaluate
+
+        def evaluate_then_pause(*args, **kwargs):
+            verdict = evaluate(*args, **kwargs)
+            pause.write_text("operator: hold everything\n")
+            return verdict
+
+        service.engine.gate.evaluate = evaluate_then_pause
+        resp = await client.post("/webhook", data=body(alert(node="gpu-001")), headers=AUTH)
+        assert resp.status == 202
+        await service.engine.wait_idle()
+
+    with_client(cfg, scenario, runner)
+    assert [r.extravars["fleetheal_paused"] for r in runner.requests] == [True]
+
+
+def _serve_once(config: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FLEETHEAL_REMEDIATOR_TOKEN": TOKEN}
+    return subprocess.run(_serve_cmd(config), env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_remediator_on_the_same_database_refuses_and_leaves_the_first_alone(tmp_path):
+    """Found by hand: a second `serve` on the same config resumed the live instance's incidents, killed
+    their playbooks (each counted as a failed attempt), ran their side effects again, then died on the busy
+    port. The first instance holds a lock on its database now; the second says so and exits 1 before it
+    touches anything."""
+    from fleetheal.lab.monitoring import free_port
+
+    port = free_port()
+    first = tmp_path / "first"
+    first.mkdir()
+    holds = first / "holds"
+    holds.mkdir()
+    config = write_config(
+        first, port, envvars={"FLEETHEAL_TEST_HOLD_S": "4", "FLEETHEAL_TEST_HOLD_ONCE_DIR": str(holds)}
+    )
+    proc, _, log = start_server(first, config, port)
+    try:
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/webhook", data=body(alert(node="gpu-001")), headers=AUTH, method="POST"
+        )
+        assert urllib.request.urlopen(req, timeout=10).status == 202
+        second_cfg = json.loads(config.read_text())
+        second_cfg["listen"]["port"] = free_port()  # even on a free port
+        (tmp_path / "second.yaml").write_text(json.dumps(second_cfg))
+        second = _serve_once(tmp_path / "second.yaml", tmp_path)
+        assert second.returncode == 1, second.stderr
+        assert f"already serves the database {first / 'remediator.sqlite'}" in second.stderr
+        assert f"(pid {proc.pid})" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert proc.poll() is None
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        stop_server(proc, log)
+    store = Store(str(first / "remediator.sqlite"))
+    try:  # the first instance's playbook ran once, to its end: nobody interrupted it
+        assert [s.result for s in store.steps(1) if s.name == "playbook"] == ["successful"]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("problem", ["corrupt database", "store parent is a file", "busy port"])
+def test_a_remediator_that_cannot_start_says_why_in_one_line(tmp_path, problem):
+    from fleetheal.lab.monitoring import free_port
+
+    port = free_port()
+    config = write_config(tmp_path, port)
+    doc = json.loads(config.read_text())
+    if problem == "corrupt database":
+        (tmp_path / "remediator.sqlite").write_bytes(b"this is not a database" * 100)
+        expected = "cannot open the database"
+    elif problem == "store parent is a file":
+        (tmp_path / "afile").write_text("")
+        doc["store"]["path"] = str(tmp_path / "afile" / "remediator.sqlite")
+        expected = "Not a directory"
+    else:
+        expected = f"cannot listen on 127.0.0.1:{port}"
+    config.write_text(json.dumps(doc))
+    blocker = socket.create_server(("127.0.0.1", port)) if problem == "busy port" else None
+    try:
+        result = _serve_once(config, tmp_path)
+    finally:
+        if blocker is not None:
+            blocker.close()
+    assert result.returncode == 1, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if not ln.startswith("{")]  # JSON log lines aside
+    assert len(lines) == 1 and lines[0].startswith("fleetheal remediator: cannot start:"), result.stderr
+    assert expected in lines[0]
