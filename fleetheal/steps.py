@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import threading
 import time
@@ -282,6 +283,7 @@ def _summary(job: dict[str, Any]) -> dict[str, Any]:
         "restart_cnt": int(job.get("restart_cnt") or 0),
         "comment": str(job.get("comment") or ""),
         "stdout": _stdout_path(job),
+        "uid": int(job.get("user_id") if job.get("user_id") is not None else -1),
     }
 
 
@@ -613,6 +615,71 @@ def signal_jobs(slurm: Slurm, job_ids: Sequence[str], signal: str, *, dry_run: b
         return StepResult("slurm_signal", "would", f"would send {signal} to jobs [{', '.join(ids)}]")
     slurm.scancel_signal(signal, ids)
     return StepResult("slurm_signal", "done", f"sent {signal} to jobs [{', '.join(ids)}]", changed=True)
+
+
+def append_job_log(path: str, line: str, uid: int) -> str:
+    """Append `line` to a job's output file once (O_APPEND: the running job keeps writing to the same file),
+    as its owner could: the file must be a regular file owned by the job's `uid`, opened without following
+    a symlink, so a job cannot point its log at a file of someone else's (the remediator's database, a
+    system file). Returns what was done, or raises StepError saying why not."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StepError(f"cannot open the job log {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "r+b") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
+            raise StepError(
+                f"not writing to {path}: it is not a regular file of the job's user (uid {uid}) with one link"
+            )
+        data = line.encode() + b"\n"
+        if st.st_size <= 4 << 20 and data in (b"\n" + fh.read()):
+            return f"{path} already tells it"
+        fh.write(data)
+    return f"appended to {path}"
+
+
+def tell_jobs(
+    slurm: Slurm, node: str, incident: str, cause: str, *, job_id: str = "", dry_run: bool = False
+) -> list[StepResult]:
+    """REFUSE_AND_REPORT: put `cause` in the job's comment and its log, and change nothing else.
+
+    The job is `job_id` when the alert names it. Without one, only a node running a single job tells it
+    (the fault can only be that job's); with several, none is told: a guess would rewrite other users'
+    jobs. A comment already naming the incident is left as it is."""
+    jobs = target_jobs(slurm.squeue(), node, job_id)
+    if not jobs:
+        why = f"job {job_id} is not active on {node}" if job_id else f"no active job on {node}"
+        return [StepResult("job_comment", "skipped", why)]
+    if not job_id and len(jobs) > 1:
+        ids = ", ".join(j["job_id"] for j in jobs)
+        return [
+            StepResult(
+                "job_comment",
+                "skipped",
+                f"{len(jobs)} jobs run on {node} ({ids}) and the alert names none: none is told",
+            )
+        ]
+    out = []
+    for job in jobs:
+        jid = job["job_id"]
+        if dry_run:
+            would = f"would tell job {jid}: '{cause}' (comment and {job['stdout']})"
+            out.append(StepResult("job_comment", "would", would))
+            continue
+        changed = f"incident={incident}" not in job["comment"].split()
+        if changed:
+            slurm.scontrol("update", f"jobid={jid}", f"comment={cause}{_launch_words(job)}")
+        told = "comment" if changed else "comment already names the incident"
+        if job["stdout"]:
+            try:
+                appended = append_job_log(job["stdout"], cause, int(job["uid"]))
+                changed = changed or appended.startswith("appended")
+                told += "; " + appended
+            except StepError as exc:
+                told += f"; log not written: {exc}"
+        out.append(StepResult("job_comment", "done", f"told job {jid}: '{cause}' ({told})", changed=changed))
+    return out
 
 
 @dataclass(frozen=True)

@@ -314,3 +314,52 @@ def test_reset_gpu_failure_leaves_the_node_drained_and_owned(slurm: SlurmCluster
     assert "GPU reset" in run.report["error"]
     info = slurm.node(node)
     assert info.drained and info.reason == "fleetheal:xid-119 incident=inc-1 gpu=0"
+
+
+def _refuse_vars(pb: Playbooks, node: str, **kw: object) -> dict[str, object]:
+    return pb.base_vars(
+        fleetheal_node=node,
+        fleetheal_fault_id="xid-31",
+        fleetheal_fault_class="user",
+        fleetheal_action="REFUSE_AND_REPORT",
+        **kw,
+    )
+
+
+def test_refuse_and_report_without_a_job_tells_no_one_on_a_shared_node(
+    slurm: SlurmCluster, playbooks: Playbooks
+) -> None:
+    """Found by hand: without a job id, the refusal rewrote the comment of every job on the node. Now only a
+    node's single job is told; with two, neither is (a guess would speak for someone else's job)."""
+    first, node = submit_running(slurm, "--nodelist=n1", "--gres=gpu:1")  # one GPU each: both fit on n1
+    second, _ = submit_running(slurm, "--nodelist=n1", "--gres=gpu:1")
+    run = playbooks.run("refuse_and_report.yml", _refuse_vars(playbooks, node))
+    assert run.rc == 0, run.stdout[-4000:]
+    (told,) = [s for s in run.report["steps"] if s["step"] == "job_comment"]
+    assert told["outcome"] == "skipped" and "2 jobs run on n1" in told["detail"], told
+    for job in (first, second):
+        assert "not requeued" not in job_json(slurm, job)["comment"]
+        assert "not requeued" not in job_log(slurm, job)
+    slurm.run("scancel", second)
+    wait_until(lambda: job_json(slurm, second)["job_state"] not in ("RUNNING", "COMPLETING"))
+    alone = playbooks.run("refuse_and_report.yml", _refuse_vars(playbooks, node, fleetheal_incident_id="inc-2"))
+    assert alone.rc == 0, alone.stdout[-4000:]
+    assert "incident=inc-2" in job_json(slurm, first)["comment"].split()
+
+
+def test_the_refusal_never_follows_a_symlinked_job_log(slurm: SlurmCluster, playbooks: Playbooks, tmp_path) -> None:
+    """Found by hand: the cause was appended with `>>` to whatever the job's output path pointed at, so a
+    job could have the remediator write into any file it can write (its database, a system file)."""
+    job, node = submit_running(slurm)
+    log = slurm.state_dir / "jobs" / f"out-{job}.log"
+    assert wait_until(log.exists)
+    victim = tmp_path / "remediator.sqlite"
+    victim.write_text("the remediator's own file\n")
+    log.unlink()
+    log.symlink_to(victim)
+    run = playbooks.run("refuse_and_report.yml", _refuse_vars(playbooks, node, fleetheal_job_id=job))
+    assert run.rc == 0, run.stdout[-4000:]
+    assert victim.read_text() == "the remediator's own file\n"
+    (told,) = [s for s in run.report["steps"] if s["step"] == "job_comment"]
+    assert "log not written" in told["detail"], told
+    assert "incident=inc-1" in job_json(slurm, job)["comment"].split()  # the comment still tells the owner

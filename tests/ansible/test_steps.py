@@ -495,3 +495,22 @@ def test_a_drain_refuses_pods_no_controller_would_recreate_and_keeps_daemonset_a
     evict, unmanaged = steps._pods_to_evict(pods)
     assert evict == [("ns", "job"), ("ns", "bare-done"), ("ns", "slurmd")]
     assert unmanaged == ["ns/bare"]
+
+
+def test_a_job_log_is_appended_to_only_as_its_owner_could(tmp_path: Path) -> None:
+    append_job_log, StepError = steps.append_job_log, steps.StepError
+    log = tmp_path / "out.log"
+    log.write_text("step 1\n")
+    me = os.getuid()
+    assert append_job_log(str(log), "fleetheal: told", me) == f"appended to {log}"
+    assert append_job_log(str(log), "fleetheal: told", me) == f"{log} already tells it"
+    assert log.read_text() == "step 1\nfleetheal: told\n"
+    with pytest.raises(StepError, match="not a regular file of the job's user"):
+        append_job_log(str(log), "x", me + 1)  # someone else's file
+    (tmp_path / "link").symlink_to(log)
+    with pytest.raises(StepError, match="cannot open the job log"):
+        append_job_log(str(tmp_path / "link"), "x", me)
+    os.link(log, tmp_path / "hard")
+    with pytest.raises(StepError, match="with one link"):
+        append_job_log(str(tmp_path / "hard"), "x", me)
+    assert log.read_text() == "step 1\nfleetheal: told\n"
