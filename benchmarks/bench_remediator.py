@@ -112,7 +112,13 @@ class Service:
             "cluster": {"name": "bench", "nodes": NODES},
             "listen": {"host": "127.0.0.1", "port": self.port},
             "store": {"path": str(workdir / "remediator.sqlite")},
-            "runner": {"playbook_dir": str(playbooks), "run_dir": str(workdir / "runs"), "retries": 0},
+            # No Slurm here: the first response (in-process Slurm steps) is off; the figure is the playbook path.
+            "runner": {
+                "playbook_dir": str(playbooks),
+                "run_dir": str(workdir / "runs"),
+                "retries": 0,
+                "first_response": False,
+            },
             "gate": gate,
         }
         self.config = workdir / "remediator.yaml"
