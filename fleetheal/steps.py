@@ -269,6 +269,7 @@ def _stdout_path(job: dict[str, Any]) -> str:
 
 def _summary(job: dict[str, Any]) -> dict[str, Any]:
     allocated = (job.get("job_resources") or {}).get("allocated_nodes") or []
+    uid = job.get("user_id")
     return {
         "job_id": str(job.get("job_id")),
         "name": str(job.get("name") or ""),
@@ -283,7 +284,7 @@ def _summary(job: dict[str, Any]) -> dict[str, Any]:
         "restart_cnt": int(job.get("restart_cnt") or 0),
         "comment": str(job.get("comment") or ""),
         "stdout": _stdout_path(job),
-        "uid": int(job.get("user_id") if job.get("user_id") is not None else -1),
+        "uid": -1 if uid is None else int(uid),
     }
 
 
@@ -623,6 +624,8 @@ def append_job_log(path: str, line: str, uid: int) -> str:
     a symlink, so a job cannot point its log at a file of someone else's (the remediator's database, a
     system file). Returns what was done, or raises StepError saying why not."""
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # not even opened: opening a device can act on it
+            raise StepError(f"not writing to {path}: it is not a regular file")
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise StepError(f"cannot open the job log {path}: {exc.strerror or exc}") from None
@@ -969,6 +972,14 @@ class Kube:
         self.core = client.CoreV1Api(client.ApiClient(conf))
         self._exc = client.exceptions.ApiException
 
+    def unavailable(self) -> str | None:
+        """None when the API server says it is ready (`GET /readyz`), else why not."""
+        try:
+            self.core.api_client.call_api("/readyz", "GET", _preload_content=False, _request_timeout=5)
+        except Exception as exc:  # any failure to get a 200 means the same: not reachable now
+            return f"kubernetes API server: {type(exc).__name__}: {str(exc)[:200]}"
+        return None
+
     def update_node(self, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
         """Read Node `name`, let `change` return a merge patch (or None: nothing to do), apply it with the
         read resourceVersion; a conflict reads again. True when a patch was applied."""
@@ -1136,3 +1147,36 @@ def k8s_promote(kube: Kube | None, node: str, *, dry_run: bool = False) -> StepR
 
 def kube_for(settings: Settings) -> Kube | None:
     return Kube(settings) if settings.kubernetes else None
+
+
+_SLURM_OUTAGE = (" is DOWN", "timed out", "Unable to contact", "Connection refused", "TimeoutExpired")
+
+
+class Dependencies:
+    """Whether what the steps act through answers now: slurmctld (`scontrol ping`) and, when configured, the
+    Kubernetes API server (`/readyz`). The remediator asks before it retries a failed playbook attempt."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.slurm = Slurm(settings)
+        self._kube: Kube | None = None
+
+    def unavailable(self) -> dict[str, str]:
+        """{dependency: why} for each one that does not answer (empty: all answer)."""
+        down = {}
+        try:
+            self.slurm.run("scontrol", "ping", retries=0)
+        except StepError as exc:
+            # An outage is a controller that is DOWN or does not answer. A client with no configuration at
+            # all (no Slurm here: tests with stand-in playbooks) is not waited for.
+            if any(word in str(exc) for word in _SLURM_OUTAGE):
+                down["slurm"] = " ".join(str(exc).split())[:200]
+        if self.settings.kubernetes:
+            try:
+                self._kube = self._kube or Kube(self.settings)
+                why = self._kube.unavailable()
+            except Exception as exc:  # a kubeconfig that cannot be loaded now is the same as no answer
+                why = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if why:
+                down["kubernetes"] = why
+        return down

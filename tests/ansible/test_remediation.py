@@ -363,3 +363,23 @@ def test_the_refusal_never_follows_a_symlinked_job_log(slurm: SlurmCluster, play
     (told,) = [s for s in run.report["steps"] if s["step"] == "job_comment"]
     assert "log not written" in told["detail"], told
     assert "incident=inc-1" in job_json(slurm, job)["comment"].split()  # the comment still tells the owner
+
+
+def test_an_alert_whose_job_is_not_on_the_node_is_refused(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    """Found by hand: an alert naming a job that does not run on the alerted node was accepted and its
+    playbook ran. The guard now checks the job against Slurm before anything is done."""
+    job, node = submit_running(slurm)
+    other = next(n for n in ("n1", "n2", "n3") if n != node)
+    base = {
+        "fleetheal_fault_id": "nccl-timeout",
+        "fleetheal_fault_class": "transient",
+        "fleetheal_action": "RESTART_IN_PLACE",
+    }
+    run = playbooks.run("restart_in_place.yml", playbooks.base_vars(fleetheal_node=other, fleetheal_job_id=job, **base))
+    assert run.rc != 0
+    assert f"Job {job} does not run on {other} (Slurm: RUNNING on {node})" in run.report["error"]
+    missing = playbooks.run(
+        "restart_in_place.yml", playbooks.base_vars(fleetheal_node=node, fleetheal_job_id="424242", **base)
+    )
+    assert missing.rc != 0 and "(Slurm: no such job)" in missing.report["error"]
+    assert job_json(slurm, job)["restart_cnt"] == 0

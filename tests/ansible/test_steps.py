@@ -508,8 +508,10 @@ def test_a_job_log_is_appended_to_only_as_its_owner_could(tmp_path: Path) -> Non
     with pytest.raises(StepError, match="not a regular file of the job's user"):
         append_job_log(str(log), "x", me + 1)  # someone else's file
     (tmp_path / "link").symlink_to(log)
-    with pytest.raises(StepError, match="cannot open the job log"):
+    with pytest.raises(StepError, match="not a regular file"):
         append_job_log(str(tmp_path / "link"), "x", me)
+    with pytest.raises(StepError, match="not a regular file"):
+        append_job_log("/dev/null", "x", me)  # never opened
     os.link(log, tmp_path / "hard")
     with pytest.raises(StepError, match="with one link"):
         append_job_log(str(tmp_path / "hard"), "x", me)
