@@ -31,6 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
+from fleetheal import steps
 from fleetheal import taxonomy as taxmod
 from fleetheal.remediator import alerts
 from fleetheal.remediator.config import Config, require_token
@@ -143,10 +144,20 @@ class Service:
         self.ansible = runner is None
         self.runner: Runner = runner if runner is not None else AnsibleRunner(cfg.runner, secrets=[cfg.token])
         responder = None
-        if self.ansible and cfg.runner.first_response:
-            responder = FirstResponder.from_runner(cfg.runner.playbook_dir, cfg.runner.site_vars)
+        dependencies = None
+        if self.ansible:  # the real playbooks act through Slurm and Kubernetes: wait for them before a retry
+            dependencies = steps.Dependencies(steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars))
+            if cfg.runner.first_response:
+                responder = FirstResponder.from_runner(cfg.runner.playbook_dir, cfg.runner.site_vars)
         self.engine = Engine(
-            cfg, self.store, self.runner, self.taxonomy, metrics=self.metrics, clock=clock, responder=responder
+            cfg,
+            self.store,
+            self.runner,
+            self.taxonomy,
+            metrics=self.metrics,
+            clock=clock,
+            responder=responder,
+            dependencies=dependencies.unavailable if dependencies is not None else None,
         )
         self.metrics.attach_gate(self.engine.gate)
         self.ingest = GroupCommit(self.store, self._committed)

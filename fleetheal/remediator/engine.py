@@ -71,6 +71,10 @@ RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
 #: Queued incidents that no worker has taken for this long mean the engine is stuck (/healthz: degraded).
 STALL_S = 60.0
+#: Before a retry, while Slurm or the Kubernetes API server does not answer, ask again this often...
+DEPENDENCY_POLL_S = 5.0
+#: ... for at most this long; then the retry runs anyway (and counts if it fails).
+DEPENDENCY_WAIT_MAX_S = 3600.0
 
 
 class Engine:
@@ -85,9 +89,11 @@ class Engine:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Any] = asyncio.sleep,
         responder: FirstResponder | None = None,
+        dependencies: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.responder = responder
+        self.dependencies = dependencies
         self.store = store
         self.runner = runner
         self.taxonomy = taxonomy or taxmod.load()
@@ -427,10 +433,41 @@ class Engine:
             self._finished(inc, "failed")
             return
         if failures:
+            await self._wait_for_dependencies(inc)
             delay = self.cfg.runner.backoff_s * 2 ** (failures - 1)
             self.store.add_event(inc.id, "backoff", f"retry in {delay:g} s (attempt {len(attempts) + 1})")
             await self._sleep(delay)
         await self._run_attempt(inc, len(attempts) + 1)
+
+    async def _wait_for_dependencies(self, inc: Incident) -> None:
+        """Before a retry: while slurmctld or the Kubernetes API server does not answer, wait for it. The
+        attempt that failed most likely met the outage, and retrying into it would only spend the retries
+        and fail the incident; the steps are idempotent, so the retry after it does nothing twice. The
+        timeline and fleetheal_remediator_incidents_waiting{dependency} say what it waits for."""
+        if self.dependencies is None:
+            return
+        loop = asyncio.get_running_loop()
+        waiting: set[str] = set()
+        deadline = time.monotonic() + DEPENDENCY_WAIT_MAX_S
+        try:
+            while not self._stopping:
+                down = await loop.run_in_executor(None, self.dependencies)
+                for name in sorted(down.keys() - waiting):
+                    self.store.add_event(inc.id, "waiting", f"waiting for {name} before the retry: {down[name]}")
+                    if self.metrics is not None:
+                        self.metrics.incidents_waiting.labels(name).inc()
+                for name in sorted(waiting - down.keys()):
+                    self.store.add_event(inc.id, "waited", f"{name} answers again")
+                    if self.metrics is not None:
+                        self.metrics.incidents_waiting.labels(name).dec()
+                waiting = set(down)
+                if not down or time.monotonic() > deadline:
+                    return
+                await self._sleep(DEPENDENCY_POLL_S)
+        finally:
+            if self.metrics is not None:
+                for name in waiting:
+                    self.metrics.incidents_waiting.labels(name).dec()
 
     async def _first_response(self, inc: Incident, step_id: int | None) -> None:
         """The action's latency-critical steps in-process (responder.py), then the playbook as usual.

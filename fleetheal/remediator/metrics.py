@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -154,6 +154,14 @@ class Metrics:
             "Database errors while processing incidents (each incident is taken up again after a backoff).",
             registry=r,
         )
+        self.incidents_waiting = Gauge(
+            f"{NS}_incidents_waiting",
+            "Incidents waiting, before a retry, for a dependency that does not answer (slurm, kubernetes).",
+            ["dependency"],
+            registry=r,
+        )
+        for dependency in ("slurm", "kubernetes"):
+            self.incidents_waiting.labels(dependency)
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
 
     def attach_gate(self, gate: Gate) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -461,3 +462,48 @@ def test_a_remediator_that_cannot_start_says_why_in_one_line(tmp_path, problem):
     lines = [ln for ln in result.stderr.splitlines() if not ln.startswith("{")]  # JSON log lines aside
     assert len(lines) == 1 and lines[0].startswith("fleetheal remediator: cannot start:"), result.stderr
     assert expected in lines[0]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs for the remediator's state: a disk that can really fill up (needs root)."""
+    mount = tmp_path / "state"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("SKIPPED LOUDLY: a full-disk test needs root to mount a small tmpfs")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_loses_no_alert_and_every_incident_finishes_once_there_is_room(tmp_path, tiny_disk):
+    """The state directory's disk fills up during a burst: new alerts get 503 (Alertmanager sends them
+    again), incidents in flight wait and /healthz says why; once there is room again, every incident
+    finishes and the alerts sent again are taken."""
+    cfg = make_config(tmp_path, store={"path": str(tiny_disk / "remediator.sqlite"), "synchronous": "NORMAL"})
+    runner = RecordingRunner()
+    names = list(nodes())
+
+    async def scenario(client, service):
+        first = await client.post("/webhook", data=body(alert(node=names[0], fault_id="nccl-timeout")), headers=AUTH)
+        assert first.status == 202
+        await service.engine.wait_idle()
+        filler = tiny_disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)  # the disk fills up
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\1" * 65536):
+                pass
+        os.close(fd)
+        second = body(alert(node=names[1], fault_id="nccl-timeout"))
+        refused = await client.post("/webhook", data=second, headers=AUTH)
+        assert refused.status == 503 and "retry" in (await refused.json())["error"]
+        filler.unlink()
+        again = await client.post("/webhook", data=second, headers=AUTH)  # Alertmanager sends it again
+        assert again.status == 202
+        await service.engine.wait_idle(timeout=30)
+        assert [i.state for i in service.store.incidents()] == ["done", "done"]
+        assert (await client.get("/healthz")).status == 200
+
+    with_client(cfg, scenario, runner)
+    assert len(runner.requests) == 2  # each incident's playbook ran once
