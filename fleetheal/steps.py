@@ -959,6 +959,9 @@ class Kube:
     #: Connections kept to the API server: a storm's first responses patch Nodes concurrently, and every
     #: connection the pool cannot keep costs the next request a TLS handshake.
     CONNECTIONS = 64
+    #: Seconds for one request (the client has no default: a stopped API server would hold a step, and
+    #: the thread running it, for good).
+    TIMEOUT_S = 10.0
 
     def __init__(self, settings: Settings) -> None:
         from kubernetes import client, config
@@ -969,15 +972,22 @@ class Kube:
         else:
             config.load_incluster_config(client_configuration=conf)  # type: ignore[no-untyped-call]
         conf.connection_pool_maxsize = self.CONNECTIONS
+        # No silent retries inside the client (urllib3's default is 3, so a stopped API server held each
+        # call for 4 timeouts): a step fails in TIMEOUT_S, and the remediator waits for the API server to
+        # answer before it retries the attempt.
+        conf.retries = 0
         self.core = client.CoreV1Api(client.ApiClient(conf))
         self._exc = client.exceptions.ApiException
 
     def unavailable(self) -> str | None:
-        """None when the API server says it is ready (`GET /readyz`), else why not."""
+        """None when the API server answers (`GET /version`), else why not."""
+        import urllib3
+        from kubernetes import client
+
         try:
-            self.core.api_client.call_api("/readyz", "GET", _preload_content=False, _request_timeout=5)
-        except Exception as exc:  # any failure to get a 200 means the same: not reachable now
-            return f"kubernetes API server: {type(exc).__name__}: {str(exc)[:200]}"
+            client.VersionApi(self.core.api_client).get_code(_request_timeout=5)
+        except (urllib3.exceptions.HTTPError, OSError, self._exc) as exc:
+            return f"kubernetes API server: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         return None
 
     def update_node(self, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
@@ -986,7 +996,8 @@ class Kube:
         for _ in range(5):
             try:
                 # The raw JSON: the client's models cost milliseconds per Node, and a storm reads hundreds.
-                doc = json.loads(self.core.read_node(name, _preload_content=False).data)  # type: ignore[attr-defined]
+                raw = self.core.read_node(name, _preload_content=False, _request_timeout=self.TIMEOUT_S)
+                doc = json.loads(raw.data)  # type: ignore[attr-defined]
             except self._exc as exc:
                 raise StepError(f"kubernetes: read Node {name}: {exc.status} {exc.reason}") from exc
             patch = change(doc)
@@ -994,7 +1005,7 @@ class Kube:
                 return False
             patch.setdefault("metadata", {})["resourceVersion"] = doc["metadata"]["resourceVersion"]
             try:
-                self.core.patch_node(name, patch, _preload_content=False)
+                self.core.patch_node(name, patch, _preload_content=False, _request_timeout=self.TIMEOUT_S)
             except self._exc as exc:
                 if exc.status == 409:
                     continue
@@ -1073,7 +1084,9 @@ def k8s_drain(
 
     def on_node() -> list[dict[str, Any]]:
         try:
-            raw = kube.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}", _preload_content=False)
+            raw = kube.core.list_pod_for_all_namespaces(
+                field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=kube.TIMEOUT_S
+            )
         except kube._exc as exc:
             raise StepError(f"kubernetes: list the pods on {node}: {exc.status} {exc.reason}") from exc
         return list(json.loads(raw.data).get("items") or [])  # type: ignore[attr-defined]
@@ -1087,7 +1100,13 @@ def k8s_drain(
     for ns, name in evict:
         body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}}
         try:
-            kube.core.create_namespaced_pod_eviction(name, ns, body, _preload_content=False)  # type: ignore[arg-type]
+            kube.core.create_namespaced_pod_eviction(
+                name,
+                ns,
+                body,  # type: ignore[arg-type]
+                _preload_content=False,
+                _request_timeout=kube.TIMEOUT_S,
+            )
         except kube._exc as exc:
             if exc.status == 404:
                 continue
@@ -1154,7 +1173,7 @@ _SLURM_OUTAGE = (" is DOWN", "timed out", "Unable to contact", "Connection refus
 
 class Dependencies:
     """Whether what the steps act through answers now: slurmctld (`scontrol ping`) and, when configured, the
-    Kubernetes API server (`/readyz`). The remediator asks before it retries a failed playbook attempt."""
+    Kubernetes API server (`/version`). The remediator asks before it retries a failed playbook attempt."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -1172,11 +1191,8 @@ class Dependencies:
             if any(word in str(exc) for word in _SLURM_OUTAGE):
                 down["slurm"] = " ".join(str(exc).split())[:200]
         if self.settings.kubernetes:
-            try:
-                self._kube = self._kube or Kube(self.settings)
-                why = self._kube.unavailable()
-            except Exception as exc:  # a kubeconfig that cannot be loaded now is the same as no answer
-                why = f"{type(exc).__name__}: {str(exc)[:200]}"
+            self._kube = self._kube or Kube(self.settings)
+            why = self._kube.unavailable()
             if why:
                 down["kubernetes"] = why
         return down

@@ -38,7 +38,7 @@ def cluster(tmp_path: Path):
         c.stop(graceful=False)
 
 
-def _config(tmp_path: Path, cluster: SlurmCluster):
+def _config(tmp_path: Path, cluster: SlurmCluster, **site_vars: object):
     return make_config(
         tmp_path,
         cluster={"name": "lab", "nodes": {"n1": "rack-0", "n2": "rack-0", "n3": "rack-1"}},
@@ -54,6 +54,7 @@ def _config(tmp_path: Path, cluster: SlurmCluster):
                 "fleetheal_slurm_retry_delay_s": 1,
                 "fleetheal_promote_standby": False,
                 "fleetheal_report_dir": str(tmp_path / "reports"),
+                **site_vars,
             },
         },
         gate={"budget": {"max_isolated": 1, "max_isolated_per_domain": 1}},
@@ -108,3 +109,60 @@ def test_slurmctld_stopped_for_a_minute_during_an_isolation(cluster: SlurmCluste
     # Done once: the node drained for this incident, the job requeued exactly once.
     assert "incident=inc-000001" in node_json(cluster, node)["reason"].split()
     assert job_json(cluster, job)["restart_cnt"] == 1
+
+
+@pytest.fixture
+def kube(tmp_path: Path):
+    from fleetheal.lab.controlplane import KubeControlPlane, tools_built, tools_dir
+
+    if not tools_built():
+        pytest.fail(f"kube-apiserver and etcd are not built in {tools_dir()}: run `make tools`")
+    with KubeControlPlane(tmp_path / "kube", controller_manager=False) as cp:
+        yield cp
+
+
+@pytest.mark.kube
+def test_the_api_server_stopped_for_a_minute_during_an_isolation(cluster: SlurmCluster, kube, tmp_path: Path) -> None:
+    from kubernetes import client
+
+    from fleetheal import contracts
+
+    kube.add_nodes(["n1", "n2", "n3"], labels={contracts.LABEL_POOL: "active"})
+    job, node = submit_running(cluster)
+    cfg = _config(tmp_path, cluster, fleetheal_kubeconfig=str(kube.kubeconfig))
+    apiserver = kube.pids["kube-apiserver"]
+    waiting_seen: list[float] = []
+
+    async def main() -> None:
+        service = Service(cfg)
+        async with TestClient(TestServer(service.app())) as client_:
+            os.kill(apiserver, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                resp = await client_.post("/webhook", data=body(alert(node=node, fault_id="xid-79")), headers=AUTH)
+                assert resp.status == 202
+                while time.monotonic() - stopped < OUTAGE_S:
+                    text = await (await client_.get("/metrics")).text()
+                    if _metric(text, 'fleetheal_remediator_incidents_waiting{dependency="kubernetes"}'):
+                        waiting_seen.append(1)
+                    await asyncio.sleep(1.0)
+            finally:
+                os.kill(apiserver, signal.SIGCONT)
+            deadline = time.monotonic() + 180
+            while service.store.get(1).state not in ("done", "failed"):
+                assert time.monotonic() < deadline, [(e.kind, e.detail[:100]) for e in service.store.events(1)][-12:]
+                await asyncio.sleep(0.5)
+            events = service.store.events(1)
+            timeline = "\n".join(f"{e.ts:.1f} {e.kind} {e.detail[:150]}" for e in events)
+            inc = service.store.get(1)
+            attempts = [s.result for s in service.store.steps(1) if s.name == "playbook"]
+        assert inc.state == "done", timeline
+        assert attempts.count("successful") == 1, attempts
+        assert "waiting" in [e.kind for e in events], timeline
+
+    asyncio.run(main())
+    assert waiting_seen, "the metrics never said the incident waited for the API server"
+    n1 = client.CoreV1Api(kube.client()).read_node(node)
+    assert n1.spec.unschedulable
+    assert [t.key for t in n1.spec.taints or []].count(contracts.TAINT_UNHEALTHY) == 1
+    assert job_json(cluster, job)["restart_cnt"] == 1  # Slurm did its part once, during the outage
