@@ -135,3 +135,58 @@ def test_a_fault_reaches_the_remediator_through_prometheus_and_alertmanager(tmp_
         thread.join(timeout=5)
     assert not (tmp_path / "monitoring" / "prometheus.pid").exists()
     assert TOKEN not in (tmp_path / "serve.log").read_text()
+
+
+def test_prometheus_and_alertmanager_restarted_lose_no_alert_and_repeat_none(tmp_path):
+    """Chaos: both are restarted (same data directories) between two faults, and the second fault is raised
+    while they are down. The second alert still arrives and is remediated; the first is not remediated again."""
+    registry = CollectorRegistry()
+    gauge = Gauge(
+        METRIC_FAULT_ACTIVE,
+        "1 while a fault is active (test exporter standing in for the agent)",
+        ["node", "gpu", "fault_id", "class", "action", "severity"],
+        registry=registry,
+    )
+    exporter_port = free_port()
+    server, thread = start_http_server(exporter_port, addr="127.0.0.1", registry=registry)
+    port = free_port()
+    proc, _, log = start_server(tmp_path, write_config(tmp_path, port), port)
+    mon = Monitoring(
+        tmp_path / "monitoring",
+        scrape_targets=[f"127.0.0.1:{exporter_port}"],
+        rules_files=[RULES],
+        webhook_url=f"http://127.0.0.1:{port}/webhook",
+        webhook_token=TOKEN,
+        cluster="lab",
+        scrape_interval="500ms",
+        evaluation_interval="500ms",
+    )
+    fault = {"fault_id": "xid-79", "class": "hardware", "action": "ISOLATE_AND_RELOCATE", "severity": "critical"}
+    store = Store(str(tmp_path / "remediator.sqlite"))
+
+    def finished(iid: int) -> bool:
+        inc = store.get(iid)
+        return inc is not None and inc.state in ("done", "failed")
+
+    try:
+        mon.start()
+        gauge.labels(node="gpu-001", gpu="3", **fault).set(1)
+        _wait("the first incident to finish", lambda: finished(1), 90)
+        gauge.labels(node="gpu-001", gpu="3", **fault).set(0)  # repaired: its isolation is released
+        _wait("the isolation to be released", lambda: "gpu-001" not in store.isolations(), 60)
+        mon.stop()
+        gauge.labels(node="gpu-005", gpu="1", **fault).set(1)  # raised while both are down
+        time.sleep(2)
+        mon.start()
+        _wait("the second incident to finish", lambda: finished(2), 90)
+        time.sleep(3)  # anything Alertmanager sends again after its restart has arrived by now
+        incidents = sorted(store.incidents(), key=lambda i: i.id)
+        assert [(i.node, i.state) for i in incidents] == [("gpu-001", "done"), ("gpu-005", "done")]
+        runs = [json.loads(line) for line in (tmp_path / "record.jsonl").read_text().splitlines()]
+        assert sorted(r["node"] for r in runs if r["phase"] == "start") == ["gpu-001", "gpu-005"]  # each once
+    finally:
+        store.close()
+        mon.stop()
+        stop_server(proc, log)
+        server.shutdown()
+        thread.join(timeout=5)
