@@ -144,6 +144,15 @@ class RunnerConfig:
     #: Site settings for the playbooks (`fleetheal_*` names from playbooks/vars/remediation.yml, e.g. the
     #: grace period, kubeconfig, report dir). Passed as extra vars; never a per-incident contract variable.
     site_vars: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    #: Site settings that are secrets, besides those named *_token, *_password, *_passphrase, *_secret,
+    #: *_credentials, *_api_key or *_private_key (SECRET_SITE_VAR in runner.py). Secrets never go to a run
+    #: directory: they reach Ansible through a 0600 file in memory (/dev/shm) removed as soon as
+    #: ansible-playbook has read it, and their values are masked in events and artifacts.
+    secret_vars: tuple[str, ...] = ()
+    #: Days the run directories of finished incidents are kept (0: no age limit).
+    keep_runs_days: float = 14.0
+    #: Most run directories kept, newest first (0: no limit); those of unfinished incidents always stay.
+    keep_runs: int = 0
     #: Run the latency-critical steps of an isolation or a restart in-process before the playbook
     #: (fleetheal/remediator/responder.py); false: the playbook does everything, as a human would.
     first_response: bool = True
@@ -343,6 +352,11 @@ def _check(cfg: Config) -> None:
     for name in (*r.env_passthrough, *r.envvars):
         if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"runner: {name!r} is not an environment variable name")
+    if r.keep_runs_days < 0 or r.keep_runs < 0:
+        raise ConfigError("runner: keep_runs_days >= 0 and keep_runs >= 0 are required (0: no limit)")
+    for name in r.secret_vars:
+        if not _SITE_VAR.fullmatch(name):
+            raise ConfigError(f"runner.secret_vars: {name!r} is not a site setting (a fleetheal_* name)")
     for name, value in r.site_vars.items():
         if not _SITE_VAR.fullmatch(name) or name in PLAYBOOK_VARS:
             raise ConfigError(

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from fleetheal import taxonomy as taxmod
@@ -50,6 +51,7 @@ from fleetheal.remediator.runner import (
     StepRequest,
     kill_leftovers,
     process_start_time,
+    prune_run_dirs,
     run_dir_for,
 )
 from fleetheal.remediator.store import TERMINAL, Incident, Step, Store
@@ -75,6 +77,8 @@ STALL_S = 60.0
 DEPENDENCY_POLL_S = 5.0
 #: ... for at most this long; then the retry runs anyway (and counts if it fails).
 DEPENDENCY_WAIT_MAX_S = 3600.0
+#: Old run directories are pruned at the first tick after start-up, then this often (prune_runs).
+PRUNE_INTERVAL_S = 3600.0
 
 
 class Engine:
@@ -301,12 +305,35 @@ class Engine:
             self._idle.set()
 
     async def _ticker(self) -> None:
+        next_prune = 0.0
         while True:
             await asyncio.sleep(self.cfg.gate.recheck_interval_s)
             try:
                 self.tick()
             except Exception:
                 log.exception("gate tick failed")
+            if time.monotonic() >= next_prune:
+                next_prune = time.monotonic() + PRUNE_INTERVAL_S
+                self._spawn(self.prune_runs(), "prune-runs")
+
+    async def prune_runs(self) -> list[str]:
+        """Remove old run directories (runner.keep_runs_days, runner.keep_runs; runner.prune_run_dirs), in a
+        thread. Those of unfinished incidents stay, and so does every run directory a step of one names (a
+        batch runs in its first attempt's directory, maybe another incident's): the engine resumes from them."""
+        try:
+            r = self.cfg.runner
+            busy: set[str] = set()
+            for inc in self.store.unfinished():
+                busy.add(str(Path(r.run_dir) / inc.ref))
+                busy.update(step.run_dir for step in self.store.steps(inc.id) if step.run_dir)
+            loop = asyncio.get_running_loop()
+            removed = await loop.run_in_executor(None, prune_run_dirs, r.run_dir, r.keep_runs_days, r.keep_runs, busy)
+        except Exception:
+            log.exception("pruning the run directories failed")
+            return []
+        if removed:
+            log.info("pruned old run directories", extra={"count": len(removed)})
+        return removed
 
     def tick(self) -> None:
         """Close a quiet breaker; when what holds incidents changed, put them back in the queue, oldest first.

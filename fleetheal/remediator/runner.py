@@ -15,12 +15,21 @@ What reaches Ansible:
 - variables: only the names in `contracts.PLAYBOOK_VARS`, with values the alert validator let through
   (checked again here: plain names, booleans, small counts), as host variables of the incident's host
   in `inventory/hosts.json`; the site settings (`runner.site_vars`, never a per-incident name) as extra
-  variables in `env/extravars`;
+  variables in `env/extravars`, except the secret ones (`secret_site_vars`: names ending in `_token`,
+  `_password`, `_passphrase`, `_secret`, `_credentials`, `_api_key`, `_private_key`, and those listed in
+  `runner.secret_vars`). Those never touch a run directory: they go to a 0600 file in memory (/dev/shm)
+  outside it, given as `-e @file` and removed the moment ansible-playbook has read it (its first
+  event, `playbook_on_start`) or when the run ends; a crash leaves one only until the next start-up;
 - environment: the allow-listed variables of `runner.env_passthrough`, `runner.envvars` and what
   ansible-runner sets for itself. Anything whose name looks like a secret, and any value equal to a
   known secret (the bearer token), is dropped before the runner writes its `command` artifact, which
   otherwise stores the whole environment.
-After the run every artifact file is scrubbed of known secret values once more.
+Events are scrubbed of every known secret value (the bearer token, secret environment variables, secret
+site settings) before ansible-runner writes them; after the run every artifact file is scrubbed once more
+(what a careless task without `no_log` printed to `stdout`).
+
+Run directories are pruned (`prune_run_dirs`, called by the engine at start-up and hourly): older than
+`runner.keep_runs_days` days or beyond the `runner.keep_runs` newest, never one of an unfinished incident.
 
 Engine-facing API: `AnsibleRunner.run_batch([(request, on_event), ...], cancel)` returns one outcome (or
 the RunnerInputError that refused it) per request; tests substitute any object with the same method (see
@@ -31,13 +40,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
+import shlex
 import shutil
 import signal
+import stat
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +66,20 @@ _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|PRIVATE|API_?KEY|ACCES
 #: Environment ansible-runner sets for itself; kept when the runner set or changed it.
 _RUNNER_PREFIXES = ("ANSIBLE_", "AWX_", "RUNNER_", "ORIGINAL_STDOUT_CALLBACK")
 MASK = "***"
+#: Site settings named so are secrets (`runner.secret_vars` names more): never written to a run directory.
+SECRET_SITE_VAR = re.compile(r"_(?:token|password|passphrase|secret|credentials?|api_key|private_key)$")
+#: Shorter strings of a secret site setting are not masked in artifacts (they would mask random text),
+#: as for secret environment variables (environment_secrets).
+_MIN_MASKED = 8
+#: The file of a run's secret site settings: <dir>/fleetheal-secret-vars-<pid>-<random>.json (0600).
+_SECRET_FILE_PREFIX = "fleetheal-secret-vars-"  # noqa: S105 - a file name, not a password
+#: What prune_run_dirs may remove: <run_dir>/inc-NNNNNN/step<S>-attempt<A>/ (nothing else is touched).
+_INCIDENT_DIR = re.compile(r"inc-[0-9]{6,}")
+_RUN_DIR = re.compile(r"step[0-9]+-attempt[0-9]+")
+#: The count limit (runner.keep_runs) never removes a run directory younger than this.
+PRUNE_MIN_AGE_S = 3600.0
+
+log = logging.getLogger("fleetheal.remediator.runner")
 
 
 class RunnerInputError(ValueError):
@@ -121,6 +148,131 @@ def check_extravars(extravars: Mapping[str, Any]) -> dict[str, str | bool | int]
 def run_dir_for(run_root: str, request: StepRequest) -> Path:
     """The private directory of a run whose first request is `request`."""
     return Path(run_root) / request.ref / f"step{request.step_id}-attempt{request.attempt}"
+
+
+def secret_site_vars(cfg: cfgmod.RunnerConfig) -> dict[str, Any]:
+    """The site settings that are secrets: named like one (SECRET_SITE_VAR) or listed in runner.secret_vars."""
+    listed = set(cfg.secret_vars)
+    return {k: v for k, v in cfg.site_vars.items() if k in listed or SECRET_SITE_VAR.search(k)}
+
+
+def _secret_strings(value: Any) -> Iterator[str]:
+    """Every string of a secret setting worth masking, also as JSON writes it (escaped)."""
+    if isinstance(value, str):
+        if len(value) >= _MIN_MASKED:
+            yield value
+            yield json.dumps(value)[1:-1]
+            yield json.dumps(value, ensure_ascii=False)[1:-1]
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _secret_strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _secret_strings(v)
+
+
+def secret_vars_dir() -> str:
+    """Where the secret settings' file of a run lives: /dev/shm (memory) when usable, else the temp dir."""
+    shm = "/dev/shm"  # noqa: S108 - a private 0600 file made by mkstemp
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else tempfile.gettempdir()
+
+
+def remove_stale_secret_files(directory: str | None = None) -> int:
+    """Remove the secret settings' files a dead remediator left (a crash mid-run); how many were removed."""
+    directory = directory or secret_vars_dir()
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(_SECRET_FILE_PREFIX):
+            continue
+        pid_text = entry.name[len(_SECRET_FILE_PREFIX) :].split("-", 1)[0]
+        try:
+            owner = entry.stat(follow_symlinks=False).st_uid
+        except OSError:
+            continue
+        if not pid_text.isdigit() or owner != os.getuid():
+            continue
+        pid = int(pid_text)
+        if pid == os.getpid() or alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+            removed += 1
+    return removed
+
+
+def _write_secret_file(doc: Mapping[str, Any]) -> str:
+    fd, path = tempfile.mkstemp(prefix=f"{_SECRET_FILE_PREFIX}{os.getpid()}-", suffix=".json", dir=secret_vars_dir())
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # mkstemp: 0600, O_EXCL
+            json.dump(dict(doc), f, sort_keys=True)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return path
+
+
+# --- pruning ------------------------------------------------------------------------------------------------
+
+
+def prune_run_dirs(
+    run_root: str, keep_days: float, keep: int, busy: Collection[str] = (), now: float | None = None
+) -> list[str]:
+    """Remove the run directories `<run_root>/inc-NNNNNN/step<S>-attempt<A>/` last modified more than
+    `keep_days` days ago, and those beyond the `keep` newest that are older than PRUNE_MIN_AGE_S (0: no
+    such limit), then the incident directories this left empty. Never one named in `busy` (a run
+    directory, or an incident's directory and so everything below it: the unfinished incidents'). Only
+    names of that form are touched and no symlink is followed. Returns the removed run directories."""
+    if keep_days <= 0 and keep <= 0:
+        return []
+    now = time.time() if now is None else now
+    protected = {os.path.abspath(p) for p in busy if p}
+    root = os.path.abspath(run_root)
+    runs: list[tuple[float, str, str]] = []  # (mtime, run dir, incident dir)
+    try:
+        incidents = [e for e in os.scandir(root) if _INCIDENT_DIR.fullmatch(e.name)]
+    except OSError:
+        return []
+    for inc in incidents:
+        if not inc.is_dir(follow_symlinks=False):
+            continue
+        try:
+            entries = [e for e in os.scandir(inc.path) if _RUN_DIR.fullmatch(e.name)]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                runs.append((st.st_mtime, entry.path, inc.path))
+    runs.sort(reverse=True)  # newest first
+    removed: list[str] = []
+    emptied: set[str] = set()
+    for rank, (mtime, path, inc_path) in enumerate(runs):
+        if path in protected or inc_path in protected:
+            continue
+        age = now - mtime
+        too_old = keep_days > 0 and age > keep_days * 86400
+        too_many = keep > 0 and rank >= keep and age > PRUNE_MIN_AGE_S
+        if not (too_old or too_many):
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            log.warning("cannot remove an old run directory", extra={"path": path, "error": str(exc)})
+            continue
+        removed.append(path)
+        emptied.add(inc_path)
+    for inc_path in emptied:
+        with contextlib.suppress(OSError):  # not empty: another run directory is still kept
+            os.rmdir(inc_path)
+    return removed
 
 
 # --- processes -------------------------------------------------------------------------------------------
@@ -232,7 +384,12 @@ class AnsibleRunner:
     def __init__(self, cfg: cfgmod.RunnerConfig, secrets: Iterable[str] = ()) -> None:
         self.cfg = cfg
         self.configured = frozenset((*cfg.env_passthrough, *cfg.envvars))
-        self.secrets = environment_secrets(os.environ, secrets, self.configured)
+        self.secret_vars = secret_site_vars(cfg)
+        self.plain_vars = {k: v for k, v in cfg.site_vars.items() if k not in self.secret_vars}
+        site_secrets = [s for v in self.secret_vars.values() for s in _secret_strings(v)]
+        self.secrets = environment_secrets(os.environ, [*secrets, *site_secrets], self.configured)
+        if self.secret_vars:
+            remove_stale_secret_files()
 
     def warm_up(self) -> None:
         """Import ansible_runner ahead of the first alert (it takes a few hundred milliseconds)."""
@@ -284,7 +441,7 @@ class AnsibleRunner:
         (private / "inventory").mkdir(mode=0o700)
         os.chmod(private.parent, 0o700)
         for path, doc in (
-            (private / "env" / "extravars", dict(self.cfg.site_vars)),
+            (private / "env" / "extravars", self.plain_vars),  # the secret ones never come here
             (private / "inventory" / "hosts.json", {INCIDENTS_GROUP: {"hosts": hosts}}),
         ):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -333,8 +490,18 @@ class AnsibleRunner:
         seen_pid: list[int] = []
         stats: dict[str, Any] = {}
         secrets = self.secrets
+        # The secret site settings: a 0600 file outside the run directory, in memory where possible,
+        # removed once ansible-playbook has read its extra vars (they are read before its first play).
+        secret_file = _write_secret_file(self.secret_vars) if self.secret_vars else None
+
+        def forget_secret_file() -> None:
+            if secret_file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(secret_file)
 
         def handler(event: dict[str, Any]) -> bool:
+            if event.get("event") == "playbook_on_start":
+                forget_secret_file()
             _scrub_value(event, secrets)
             pid = event.get("pid")
             if isinstance(pid, int) and not seen_pid:
@@ -351,26 +518,29 @@ class AnsibleRunner:
             return True  # keep the (scrubbed) event in the artifacts
 
         inventory = str(private / "inventory")
-        rc = ansible_runner.RunnerConfig(
-            private_data_dir=str(private),
-            playbook=str(playbook),
-            # A site inventory (group variables, say) comes first; the incidents' hosts are always ours.
-            inventory=[self.cfg.inventory, inventory] if self.cfg.inventory else inventory,
-            roles_path=self.cfg.roles_path,
-            envvars=added,
-            ident="run",
-            forks=len(hosts),
-            timeout=self.cfg.timeout_s,
-            quiet=True,
-            suppress_env_files=True,
-            settings={"pexpect_timeout": 0.5, "suppress_ansible_output": True},
-        )
-        rc.prepare()
-        rc.env = self.scrub_env(rc.env, added)
-        runner = ansible_runner.Runner(config=rc, event_handler=handler, cancel_callback=cancel)
         try:
+            rc = ansible_runner.RunnerConfig(
+                private_data_dir=str(private),
+                playbook=str(playbook),
+                # A site inventory (group variables, say) comes first; the incidents' hosts are always ours.
+                inventory=[self.cfg.inventory, inventory] if self.cfg.inventory else inventory,
+                roles_path=self.cfg.roles_path,
+                envvars=added,
+                # Only the file's name reaches the command line (and the `command` artifact).
+                cmdline=None if secret_file is None else f"-e {shlex.quote('@' + secret_file)}",
+                ident="run",
+                forks=len(hosts),
+                timeout=self.cfg.timeout_s,
+                quiet=True,
+                suppress_env_files=True,
+                settings={"pexpect_timeout": 0.5, "suppress_ansible_output": True},
+            )
+            rc.prepare()
+            rc.env = self.scrub_env(rc.env, added)
+            runner = ansible_runner.Runner(config=rc, event_handler=handler, cancel_callback=cancel)
             runner.run()
         finally:
+            forget_secret_file()
             scrub_tree(private, secrets)
         status = str(runner.status)
         together = f" (one run for {len(hosts)} incidents)" if len(hosts) > 1 else ""

@@ -171,14 +171,14 @@ def test_prometheus_and_alertmanager_restarted_lose_no_alert_and_repeat_none(tmp
     try:
         mon.start()
         gauge.labels(node="gpu-001", gpu="3", **fault).set(1)
-        _wait("the first incident to finish", lambda: finished(1), 90)
+        _wait("the first incident to finish", lambda: finished(1), 180)
         gauge.labels(node="gpu-001", gpu="3", **fault).set(0)  # repaired: its isolation is released
         _wait("the isolation to be released", lambda: "gpu-001" not in store.isolations(), 60)
         mon.stop()
         gauge.labels(node="gpu-005", gpu="1", **fault).set(1)  # raised while both are down
         time.sleep(2)
         mon.start()
-        _wait("the second incident to finish", lambda: finished(2), 90)
+        _wait("the second incident to finish", lambda: finished(2), 180)
         time.sleep(3)  # anything Alertmanager sends again after its restart has arrived by now
         incidents = sorted(store.incidents(), key=lambda i: i.id)
         assert [(i.node, i.state) for i in incidents] == [("gpu-001", "done"), ("gpu-005", "done")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -11,16 +12,24 @@ from pathlib import Path
 
 import pytest
 
+from fleetheal import taxonomy
+from fleetheal.remediator.config import ConfigError
 from fleetheal.remediator.runner import (
     AnsibleRunner,
     RunnerInputError,
     StepRequest,
     check_extravars,
     kill_leftovers,
+    prune_run_dirs,
+    remove_stale_secret_files,
     run_dir_for,
     scrub_tree,
+    secret_site_vars,
+    secret_vars_dir,
 )
 from tests.remediator.conftest import TOKEN, make_config
+
+TAX = taxonomy.load()
 
 SECRET = "aws-secret-value-0123456789"
 
@@ -243,3 +252,154 @@ def test_scrub_tree_masks_secret_values(tmp_path):
     assert scrub_tree(tmp_path, [SECRET]) == 1
     assert (tmp_path / "a").read_text() == "x *** y"
     assert os.path.exists(tmp_path / "b")
+
+
+REFILL_TOKEN = "refill-token-9f8e7d6c5b4a3210"
+
+#: A playbook that uses a secret site setting as a real one does (the refill request, no_log) and also
+#: leaks it (a debug task without no_log), to show that no copy of it stays in the run directory.
+SECRET_PLAYBOOK = """\
+- hosts: fleetheal_incidents
+  gather_facts: false
+  tasks:
+    - name: Use the token (a real playbook sends it in a header, no_log)
+      ansible.builtin.copy:
+        content: "{{ fleetheal_standby_refill_token }}"
+        dest: "{{ lookup('ansible.builtin.env', 'FLEETHEAL_TEST_RECORD') }}"
+        mode: "0600"
+      no_log: true
+    - name: A careless task prints it
+      ansible.builtin.debug:
+        msg: "token is {{ fleetheal_standby_refill_token }} and grace {{ fleetheal_grace_seconds }}"
+"""
+
+
+def test_secret_site_vars_reach_the_playbook_but_no_file_of_the_run(tmp_path):
+    """Issue 15: a secret site setting (the standby refill token) must never be written in the run
+    directory (env/extravars, command, job events, stdout...), yet the playbook gets its value."""
+    (tmp_path / "pb").mkdir()
+    (tmp_path / "pb" / "secret.yml").write_text(SECRET_PLAYBOOK)
+    site = {"fleetheal_standby_refill_token": REFILL_TOKEN, "fleetheal_grace_seconds": 7}
+    cfg = make_config(tmp_path, runner={"playbook_dir": str(tmp_path / "pb"), "site_vars": site})
+    req = StepRequest(1, 1, 1, "ISOLATE_AND_RELOCATE", "secret.yml", request().extravars)
+    seen: list = []
+    observed: list[bytes] = []
+    leftover_secret_files: list[Path] = []
+
+    def on_event(event):  # while the playbook runs, not only after the final scrub
+        seen.append(event)
+        if event.kind == "task_start" and "careless" in event.detail:
+            observed.extend(p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink())
+            leftover_secret_files.extend(Path(secret_vars_dir()).glob(f"fleetheal-secret-vars-{os.getpid()}-*"))
+
+    run_dir = run_dir_for(cfg.runner.run_dir, req)
+    outcome = AnsibleRunner(cfg.runner, secrets=[TOKEN]).run(req, on_event, lambda: False)
+    assert outcome.ok, outcome
+    assert (tmp_path / "record.jsonl").read_text() == REFILL_TOKEN  # the playbook got the value
+    assert all(REFILL_TOKEN not in e.detail for e in seen)
+    files = [p for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert files
+    for path in files:
+        assert REFILL_TOKEN.encode() not in path.read_bytes(), path
+    assert observed and all(REFILL_TOKEN.encode() not in data for data in observed)
+    assert json.loads((run_dir / "env" / "extravars").read_text()) == {"fleetheal_grace_seconds": 7}
+    assert not leftover_secret_files  # the in-memory vars file was gone once the playbook had started
+    assert not list(Path(secret_vars_dir()).glob(f"fleetheal-secret-vars-{os.getpid()}-*"))
+
+
+def test_which_site_vars_are_secret(tmp_path):
+    site = {
+        "fleetheal_standby_refill_token": "t0k3n-value",
+        "fleetheal_bmc_password": "pw-value",
+        "fleetheal_slurm_env": {"SLURM_JWT": "jwt-value"},
+        "fleetheal_bmc_secret": "short",
+        "fleetheal_grace_seconds": 3,
+        "fleetheal_kubeconfig": "/etc/k",
+    }
+    cfg = make_config(tmp_path, runner={"site_vars": site, "secret_vars": ["fleetheal_slurm_env"]})
+    runner = AnsibleRunner(cfg.runner)
+    assert set(secret_site_vars(cfg.runner)) == {
+        "fleetheal_standby_refill_token",
+        "fleetheal_bmc_password",
+        "fleetheal_slurm_env",
+        "fleetheal_bmc_secret",
+    }
+    assert runner.plain_vars == {"fleetheal_grace_seconds": 3, "fleetheal_kubeconfig": "/etc/k"}
+    assert {"t0k3n-value", "pw-value", "jwt-value"} <= set(runner.secrets)
+    assert "short" not in runner.secrets  # never written to a run directory, but too short to mask
+    with pytest.raises(ConfigError, match="secret_vars"):
+        make_config(tmp_path, runner={"secret_vars": ["AWS_KEY"]})
+
+
+def test_secret_files_of_a_dead_remediator_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"fleetheal-secret-vars-{dead.pid}-abc.json"
+    mine = tmp_path / f"fleetheal-secret-vars-{os.getpid()}-abc.json"
+    other = tmp_path / "unrelated.json"
+    for path in (stale, mine, other):
+        path.write_text("{}")
+    assert remove_stale_secret_files(str(tmp_path)) == 1
+    assert not stale.exists() and mine.exists() and other.exists()
+
+
+DAY = 86400.0
+
+
+def make_run(root: Path, ref: str, name: str, age_days: float) -> Path:
+    path = root / ref / name
+    (path / "artifacts" / "run").mkdir(parents=True)
+    (path / "artifacts" / "run" / "stdout").write_text("x" * 100)
+    when = time.time() - age_days * DAY
+    os.utime(path, (when, when))
+    return path
+
+
+def test_prune_removes_only_the_old_run_directories_of_finished_incidents(tmp_path):
+    """Issue 15: run directories were never pruned. Old ones of finished incidents go; those of unfinished
+    incidents (the engine resumes from them), recent ones, and anything not named like a run stay."""
+    from fleetheal.remediator.alerts import validate_alert
+    from fleetheal.remediator.engine import Engine
+    from fleetheal.remediator.store import Store
+    from tests.remediator.conftest import RecordingRunner, alert
+
+    cfg = make_config(tmp_path, runner={"keep_runs_days": 14})
+    store = Store(cfg.store.path)
+    created = store.ingest([validate_alert(alert(node=f"gpu-00{i}"), cfg, TAX) for i in range(1, 5)]).created
+    done, failed, acting, batched = created
+    store.set_state(done, "done")
+    store.set_state(failed, "failed")
+    store.set_state(acting, "acting")
+    store.set_state(batched, "acting")
+    root = Path(cfg.runner.run_dir)
+    old_done = make_run(root, f"inc-{done:06d}", "step4-attempt1", 30)
+    new_done = make_run(root, f"inc-{done:06d}", "step9-attempt2", 1)
+    old_failed = make_run(root, f"inc-{failed:06d}", "step5-attempt1", 20)
+    old_acting = make_run(root, f"inc-{acting:06d}", "step6-attempt1", 40)
+    # `batched` ran in a batch whose directory is its finished neighbour's: that one stays too
+    shared = make_run(root, f"inc-{failed:06d}", "step7-attempt1", 40)
+    step = store.start_step(batched, "playbook")
+    store.set_step_run_dir(step, str(shared))
+    stray = root / "inc-000999" / "notes"
+    stray.mkdir(parents=True)
+    os.utime(stray, (0, 0))
+    engine = Engine(cfg, store, RecordingRunner(), TAX)
+    removed = asyncio.run(engine.prune_runs())
+    assert sorted(removed) == sorted([str(old_done), str(old_failed)])
+    assert not old_done.exists() and not old_failed.exists()
+    assert new_done.exists() and old_acting.exists() and shared.exists() and stray.exists()
+    store.set_state(batched, "done")
+    assert asyncio.run(engine.prune_runs()) == [str(shared)]
+    assert not (root / f"inc-{failed:06d}").exists()  # emptied incident directories go as well
+    assert (root / f"inc-{done:06d}").exists()
+
+
+def test_prune_keeps_at_most_keep_runs_and_never_a_young_one(tmp_path):
+    root = tmp_path / "runs"
+    ages = [0.001, 0.01, 2, 3, 4]  # days; the first two are younger than PRUNE_MIN_AGE_S
+    runs = [make_run(root, f"inc-{i:06d}", "step1-attempt1", age) for i, age in enumerate(ages, 1)]
+    assert prune_run_dirs(str(root), 0, 0) == []  # no limit at all
+    removed = prune_run_dirs(str(root), 0, 1, busy={str(root / "inc-000004")})
+    assert sorted(removed) == [str(runs[2]), str(runs[4])]
+    assert [r.exists() for r in runs] == [True, True, False, True, False]
+    assert prune_run_dirs(str(root), 1, 0) == [str(runs[3])]  # by age, once inc-000004 is finished
