@@ -25,7 +25,7 @@ import sqlite3
 import ssl
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -124,6 +124,143 @@ class GroupCommit:
         self._executor.shutdown(wait=True)
 
 
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 25\r\n"
+    b"Connection: close\r\n\r\ntoo many connections; retry"
+)
+
+
+class ConnectionGuard:
+    """What slow or idle clients can hold: at most `limit` connections, each with a deadline for its
+    request head. aiohttp has neither (it accepts every connection and reads a head for as long as the
+    client takes; its keep-alive timer is an hour), so a thousand slow-loris connections used up the
+    process's open files (1024 under systemd) and nothing, not even /healthz, was accepted any more.
+
+    - A connection must deliver a complete request head within `header_timeout_s` of its start or of its
+      previous response, else it is closed (`header_timeout`). A request in progress has no such
+      deadline; the webhook bounds its own body (`webhook.body_timeout_s`).
+    - At the limit a new connection takes the place of the one that has waited longest for a request
+      head (`evicted`): that one holds no work, while a client that sends its request at once
+      (Alertmanager, a /healthz probe) is the newest waiting one and is busy a moment later. So /healthz
+      stays reachable while slow clients hammer the webhook. Only when every connection is busy with a
+      request is the new one answered 503 and closed (`limit`).
+
+    `wrap(factory)` gives the protocol factory for `loop.create_server`; the service's middleware tells
+    the guard when a request starts and ends (`serving`). Connections the guard does not know (the test
+    server of aiohttp) are left alone.
+    """
+
+    def __init__(self, limit: int, header_timeout_s: float, metrics: Metrics) -> None:
+        self.limit = limit
+        self.header_timeout_s = header_timeout_s
+        self.metrics = metrics
+        self._open: dict[asyncio.BaseTransport, _GuardedConnection] = {}
+        #: Connections waiting for a request head, the longest waiting first.
+        self._waiting: dict[_GuardedConnection, None] = {}
+        metrics.connections_open.set_function(lambda: len(self._open))
+
+    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: _GuardedConnection(self, factory())
+
+    def admit(self, conn: _GuardedConnection) -> bool:
+        if len(self._open) >= self.limit:
+            oldest = next(iter(self._waiting), None)
+            if oldest is None:
+                self.metrics.connection_closed("limit")
+                return False
+            self.drop(oldest, "evicted")
+        assert conn.transport is not None
+        self._open[conn.transport] = conn
+        self.waiting(conn)
+        return True
+
+    def waiting(self, conn: _GuardedConnection) -> None:
+        """`conn` waits for a request head from now on (it is the newest waiting connection)."""
+        self._waiting.pop(conn, None)
+        self._waiting[conn] = None
+        conn.set_deadline(asyncio.get_running_loop().call_later(self.header_timeout_s, self.expired, conn))
+
+    def expired(self, conn: _GuardedConnection) -> None:
+        if conn in self._waiting:
+            self.drop(conn, "header_timeout")
+
+    def drop(self, conn: _GuardedConnection, reason: str) -> None:
+        """Close `conn` now (abort: nothing it still has to send is worth waiting for) and count why."""
+        self.metrics.connection_closed(reason)
+        self.release(conn)
+        assert conn.transport is not None
+        conn.transport.abort()
+
+    def release(self, conn: _GuardedConnection) -> None:
+        conn.set_deadline(None)
+        self._waiting.pop(conn, None)
+        if conn.transport is not None:
+            self._open.pop(conn.transport, None)
+
+    @contextlib.contextmanager
+    def serving(self, transport: asyncio.BaseTransport | None) -> Iterator[None]:
+        """A request is in progress on `transport` (its head is in): no head deadline, never evicted."""
+        conn = self._open.get(transport) if transport is not None else None
+        if conn is None or transport is None:
+            yield
+            return
+        conn.busy += 1
+        conn.set_deadline(None)
+        self._waiting.pop(conn, None)
+        try:
+            yield
+        finally:
+            conn.busy -= 1
+            if conn.busy == 0 and self._open.get(transport) is conn:
+                self.waiting(conn)
+
+
+class _GuardedConnection(asyncio.Protocol):
+    """aiohttp's protocol for one connection, admitted and timed by a ConnectionGuard."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self.guard = guard
+        self.inner = inner
+        self.transport: asyncio.Transport | None = None
+        self.admitted = False
+        self.busy = 0
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def set_deadline(self, handle: asyncio.TimerHandle | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = handle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (TCP or TLS)
+        self.admitted = self.guard.admit(self)
+        if self.admitted:
+            self.inner.connection_made(transport)
+        else:
+            self.transport.write(_REFUSED)  # type: ignore[union-attr]
+            self.transport.close()  # type: ignore[union-attr]
+
+    def data_received(self, data: bytes) -> None:
+        if self.admitted:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.admitted else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.admitted:
+            self.guard.release(self)
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.admitted:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.admitted:
+            self.inner.resume_writing()
+
+
 def _error(status: int, reason: str, **extra: Any) -> web.Response:
     return web.json_response({"error": reason, **extra}, status=status)
 
@@ -161,6 +298,7 @@ class Service:
         )
         self.metrics.attach_gate(self.engine.gate)
         self.ingest = GroupCommit(self.store, self._committed)
+        self.connections = ConnectionGuard(cfg.listen.max_connections, cfg.listen.header_timeout_s, self.metrics)
 
     # --- the application -------------------------------------------------------------------------------
 
@@ -189,19 +327,20 @@ class Service:
         """Count webhook responses; an unexpected error is logged and never leaks details."""
         t0 = time.perf_counter()
         status = 500
-        try:
-            response = await handler(request)
-            status = response.status
-            return response
-        except web.HTTPException as exc:
-            status = exc.status
-            raise
-        except Exception:
-            log.exception("unhandled error", extra={"path": request.path})
-            return _error(500, "internal error")
-        finally:
-            if request.path == WEBHOOK_PATH:
-                self.metrics.webhook(status, time.perf_counter() - t0)
+        with self.connections.serving(request.transport):
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except Exception:
+                log.exception("unhandled error", extra={"path": request.path})
+                return _error(500, "internal error")
+            finally:
+                if request.path == WEBHOOK_PATH:
+                    self.metrics.webhook(status, time.perf_counter() - t0)
 
     def _authorized(self, request: web.Request) -> bool:
         header = request.headers.get("Authorization", "")
@@ -221,10 +360,20 @@ class Service:
         limit = self.cfg.webhook.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return _error(413, f"body larger than {limit} bytes")
+        timeout = self.cfg.webhook.body_timeout_s
         try:
-            body = await request.read()
+            async with asyncio.timeout(timeout):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"body larger than {limit} bytes")
+        except TimeoutError:
+            log.warning("webhook: body too slow", extra={"peer": request.remote, "timeout_s": timeout})
+            response = _error(408, f"body not received within {timeout:g} s")
+            response.force_close()
+            return response
+        except ConnectionError:  # the client went away before its body was complete; nobody reads an answer
+            log.info("webhook: connection lost while reading the body", extra={"peer": request.remote})
+            return _error(400, "connection lost while reading the body")
         try:
             payload = alerts.parse_payload(body, self.cfg, self.taxonomy)
         except alerts.PayloadError as exc:
@@ -347,6 +496,26 @@ def instance_lock(store_path: str) -> int:
     return fd
 
 
+async def listen(service: Service, runner: web.AppRunner) -> tuple[asyncio.Server, str]:
+    """Listen on `listen.host:port` with aiohttp's protocol behind the service's ConnectionGuard (instead
+    of aiohttp's TCPSite, which offers no hook for it); return the server and its URL (the real port when
+    listen.port is 0). `server.close()` before `runner.cleanup()` when done."""
+    cfg = service.cfg
+    assert runner.server is not None, "runner.setup() first"
+    ctx = ssl_context(cfg)
+    server = await asyncio.get_running_loop().create_server(
+        service.connections.wrap(runner.server),
+        cfg.listen.host,
+        cfg.listen.port,
+        ssl=ctx,
+        # A TLS handshake has the same deadline as a request head (asyncio's default is a minute).
+        ssl_handshake_timeout=cfg.listen.header_timeout_s if ctx is not None else None,
+        backlog=128,
+    )
+    port = server.sockets[0].getsockname()[1] if server.sockets else cfg.listen.port
+    return server, f"{'https' if ctx is not None else 'http'}://{cfg.listen.host}:{port}"
+
+
 async def run_service(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT; `ready` gets the URL once the socket listens. StartupError when it
     cannot start (nothing is left running then)."""
@@ -364,16 +533,11 @@ async def _serve(cfg: Config, ready: Callable[[str], None] | None) -> None:
         raise StartupError(f"cannot open the database {cfg.store.path}: {exc}") from None
     runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, ssl_context=ssl_context(cfg))
     try:
-        await site.start()
+        server, url = await listen(service, runner)
     except OSError as exc:
         await runner.cleanup()
         raise StartupError(f"cannot listen on {cfg.listen.host}:{cfg.listen.port}: {exc.strerror or exc}") from None
-    scheme = "https" if cfg.listen.tls_cert_file else "http"
-    addresses = runner.addresses  # the bound (host, port): the real port when listen.port is 0
-    port = addresses[0][1] if addresses else cfg.listen.port
-    url = f"{scheme}://{cfg.listen.host}:{port}"
     log.info(
         "remediator listening",
         extra={
@@ -395,4 +559,6 @@ async def _serve(cfg: Config, ready: Callable[[str], None] | None) -> None:
         await stop.wait()
     finally:
         log.info("remediator stopping")
+        server.close()
         await runner.cleanup()
+        await server.wait_closed()

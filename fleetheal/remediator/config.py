@@ -79,6 +79,12 @@ class ListenConfig:
     #: PEM certificate and key; both set -> HTTPS.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    #: Client connections at once. At the limit a new connection replaces the one that has waited longest
+    #: for a request head; when every connection is busy with a request, it is answered 503 and closed.
+    max_connections: int = 256
+    #: Seconds a connection has to deliver a complete request head (line and headers), counted from its
+    #: start or its previous response (also the TLS handshake's limit); then it is closed.
+    header_timeout_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +99,8 @@ class WebhookConfig:
     max_body_bytes: int = 1_048_576
     #: Most alerts in one payload; more -> 400.
     max_alerts: int = 1000
+    #: Seconds to receive a webhook body once its head is in; slower -> 408 and the connection is closed.
+    body_timeout_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -339,8 +347,14 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"listen.port: {cfg.listen.port} is not a TCP port")
     if (cfg.listen.tls_cert_file is None) != (cfg.listen.tls_key_file is None):
         raise ConfigError("listen.tls_cert_file and listen.tls_key_file: set both for TLS, or neither")
+    if cfg.listen.max_connections < 1:
+        raise ConfigError(f"listen.max_connections: {cfg.listen.max_connections} must be >= 1")
+    if not cfg.listen.header_timeout_s > 0:
+        raise ConfigError(f"listen.header_timeout_s: {cfg.listen.header_timeout_s} must be > 0")
     if cfg.webhook.max_body_bytes < 1024 or cfg.webhook.max_alerts < 1:
         raise ConfigError("webhook: max_body_bytes must be >= 1024 and max_alerts >= 1")
+    if not cfg.webhook.body_timeout_s > 0:
+        raise ConfigError(f"webhook.body_timeout_s: {cfg.webhook.body_timeout_s} must be > 0")
     if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
         raise ConfigError(f"store.synchronous: {cfg.store.synchronous!r} is not one of FULL, NORMAL, EXTRA")
     r = cfg.runner

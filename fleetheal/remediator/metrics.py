@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NS = "fleetheal_remediator"
 
+#: Why the service closed a client connection itself (app.ConnectionGuard).
+CONNECTION_CLOSE_REASONS = ("limit", "evicted", "header_timeout")
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _STEP_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _RECOVERY_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
@@ -162,6 +165,18 @@ class Metrics:
         )
         for dependency in ("slurm", "kubernetes"):
             self.incidents_waiting.labels(dependency)
+        self.connections_open = Gauge(
+            f"{NS}_connections_open", "Client connections open now (at most listen.max_connections).", registry=r
+        )
+        self.connections_closed = Counter(
+            f"{NS}_connections_closed_total",
+            "Client connections the service closed to protect itself: limit (every connection busy, 503), "
+            "evicted (waited longest for a request head when a new one came), header_timeout.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CONNECTION_CLOSE_REASONS:
+            self.connections_closed.labels(reason)
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
 
     def attach_gate(self, gate: Gate) -> None:
@@ -175,6 +190,9 @@ class Metrics:
     def webhook(self, code: int, seconds: float) -> None:
         self.webhook_requests.labels(str(code)).inc()
         self.webhook_seconds.observe(seconds)
+
+    def connection_closed(self, reason: str) -> None:
+        self.connections_closed.labels(reason).inc()
 
     def alerts(self, result: str, n: int = 1) -> None:
         if n:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import socket
 import ssl
 import subprocess
@@ -221,11 +222,27 @@ def write_config(tmp_path: Path, port: int, **extra) -> Path:
     return path
 
 
-def start_server(tmp_path: Path, config: Path, port: int, scheme: str = "http", timeout: float = 10.0):
+def start_server(
+    tmp_path: Path, config: Path, port: int, scheme: str = "http", timeout: float = 10.0, *, nofile: int | None = None
+):
+    """`nofile`: the service's soft limit of open files (RLIMIT_NOFILE), e.g. systemd's default 1024."""
     log = open(tmp_path / "serve.log", "ab")
     env = {**os.environ, "FLEETHEAL_REMEDIATOR_TOKEN": TOKEN}
     t0 = time.monotonic()
-    proc = subprocess.Popen(_serve_cmd(config), stdout=log, stderr=log, env=env, start_new_session=True, cwd=REPO)
+
+    def limit_files():
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    proc = subprocess.Popen(
+        _serve_cmd(config),
+        stdout=log,
+        stderr=log,
+        env=env,
+        start_new_session=True,
+        cwd=REPO,
+        preexec_fn=limit_files if nofile is not None else None,
+    )
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE

@@ -84,6 +84,11 @@ def test_a_bad_environment_value_names_the_variable(tmp_path):
         ({"runner": {"site_vars": {"grace": 3}}}, "'grace' is not a site setting"),
         ({"runner": {"site_vars": {"fleetheal_x": {1, 2}}}}, r"runner.site_vars.fleetheal_x: only strings"),
         ({"bogus": {}}, "unknown section 'bogus'"),
+        ({"listen": {"max_connections": 0}}, r"listen.max_connections: 0 must be >= 1"),
+        ({"listen": {"header_timeout_s": 0}}, r"listen.header_timeout_s: 0.0 must be > 0"),
+        ({"listen": {"header_timeout_s": "nan"}}, r"listen.header_timeout_s: nan must be > 0"),
+        ({"webhook": {"body_timeout_s": -1}}, r"webhook.body_timeout_s: -1.0 must be > 0"),
+        ({"webhook": {"body_timeout_s": "soon"}}, r"webhook.body_timeout_s: expected a number"),
     ],
 )
 def test_invalid_configs_name_the_key(tmp_path, sections, message):
