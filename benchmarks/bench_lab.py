@@ -68,7 +68,7 @@ from fleetheal.agent.simulated import clear
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, owns_reason
 from fleetheal.ettr import measure
 from fleetheal.lab.demo import _expand
-from fleetheal.lab.lab import LAB_SITE_VARS, PLACEHOLDER_IMAGE, STANDBY_REASON, Lab, _http
+from fleetheal.lab.lab import LAB_SITE_VARS, PLACEHOLDER_IMAGE, STANDBY_REASON, Lab
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.lab.train import read_events
 
@@ -317,9 +317,8 @@ class Bench:
             "metadata": {"labels": {LABEL_POOL: "standby"}},
             "spec": {"unschedulable": False, "taints": [{"key": TAINT_STANDBY, "effect": "NoSchedule"}]},
         }
-        with contextlib.suppress(Exception):
-            _http("PATCH", f"{self.lab.kube_url}/api/v1/nodes/{node}", patch, self.lab.kube_token,
-                  "application/merge-patch+json")  # fmt: skip
+        with contextlib.suppress(Exception):  # as the admin: the agents' tokens may not touch the pool
+            self.lab.kube_request("PATCH", f"/api/v1/nodes/{node}", patch, "application/merge-patch+json")
         self.replace_pods(node)
 
     def replace_pods(self, node: str) -> None:

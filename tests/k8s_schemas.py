@@ -148,9 +148,12 @@ class SchemaSet:
                     ]
             return out
         filename = self.k8s_file(api_version, kind)
-        if not (K8S_DIR / filename).exists():
-            return [f"no schema for {api_version} {kind} (looked for {filename} and the CRDs)"]
-        return [
-            f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in self._k8s_validator(filename).iter_errors(obj)
-        ]
+        if (K8S_DIR / filename).exists():
+            validator = self._k8s_validator(filename)
+        else:  # a kind with no file of its own (ValidatingAdmissionPolicy): its strict definition
+            group, _, version = api_version.rpartition("/")
+            definition = f"io.k8s.api.{group.split('.')[0] or 'core'}.{version}.{kind}"
+            if definition not in self.registry.contents(DEFS_URL).get("$defs", {}):
+                return [f"no schema for {api_version} {kind} (looked for {filename}, {definition} and the CRDs)"]
+            validator = self.definition_validator(definition)
+        return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]

@@ -138,7 +138,8 @@ class SlurmConfig:
 class KubernetesConfig:
     enabled: bool = False
     api_url: str = "https://kubernetes.default.svc"
-    #: A node-scoped credential: it may patch only this node's Node object.
+    #: A node-scoped credential: a token bound to this node (the pod's projected token), which the admission
+    #: policy `fleetheal-agent-own-node` (fleetheal/infra/agent.py) lets patch only this node's Node object.
     token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"  # noqa: S105 - a path, not a secret
     ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
     timeout_s: float = 10.0

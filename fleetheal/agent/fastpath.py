@@ -7,7 +7,9 @@ remediator's REJOIN, after revalidation.
 
 `KubeNodeTainter` taints (`fleetheal.io/unhealthy=<fault>:NoSchedule`) and labels
 (`fleetheal.io/fault=<fault>`) this node's own Node object through the API server, with a node-scoped
-credential (a bearer token that may patch this one Node and nothing more). Standard library only.
+credential: a service-account token bound to this node (or to the agent's pod on it), which the
+ValidatingAdmissionPolicy `fleetheal-agent-own-node` (`fleetheal.infra.agent.own_node_policy`) lets
+it add its taint and label to this one Node and change nothing else. Standard library only.
 
 The drain obeys a fleet-wide budget: when the fleet already has as many fleetheal-owned fault drains
 as the budget allows (`fastpath.fleet_budget`, the remediator gate's default), the agent does not drain
@@ -42,6 +44,7 @@ from fleetheal.scontrol import NodeInfo, parse_node_line
 
 if TYPE_CHECKING:
     import ssl
+    import urllib.error
 
 DONE, ALREADY, KEPT_FOREIGN, WOULD, FAILED = "done", "already", "kept_foreign", "would", "failed"
 OVER_BUDGET = "over_budget"
@@ -283,6 +286,16 @@ def drain_time(node: NodeInfo) -> str:
     return m.group(1) if m else ""
 
 
+def _status_message(exc: urllib.error.HTTPError) -> str:
+    """': <message>' of the API server's Status body (why a request was refused, e.g. by an admission
+    policy), at most 300 characters; '' when the body has none."""
+    try:
+        msg = json.loads(exc.read(64 * 1024)).get("message")
+    except (OSError, ValueError, AttributeError):  # no body, not JSON, not an object
+        return ""
+    return f": {str(msg)[:300]}" if msg else ""
+
+
 class KubeNodeTainter:
     """Taint and label this node's own Node object (JSON merge patch guarded by resourceVersion)."""
 
@@ -353,7 +366,7 @@ class KubeNodeTainter:
             except urllib.error.HTTPError as exc:
                 if exc.code == 409:  # someone changed the Node between our GET and PATCH: read again
                     continue
-                raise FastPathError(f"kubernetes: {exc.code} {exc.reason}") from exc
+                raise FastPathError(f"kubernetes: {exc.code} {exc.reason}{_status_message(exc)}") from exc
             except (OSError, ValueError, KeyError) as exc:
                 raise FastPathError(f"kubernetes: {exc}") from exc
         raise FastPathError("kubernetes: the Node kept changing (3 conflicts)")

@@ -468,13 +468,24 @@ class KubeControlPlane:
             self._admin_ssl.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
         return self._admin_ssl
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        """One admin request to the API server; the decoded JSON answer. Raises KubeApiError on a 4xx/5xx."""
-        ctx = self._admin_context()
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        *,
+        token: str | None = None,
+    ) -> Any:
+        """One request to the API server, as admin or with a bearer `token`; the decoded JSON answer.
+        Raises KubeApiError on a 4xx/5xx."""
+        ctx = self._admin_context() if token is None else ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)  # noqa: S310 - our https URL
         req.add_header("Content-Type", content_type)
         req.add_header("Accept", "application/json")
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {token}")
         try:
             with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:  # noqa: S310
                 return json.load(resp)
@@ -557,15 +568,23 @@ class KubeControlPlane:
         status = {"phase": "Running", "conditions": conditions, "startTime": now}
         self.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": status}, _MERGE)
 
-    def service_account_token(self, namespace: str, name: str, seconds: int = 3600) -> str:
-        """A bound token of ServiceAccount namespace/name (TokenRequest API), creating the account if missing."""
+    def service_account_token(self, namespace: str, name: str, seconds: int = 3600, *, node: str | None = None) -> str:
+        """A bound token of ServiceAccount namespace/name (TokenRequest API), creating the account if missing.
+
+        With `node`, the token is bound to that Node object: the API server names the node in the caller's
+        user info (extra `authentication.kubernetes.io/node-name`) and refuses the token once the Node is gone.
+        """
         base = f"/api/v1/namespaces/{namespace}/serviceaccounts"
         try:
             self.request("POST", base, {"metadata": {"name": name}})
         except KubeApiError as e:
             if e.status != 409:
                 raise
-        req = self.request("POST", f"{base}/{name}/token", {"spec": {"expirationSeconds": seconds}})
+        spec: dict[str, Any] = {"expirationSeconds": seconds}
+        if node is not None:
+            uid = self.request("GET", f"/api/v1/nodes/{node}")["metadata"]["uid"]
+            spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid}
+        req = self.request("POST", f"{base}/{name}/token", {"spec": spec})
         return str(req["status"]["token"])
 
 

@@ -9,7 +9,9 @@
   by `make tools`; without them, the in-process test double `FakeKubeApiServer`, and the lab says so)
   with a Node per Slurm node, labelled `fleetheal.io/pool=active|standby` (standby nodes also carry the
   standby taint), a Slinky-like slurmd pod per node (owned by a StatefulSet) under a PodDisruptionBudget
-  and an agent pod per node (owned by a DaemonSet); an admin kubeconfig and the agents' bearer token;
+  and an agent pod per node (owned by a DaemonSet); an admin kubeconfig; each agent's bearer token is
+  bound to its own Node, and the stack's admission policy (`fleetheal.infra.agent.own_node_policy`)
+  keeps it to that Node (the test double checks only that a token is present);
 - one agent per node (`fleetheal agent run`) on the simulated GPU backend, with its own metrics port,
   training socket and fault-injection file, draining its own Slurm node and tainting its own Node;
 - real Prometheus and Alertmanager (`fleetheal.lab.monitoring.Monitoring`) with the generated alert
@@ -58,6 +60,9 @@ CLUSTER = "lab"
 STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
 #: The lab's pods never run a container (there is no kubelet); the image is never pulled.
 PLACEHOLDER_IMAGE = "fleetheal-lab/placeholder:0"
+#: Namespace of the agents' ServiceAccount `fleetheal-agent` on the real API server.
+AGENT_NAMESPACE = "kube-system"
+_MERGE = "application/merge-patch+json"
 #: Site settings the lab gives every remediation run through the remediator's `runner.site_vars`
 #: (lab-speed timers); its kubeconfig and report dir are added where the lab knows them.
 LAB_SITE_VARS = {
@@ -160,6 +165,42 @@ class NodeStatus:
     health: str
 
 
+def install_agent_access(cp: KubeControlPlane, nodes: list[str], seconds: int = 7 * 24 * 3600) -> dict[str, str]:
+    """On the real API server, what the stack gives the agents: their ServiceAccount (`AGENT_NAMESPACE`)
+    with the stack's ClusterRole and own-node admission policy (`fleetheal.infra.agent`), and for each
+    of `nodes` a token bound to that Node. Returns {node: token} once the API server enforces the policy."""
+    from fleetheal.infra.agent import AGENT_RBAC_RULES, NAME, OWN_NODE_POLICY, own_node_policy
+
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    cp.request("POST", f"{rbac}/clusterroles", {"metadata": {"name": NAME}, "rules": AGENT_RBAC_RULES})
+    binding = {
+        "metadata": {"name": NAME},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
+        "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": AGENT_NAMESPACE}],
+    }
+    cp.request("POST", f"{rbac}/clusterrolebindings", binding)
+    policy, policy_binding = own_node_policy(AGENT_NAMESPACE)
+    admission = "/apis/admissionregistration.k8s.io/v1"
+    cp.request("POST", f"{admission}/validatingadmissionpolicies", policy)
+    cp.request("POST", f"{admission}/validatingadmissionpolicybindings", policy_binding)
+    tokens = {n: cp.service_account_token(AGENT_NAMESPACE, NAME, seconds, node=n) for n in nodes}
+
+    # The API server applies a new policy a moment later: wait until a token bound to no node is refused.
+    unbound = cp.service_account_token(AGENT_NAMESPACE, NAME, 600)
+
+    def enforced() -> bool:
+        try:  # a dry run changes nothing, even before the policy holds
+            cp.request("PATCH", f"/api/v1/nodes/{nodes[0]}?dryRun=All", {}, _MERGE, token=unbound)
+        except KubeApiError as e:
+            if e.status == 403 and OWN_NODE_POLICY in e.body:
+                return True
+            raise
+        return False
+
+    _wait(f"admission policy {OWN_NODE_POLICY}", enforced, 30, cp.log("kube-apiserver"))
+    return tokens
+
+
 class Lab:
     """One lab under `lab_dir`. `up()` / `down()` / `status()` / `inject()` / `submit_training()`."""
 
@@ -198,7 +239,14 @@ class Lab:
 
     @property
     def kube_token(self) -> str:
+        """The test double's bearer token (with the real API server, `kube_request` uses the admin certificate)."""
         return (self.dir / "kube" / "token").read_text().strip()
+
+    def agent_token_file(self, node: str) -> Path:
+        """The bearer token of `node`'s agent: on the real API server, a token bound to that Node."""
+        if self.meta["kube"].get("real"):
+            return self.dir / "kube" / "agent-tokens" / node
+        return self.dir / "kube" / "token"
 
     def slurm(self) -> SlurmCluster:
         return SlurmCluster.attach(self.dir / "slurm")
@@ -347,26 +395,19 @@ class Lab:
 
     def _up_control_plane(self, kdir: Path) -> str:
         """etcd + kube-apiserver + kube-controller-manager (`make tools`); the agents authenticate with
-        a bound token of their own ServiceAccount, whose ClusterRole is the one the stack deploys."""
-        from fleetheal.infra.agent import AGENT_RBAC_RULES
-
+        tokens of their own ServiceAccount, whose ClusterRole is the one the stack deploys, each token
+        bound to its agent's Node; the stack's admission policy keeps each agent to that Node."""
         cp = KubeControlPlane(kdir).start()
         self.meta["kube"] = {"url": cp.url, "real": True, "ca_file": str(cp.pki / "ca.crt")}
         self._save()
         for name, labels, taints in self._node_specs():
             cp.add_nodes([name], labels=labels, taints=taints, gpus=int(self.meta["gpus"]))
-        role = {"metadata": {"name": "fleetheal-agent"}, "rules": AGENT_RBAC_RULES}
-        cp.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles", role)
-        binding = {
-            "metadata": {"name": "fleetheal-agent"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "fleetheal-agent"},
-            "subjects": [{"kind": "ServiceAccount", "name": "fleetheal-agent", "namespace": "kube-system"}],
-        }
-        cp.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding)
-        token = cp.service_account_token("kube-system", "fleetheal-agent", seconds=7 * 24 * 3600)
-        fd = os.open(kdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
+        for name, token in install_agent_access(cp, self.nodes).items():
+            path = self.agent_token_file(name)
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token)
         return f"kube-apiserver {cp.request('GET', '/version')['gitVersion']} + etcd at {cp.url}"
 
     def _up_kube_double(self, kdir: Path) -> str:
@@ -467,7 +508,7 @@ class Lab:
                     "kubernetes": {
                         "enabled": True,
                         "api_url": self.kube_url,
-                        "token_file": str(self.dir / "kube" / "token"),
+                        "token_file": str(self.agent_token_file(name)),
                         "ca_file": self.meta["kube"]["ca_file"],
                     },
                 },

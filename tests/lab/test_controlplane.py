@@ -164,6 +164,84 @@ def test_a_service_account_token_authenticates(kube: KubeControlPlane) -> None:
     assert _get(kube, "/api/v1/nodes", token=token + "x") == 401
 
 
+def test_an_agent_token_taints_its_own_node_and_no_other(kube: KubeControlPlane, tmp_path: Path) -> None:
+    """The agent's token is node-scoped on the real API server: RBAC lets it patch every Node, the
+    stack's admission policy (installed by the lab) only the Node bound into its token."""
+    from fleetheal.agent.fastpath import DONE, FastPathError, KubeNodeTainter
+    from fleetheal.contracts import LABEL_FAULT, LABEL_POOL, TAINT_STANDBY, TAINT_UNHEALTHY
+    from fleetheal.infra.agent import NAME, OWN_NODE_POLICY
+    from fleetheal.lab.lab import AGENT_NAMESPACE, install_agent_access
+
+    standby = {"key": TAINT_STANDBY, "effect": "NoSchedule"}
+    kube.add_nodes(["ag-a", "ag-b"], labels={LABEL_POOL: "standby"}, taints=[standby])
+    tokens = install_agent_access(kube, ["ag-a", "ag-b"])
+    token_a = tmp_path / "token-a"
+    token_a.write_text(tokens["ag-a"])
+    ca = str(kube.pki / "ca.crt")
+
+    # Agent A taints and labels node A ...
+    assert KubeNodeTainter("ag-a", kube.url, str(token_a), ca_file=ca).taint("xid-79")[0] == DONE
+    node_a = kube.request("GET", "/api/v1/nodes/ag-a")
+    assert node_a["spec"]["taints"] == [standby, {"key": TAINT_UNHEALTHY, "value": "xid-79", "effect": "NoSchedule"}]
+    assert node_a["metadata"]["labels"][LABEL_FAULT] == "xid-79"
+    # ... but not node B, which RBAC alone would allow: the admission policy refuses, and says why.
+    with pytest.raises(FastPathError) as err:
+        KubeNodeTainter("ag-b", kube.url, str(token_a), ca_file=ca).taint("xid-79")
+    assert str(err.value).startswith("kubernetes: 403 Forbidden: ")
+    assert f"ValidatingAdmissionPolicy '{OWN_NODE_POLICY}'" in str(err.value)
+    assert "the fleetheal agent of node ag-a may change only its own Node, not ag-b" in str(err.value)
+    node_b = kube.request("GET", "/api/v1/nodes/ag-b")
+    assert node_b["spec"]["taints"] == [standby] and LABEL_FAULT not in node_b["metadata"]["labels"]
+
+    # On its own Node, agent A only adds its taint and label: it cannot lift the standby (or an isolation)
+    # taint, change its pool or uncordon itself.
+    merge = "application/merge-patch+json"
+    for patch, refusal in (
+        ({"spec": {"taints": None}}, "removes or changes none"),
+        ({"metadata": {"labels": {LABEL_POOL: "active"}}}, "changes no other label"),
+        ({"spec": {"unschedulable": True}}, "changes no other label, annotation or cordon"),
+    ):
+        with pytest.raises(KubeApiError) as api_err:
+            kube.request("PATCH", "/api/v1/nodes/ag-a", patch, merge, token=tokens["ag-a"])
+        assert api_err.value.status == 403 and refusal in api_err.value.body, patch
+
+    # A token of the same ServiceAccount bound to no node may change no Node at all.
+    unbound = kube.service_account_token(AGENT_NAMESPACE, NAME)
+    for node in ("ag-a", "ag-b"):
+        with pytest.raises(KubeApiError) as api_err:
+            kube.request(
+                "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {LABEL_FAULT: "x"}}}, merge, token=unbound
+            )
+        assert api_err.value.status == 403
+        assert "the fleetheal agent token is bound to no node: it may change no Node" in api_err.value.body
+    assert kube.request("GET", "/api/v1/nodes/ag-b")["metadata"]["labels"].get(LABEL_FAULT) is None
+
+    # In a cluster the agent's token is the kubelet's projected one, bound to the agent's pod: the API server
+    # records the pod's node in it, so the same policy holds the DaemonSet's pod on node B to node B.
+    pod = {
+        "metadata": {"name": "agent-on-b"},
+        "spec": {
+            "nodeName": "ag-b",
+            "serviceAccountName": NAME,
+            "containers": [{"name": "agent", "image": "registry.invalid/agent:1"}],
+        },
+    }
+    pods = f"/api/v1/namespaces/{AGENT_NAMESPACE}/pods"
+    assert _wait(functools.partial(_create_ok, kube, pods, pod))
+    uid = kube.request("GET", f"{pods}/agent-on-b")["metadata"]["uid"]
+    bound = {"spec": {"boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "agent-on-b", "uid": uid}}}
+    path = f"/api/v1/namespaces/{AGENT_NAMESPACE}/serviceaccounts/{NAME}/token"
+    pod_token = kube.request("POST", path, bound)["status"]["token"]
+    (tmp_path / "token-pod-b").write_text(pod_token)
+    assert KubeNodeTainter("ag-b", kube.url, str(tmp_path / "token-pod-b"), ca_file=ca).taint("xid-48")[0] == DONE
+    with pytest.raises(KubeApiError) as api_err:  # (node A is tainted already: the tainter would not patch it)
+        kube.request(
+            "PATCH", "/api/v1/nodes/ag-a", {"metadata": {"labels": {LABEL_FAULT: "x"}}}, merge, token=pod_token
+        )
+    assert api_err.value.status == 403
+    assert "the fleetheal agent of node ag-b may change only its own Node, not ag-a" in api_err.value.body
+
+
 def test_stop_leaves_no_daemon_behind(tmp_path: Path) -> None:
     if not tools_built():
         pytest.fail("etcd/kube-apiserver/kube-controller-manager are not built: run `make tools`")

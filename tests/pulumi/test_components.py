@@ -210,6 +210,29 @@ def test_agent_privileges_are_only_kmsg_and_gpus(run_mocked: Runner) -> None:
     assert set(c["resources"]) == {"requests", "limits"}
 
 
+def test_agent_may_patch_nodes_only_under_its_own_node_policy(run_mocked: Runner) -> None:
+    from fleetheal.infra.agent import AGENT_RBAC_RULES, own_node_policy
+
+    cls, args = COMPONENTS["HealthAgent"]
+    records = run_mocked(lambda: cls("x", args))
+    (cr,) = by_kind(records, "ClusterRole")
+    assert cr["rules"] == AGENT_RBAC_RULES  # every Node: RBAC cannot name "its own"
+    # ... so the stack declares the admission policy the lab installs, for the agent's own ServiceAccount.
+    policy, binding = own_node_policy(args["namespace"])
+    (vap,) = by_kind(records, "ValidatingAdmissionPolicy")
+    (vapb,) = by_kind(records, "ValidatingAdmissionPolicyBinding")
+    assert vap["spec"] == policy["spec"] and vapb["spec"] == binding["spec"]
+    assert vapb["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
+    (match,) = vap["spec"]["matchConditions"]
+    assert (
+        match["expression"]
+        == f"request.userInfo.username == 'system:serviceaccount:{args['namespace']}:fleetheal-agent'"
+    )
+    # the pod's projected token, bound to the pod and so to its node, is what the policy reads
+    (ds,) = by_kind(records, "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+
+
 def test_remediator_rbac_is_least_privilege(run_mocked: Runner) -> None:
     cls, args = COMPONENTS["Remediator"]
     records = run_mocked(lambda: cls("x", args))

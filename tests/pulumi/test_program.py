@@ -44,6 +44,8 @@ def test_example_stack_objects_all_validate(
         "Deployment",
         "Service",
         "ClusterRole",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
         "Role",
         "ResourceFlavor",
         "ClusterQueue",
@@ -52,7 +54,7 @@ def test_example_stack_objects_all_validate(
     ):
         assert kinds[kind] >= 1, kind
     assert kinds["NodeSet"] == 2 and kinds["CustomResourceDefinition"] == 6
-    assert checked == sum(kinds.values()) == 73
+    assert checked == sum(kinds.values()) == 75
 
 
 def test_object_names_are_unique_per_kind_and_namespace(run_mocked: Runner, dev_config: config.StackConfig) -> None:
