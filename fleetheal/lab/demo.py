@@ -497,10 +497,8 @@ def run_demo(lab_dir: str | None = None, keep: bool = False) -> int:
     # orphaned lab would hold the next `make demo` back.
     before = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
     out(f"fleetheal lab demo: bringing the lab up in {lab.dir}")
-    ours = False  # whether the lab is this demo's to take down (never another demo's running lab)
     try:
         lab.up()  # a failed `up` stops what it started itself
-        ours = True
         out(f"  ready in {time.monotonic() - t0:.1f}s")
         print_status(lab, out)
         outcomes, w = run_scenarios(lab, out)
@@ -516,7 +514,9 @@ def run_demo(lab_dir: str | None = None, keep: bool = False) -> int:
         out(f"fleetheal lab demo: {exc or 'interrupted'}; logs in {lab.dir / 'logs'}")
         code = 1
     finally:
-        if ours and not keep:
+        # Only a lab this demo brought up is taken down (never another demo's running lab), also when a
+        # signal arrives between the end of `up` and its return.
+        if lab.started and not keep:
             out("\n== taking the lab down")
             lab.down()
         for signum, handler in before.items():

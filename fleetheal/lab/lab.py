@@ -209,6 +209,8 @@ class Lab:
         self.meta_path = self.dir / "lab.json"
         self.log = log or (lambda text: print(text, flush=True))
         self.meta: dict[str, Any] = {}
+        #: True once this object's `up` has brought a lab up (so it is this process's to take down).
+        self.started = False
         if self.meta_path.exists():
             self.meta = json.loads(self.meta_path.read_text())
 
@@ -323,6 +325,7 @@ class Lab:
             self.log("lab up failed; stopping what was started")
             self.down(quiet=True)
             raise
+        self.started = True
         self.meta["ready"] = time.time()
         self._save()
 

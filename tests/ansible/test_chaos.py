@@ -61,6 +61,16 @@ def _config(tmp_path: Path, cluster: SlurmCluster, **site_vars: object):
     )
 
 
+def _run(coro) -> None:
+    """Run the scenario on a loop of its own. Not asyncio.run: it leaves the main thread without a current
+    event loop, and later tests that ask for one (Pulumi's mocks) fail."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
 def _metric(text: str, line_start: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(line_start):
@@ -104,7 +114,7 @@ def test_slurmctld_stopped_for_a_minute_during_an_isolation(cluster: SlurmCluste
         assert "waiting" in events, "\n".join(f"{e.ts:.1f} {e.kind} {e.detail[:150]}" for e in service_events)
         assert attempts[-1] == "successful" and attempts.count("successful") == 1, attempts
 
-    asyncio.run(main())
+    _run(main())
     assert waiting_seen, "the metrics never said the incident waited for Slurm"
     # Done once: the node drained for this incident, the job requeued exactly once.
     assert "incident=inc-000001" in node_json(cluster, node)["reason"].split()
@@ -160,7 +170,7 @@ def test_the_api_server_stopped_for_a_minute_during_an_isolation(cluster: SlurmC
         assert attempts.count("successful") == 1, attempts
         assert "waiting" in [e.kind for e in events], timeline
 
-    asyncio.run(main())
+    _run(main())
     assert waiting_seen, "the metrics never said the incident waited for the API server"
     n1 = client.CoreV1Api(kube.client()).read_node(node)
     assert n1.spec.unschedulable
