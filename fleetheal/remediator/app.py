@@ -283,9 +283,10 @@ class Service:
         responder = None
         dependencies = None
         if self.ansible:  # the real playbooks act through Slurm and Kubernetes: wait for them before a retry
-            dependencies = steps.Dependencies(steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars))
+            settings = steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars)
+            dependencies = steps.Dependencies(settings)
             if cfg.runner.first_response:
-                responder = FirstResponder.from_runner(cfg.runner.playbook_dir, cfg.runner.site_vars)
+                responder = FirstResponder(settings)
         self.engine = Engine(
             cfg,
             self.store,

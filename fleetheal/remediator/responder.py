@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -49,10 +49,6 @@ class FirstResponder:
         # The API server's calls wait in a pool of their own (one thread per kept connection), so that a
         # storm's cordons never hold back its grace signals and requeues.
         self._kube_pool = ThreadPoolExecutor(max_workers=steps.Kube.CONNECTIONS, thread_name_prefix="responder-k8s")
-
-    @classmethod
-    def from_runner(cls, playbook_dir: str, site_vars: Mapping[str, Any]) -> FirstResponder:
-        return cls(steps.Settings.load(playbook_dir, site_vars))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

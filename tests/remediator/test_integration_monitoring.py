@@ -43,7 +43,8 @@ def _wait(what, predicate, timeout):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def test_a_fault_reaches_the_remediator_through_prometheus_and_alertmanager(tmp_path):
+def _exporter():
+    """A prometheus-client exporter of the agent's fault gauge (the test's stand-in for the agent)."""
     registry = CollectorRegistry()
     gauge = Gauge(
         METRIC_FAULT_ACTIVE,
@@ -51,22 +52,32 @@ def test_a_fault_reaches_the_remediator_through_prometheus_and_alertmanager(tmp_
         ["node", "gpu", "fault_id", "class", "action", "severity"],
         registry=registry,
     )
-    exporter_port = free_port()
-    server, thread = start_http_server(exporter_port, addr="127.0.0.1", registry=registry)
-
     port = free_port()
-    config = write_config(tmp_path, port)
-    proc, _, log = start_server(tmp_path, config, port)
-    mon = Monitoring(
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    return gauge, port, server, thread
+
+
+def _monitoring(tmp_path, exporter_port, remediator_port):
+    """Real Prometheus (the generated rules) and Alertmanager (bearer auth to the remediator), not started."""
+    return Monitoring(
         tmp_path / "monitoring",
         scrape_targets=[f"127.0.0.1:{exporter_port}"],
         rules_files=[RULES],
-        webhook_url=f"http://127.0.0.1:{port}/webhook",
+        webhook_url=f"http://127.0.0.1:{remediator_port}/webhook",
         webhook_token=TOKEN,
         cluster="lab",
         scrape_interval="500ms",
         evaluation_interval="500ms",
     )
+
+
+def test_a_fault_reaches_the_remediator_through_prometheus_and_alertmanager(tmp_path):
+    gauge, exporter_port, server, thread = _exporter()
+
+    port = free_port()
+    config = write_config(tmp_path, port)
+    proc, _, log = start_server(tmp_path, config, port)
+    mon = _monitoring(tmp_path, exporter_port, port)
     try:
         mon.start()
         labels = {"node": "gpu-001", "gpu": "3", "fault_id": "xid-79", "class": "hardware",
@@ -140,27 +151,10 @@ def test_a_fault_reaches_the_remediator_through_prometheus_and_alertmanager(tmp_
 def test_prometheus_and_alertmanager_restarted_lose_no_alert_and_repeat_none(tmp_path):
     """Chaos: both are restarted (same data directories) between two faults, and the second fault is raised
     while they are down. The second alert still arrives and is remediated; the first is not remediated again."""
-    registry = CollectorRegistry()
-    gauge = Gauge(
-        METRIC_FAULT_ACTIVE,
-        "1 while a fault is active (test exporter standing in for the agent)",
-        ["node", "gpu", "fault_id", "class", "action", "severity"],
-        registry=registry,
-    )
-    exporter_port = free_port()
-    server, thread = start_http_server(exporter_port, addr="127.0.0.1", registry=registry)
+    gauge, exporter_port, server, thread = _exporter()
     port = free_port()
     proc, _, log = start_server(tmp_path, write_config(tmp_path, port), port)
-    mon = Monitoring(
-        tmp_path / "monitoring",
-        scrape_targets=[f"127.0.0.1:{exporter_port}"],
-        rules_files=[RULES],
-        webhook_url=f"http://127.0.0.1:{port}/webhook",
-        webhook_token=TOKEN,
-        cluster="lab",
-        scrape_interval="500ms",
-        evaluation_interval="500ms",
-    )
+    mon = _monitoring(tmp_path, exporter_port, port)
     fault = {"fault_id": "xid-79", "class": "hardware", "action": "ISOLATE_AND_RELOCATE", "severity": "critical"}
     store = Store(str(tmp_path / "remediator.sqlite"))
 
