@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from typing import Any
 
 #: Slurm drain reasons fleetheal owns start with this; it never undrains a node without it.
 DRAIN_REASON_PREFIX = "fleetheal:"
@@ -90,6 +92,71 @@ PLAYBOOK_VARS = (
     "fleetheal_paused",  # bool: the pause switch was on (the gate holds paused incidents, so false when run)
     "fleetheal_budget_remaining",  # int: isolations the budget allowed, this node's included (>= 1 when allowed)
 )
+
+#: What a playbook's inputs must look like (playbooks/tasks/validate.yml, through `playbook_input_problem`).
+_REQUIRED_INPUTS = (
+    "fleetheal_incident_id", "fleetheal_node", "fleetheal_fault_id", "fleetheal_action", "fleetheal_cluster",
+    "fleetheal_dry_run",
+)  # fmt: skip
+_INCIDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*")
+_JOB_ID = re.compile(r"([0-9]+(_[0-9]+)?)?")
+_GPU = re.compile(r"([0-9]+|node)?")
+_BOOLEANS = ("true", "false", "yes", "no", "1", "0")
+
+
+def playbook_input_problem(
+    values: Mapping[str, Any], taxonomy: Mapping[str, Any], followups: Mapping[str, Any], playbook_action: str
+) -> str:
+    """Why a remediation playbook must not run on these inputs (PLAYBOOK_VARS, as the remediator or a human
+    gave them), or "" when it may: the first problem found, in the order a human fixes them.
+    `taxonomy` is `playbooks/vars/taxonomy.yml`; `followups` the playbooks' `fleetheal_followup_actions`."""
+
+    def text(name: str) -> str:
+        value = values.get(name)
+        return "" if value is None else str(value)
+
+    for name in _REQUIRED_INPUTS:
+        if not text(name):
+            return f"{name} is required (the remediator passes it; a human running this runbook passes it with -e)"
+    names = ("incident_id", "node", "job_id", "gpu", "dry_run")
+    incident, node, job, gpu, dry = (text(f"fleetheal_{n}") for n in names)
+    if not (
+        _INCIDENT_ID.fullmatch(incident)
+        and _NODE_NAME.fullmatch(node)
+        and len(node) <= 253
+        and _JOB_ID.fullmatch(job)
+        and _GPU.fullmatch(gpu)
+        and dry.lower() in _BOOLEANS
+    ):
+        return (
+            f"Malformed input: incident {incident[:70]!r}, node {node[:70]!r}, job {job[:70]!r}, gpu {gpu[:70]!r}, "
+            f'dry run {dry[:70]!r} (node: an RFC 1123 name; job: a Slurm job id; gpu: an index or "node"; dry run: '
+            "a boolean)"
+        )
+    faults, actions = taxonomy["fleetheal_taxonomy_faults"], taxonomy["fleetheal_taxonomy_actions"]
+    fault_id, action = text("fleetheal_fault_id"), text("fleetheal_action")
+    if fault_id not in faults or action not in actions:
+        return (
+            f"Unknown fault {fault_id[:70]} or action {action[:70]}; known actions: {', '.join(actions)} "
+            "(policies/faults.yaml, `fleetheal generate`)"
+        )
+    if action != playbook_action:
+        return f"{actions[action]['playbook']} runs {action}, but this is the playbook for {playbook_action}"
+    fault = faults[fault_id]
+    if fault["action"] != action and fault["action"] not in (followups.get(action) or ()):
+        return (
+            f"The taxonomy maps {fault_id} ({fault['class']}) to {fault['action']}, not {action}: refusing to run "
+            f"{playbook_action}"
+        )
+    fault_class = text("fleetheal_fault_class")
+    if fault_class and fault_class != fault["class"]:
+        return (
+            f"fleetheal_fault_class {fault_class[:70]} disagrees with the taxonomy's class {fault['class']} for "
+            f"{fault_id}"
+        )
+    return ""
+
 
 #: Pool membership beyond active/standby: the GPU pool (Slinky NodeSet) and GPU type of a node.
 LABEL_GPU_POOL = K8S_PREFIX + "gpu-pool"

@@ -963,6 +963,15 @@ class Kube:
     #: the thread running it, for good).
     TIMEOUT_S = 10.0
 
+    @staticmethod
+    def preload() -> None:
+        """Import the parts of the client a Kube uses. `kubernetes.client` imports its APIs lazily, on first
+        use, and building CoreV1Api's validated methods costs about a second of CPU: a process that forks
+        workers (Ansible's controller) preloads, so that each worker does not pay it again."""
+        from kubernetes import client, config  # noqa: F401
+
+        _ = (client.Configuration, client.ApiClient, client.CoreV1Api, client.VersionApi, client.exceptions)
+
     def __init__(self, settings: Settings) -> None:
         from kubernetes import client, config
 

@@ -1,10 +1,12 @@
 """Per-phase recovery times of finished incidents (docs/metrics.md, `fleetheal_remediator_phase_seconds`).
 
 The playbooks record each step they complete as a task named `Report | record step <step>` (the
-`__step` of `playbooks/tasks/*.yml`); the remediator stores every task event of a run on the incident's
-timeline. When an incident finishes, the time from the alert's start (`startsAt`) to each recorded step
-is one observation, labelled with the step's phase and the fault class. Phases are a fixed set, so the
-label stays low-cardinality; a step the set does not name is not exported.
+`__step` of `playbooks/tasks/*.yml`) or `Report | record steps <step> <step> ...` (the rows a
+fleetheal.cluster module returned, `playbooks/tasks/record.yml`); the remediator stores every task event
+of a run on the incident's timeline. When an incident finishes, the time from the alert's start
+(`startsAt`) to each recorded step is one observation, labelled with the step's phase and the fault
+class. Phases are a fixed set, so the label stays low-cardinality; a step the set does not name is not
+exported.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ STEP_PHASES = {
     "slurm_resume": "rejoined",
 }
 PHASES = ("detected", "acting", *dict.fromkeys(STEP_PHASES.values()), "done")
-_RECORD = re.compile(r"^Report \| record step ([a-z0-9_]+) \(")
+_RECORD = re.compile(r"^Report \| record steps? ([a-z0-9_ ]+) \(")
 _BUCKETS = (0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300, 600, 1800, 3600)
 
 
@@ -49,9 +51,10 @@ def milestones(inc: Incident, events: Iterable[Event], done_at: float | None = N
                 out.setdefault(phase, max(0.0, ev.ts - t0))
         elif ev.kind in ("task_ok", "task_changed"):
             m = _RECORD.match(ev.detail)
-            phase = STEP_PHASES.get(m.group(1)) if m else None
-            if phase:
-                out.setdefault(phase, max(0.0, ev.ts - t0))
+            for name in m.group(1).split() if m else ():
+                phase = STEP_PHASES.get(name)
+                if phase:
+                    out.setdefault(phase, max(0.0, ev.ts - t0))
     if done_at is not None and inc.state == "done":
         out["done"] = max(0.0, done_at - t0)
     return out

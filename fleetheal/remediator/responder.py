@@ -101,21 +101,23 @@ class FirstResponder:
         # The cordon depends on nothing in Slurm: it starts at once, beside the drain (in a storm the API
         # server's queue and slurmctld's are different queues).
         tasks = [branch("k8s_cordon", self._cordon(inc, dry, record))]
+        # The nodes and the jobs are read at once, before the drain and the promotion change anything
+        # (the promotion picks from the same read). Any read taken since the alert arrived will do: a
+        # storm's incidents share the reads in flight. The drain waits for the node read only (the job read
+        # is the slower one: JSON, every job).
+        since = inc.received_at
+        jobs = asyncio.ensure_future(self._call(self.slurm.squeue, since))
         try:
-            # The nodes and the jobs are read at once, before the drain and the promotion change anything
-            # (the promotion picks from the same read). Any read taken since the alert arrived will do: a
-            # storm's incidents share the reads in flight.
-            since = inc.received_at
-            read, jobs_doc = await asyncio.gather(
-                self._call(self.slurm.sinfo_at, since), self._call(self.slurm.squeue, since)
-            )
+            read = await self._call(self.slurm.sinfo_at, since)
             record(await self._call(steps.drain_node, self.slurm, inc.node, reason, dry_run=dry, sinfo=read[1]))
-            tasks.append(branch("slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs_doc)))
+            tasks.append(branch("slurm_requeue", self._requeue(inc, job_id, dry, record, squeue=jobs)))
             if self.settings.promote_standby:
                 tasks.append(branch("standby_promote", self._promote(inc, dry, record, read)))
         finally:
-            # A failed drain still lets the cordon finish (and be recorded) before the error goes up.
+            # A failed drain still lets the cordon finish (and be recorded) before the error goes up; the job
+            # read is awaited either way (its error, if the requeue never took it, is the drain's news).
             await asyncio.gather(*tasks)
+            await asyncio.gather(jobs, return_exceptions=True)
 
     async def _guard(self, record: Callable[[steps.StepResult], None], step: str, work: Any) -> None:
         """One branch failing leaves the others running; the playbook retries what failed."""
@@ -148,6 +150,8 @@ class FirstResponder:
     ) -> None:
         """`steps.requeue_jobs`, with the grace period awaited instead of slept in a thread."""
         s = self.settings
+        if isinstance(squeue, asyncio.Future):
+            squeue = await squeue
         plan: steps.RequeuePlan = await self._call(
             steps.requeue_plan, self.slurm, inc.node, inc.ref, job_id=job_id, squeue=squeue
         )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,8 +46,9 @@ def test_playbook_vars_agree_with_contracts() -> None:
     assert generated["fleetheal_drain_reason_prefix"] == contracts.DRAIN_REASON_PREFIX
     assert generated["fleetheal_k8s_prefix"] == contracts.K8S_PREFIX
     checks = "".join((REPO / "playbooks" / "tasks" / f).read_text() for f in ("validate.yml", "guard.yml"))
+    checks += inspect.getsource(contracts.playbook_input_problem)
     for var in contracts.PLAYBOOK_VARS:
-        assert var in checks, f"validate.yml and guard.yml never check {var}"
+        assert var in checks or var.removeprefix("fleetheal_") in checks, f"nothing checks {var}"
     defaults = (REPO / "playbooks" / "vars" / "remediation.yml").read_text()
     assert 'fleetheal_standby_reason: "{{ fleetheal_drain_reason_prefix }}standby"' in defaults
     assert 'fleetheal_quarantine_reason: "{{ fleetheal_drain_reason_prefix }}quarantine"' in defaults
@@ -54,7 +58,8 @@ def test_reason_format_matches_contracts() -> None:
     validate = (REPO / "playbooks" / "tasks" / "validate.yml").read_text()
     # drain_reason() writes `fleetheal:<fault> incident=<id> gpu=<i>`; the playbook builds the same.
     assert contracts.drain_reason("xid-79", "inc-1", gpu="3") == "fleetheal:xid-79 incident=inc-1 gpu=3"
-    assert "{{ fleetheal_drain_reason_prefix }}{{ fleetheal_fault_id }} incident={{ fleetheal_incident_id" in validate
+    assert "{{ __prefix }}{{ fleetheal_fault_id }} incident={{ fleetheal_incident_id" in validate
+    assert '__prefix: "{{ __taxonomy.fleetheal_drain_reason_prefix }}"' in validate
     assert "' gpu=' ~ fleetheal_gpu" in validate
 
 
@@ -97,3 +102,64 @@ def test_handlers_are_named_restart_service() -> None:
         if path.exists():
             for handler in yaml.safe_load(path.read_text()):
                 assert re.fullmatch(r"Restart [a-z0-9-]+", handler["name"]), handler["name"]
+
+
+GOOD = {
+    "fleetheal_incident_id": "inc-000007", "fleetheal_node": "n2", "fleetheal_fault_id": "xid-79",
+    "fleetheal_fault_class": "hardware", "fleetheal_action": "ISOLATE_AND_RELOCATE", "fleetheal_cluster": "lab",
+    "fleetheal_dry_run": False, "fleetheal_job_id": "12", "fleetheal_gpu": "3",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "action", "problem"),
+    [
+        ({}, "ISOLATE_AND_RELOCATE", ""),
+        ({"fleetheal_node": ""}, "ISOLATE_AND_RELOCATE", "fleetheal_node is required"),
+        ({"fleetheal_dry_run": None}, "ISOLATE_AND_RELOCATE", "fleetheal_dry_run is required"),
+        ({"fleetheal_node": "N2;x"}, "ISOLATE_AND_RELOCATE", "Malformed input: incident 'inc-000007', node 'N2;x'"),
+        ({"fleetheal_incident_id": "inc-1\n"}, "ISOLATE_AND_RELOCATE", "Malformed input"),  # no trailing newline
+        ({"fleetheal_job_id": "12 13"}, "ISOLATE_AND_RELOCATE", "Malformed input"),
+        ({"fleetheal_gpu": "all"}, "ISOLATE_AND_RELOCATE", "Malformed input"),
+        ({"fleetheal_dry_run": "maybe"}, "ISOLATE_AND_RELOCATE", "Malformed input"),
+        ({"fleetheal_fault_id": "xid-0"}, "ISOLATE_AND_RELOCATE", "Unknown fault xid-0 or action ISOLATE_AND_RELOCATE"),
+        ({}, "RESET_GPU", "isolate_and_relocate.yml runs ISOLATE_AND_RELOCATE, but this is the playbook for RESET_GPU"),
+        (
+            {"fleetheal_action": "OBSERVE"},
+            "OBSERVE",
+            "The taxonomy maps xid-79 (hardware) to ISOLATE_AND_RELOCATE, not OBSERVE",
+        ),
+        ({"fleetheal_action": "REVALIDATE"}, "REVALIDATE", ""),  # a follow-up of the fault's action
+        ({"fleetheal_fault_class": "user"}, "ISOLATE_AND_RELOCATE", "fleetheal_fault_class user disagrees"),
+    ],
+)
+def test_playbook_inputs_are_checked_in_order(change: dict[str, object], action: str, problem: str) -> None:
+    """tasks/validate.yml asserts what contracts.playbook_input_problem finds: the first problem, or none."""
+    tax = yaml.safe_load((REPO / "playbooks" / "vars" / "taxonomy.yml").read_text())
+    followups = yaml.safe_load((REPO / "playbooks" / "vars" / "remediation.yml").read_text())[
+        "fleetheal_followup_actions"
+    ]
+    found = contracts.playbook_input_problem({**GOOD, **change}, tax, followups, action)
+    assert found.startswith(problem) if problem else found == "", found
+
+
+def test_the_report_module_writes_whole_reports_and_only_under_its_directory(tmp_path: Path) -> None:
+    from fleetheal import steps
+
+    sys.path.insert(0, str(REPO / "playbooks" / "collections"))
+    try:
+        report = importlib.import_module("ansible_collections.fleetheal.cluster.plugins.modules.report")
+    finally:
+        sys.path.remove(str(REPO / "playbooks" / "collections"))
+    where = tmp_path / "reports"
+    rows, extra = report.work(
+        steps, None, {"dir": str(where), "name": "inc-1-observe.json", "content": {"a": 1}}, False
+    )
+    assert rows == [] and extra == {"path": str(where / "inc-1-observe.json")}
+    assert yaml.safe_load((where / "inc-1-observe.json").read_text()) == {"a": 1}
+    assert (where / "inc-1-observe.json").stat().st_mode & 0o777 == 0o640
+    assert where.stat().st_mode & 0o777 == 0o750
+    for bad in ("../escape.json", "", ".."):
+        with pytest.raises(ValueError, match="a file name, without a directory"):
+            report.work(steps, None, {"dir": str(where), "name": bad, "content": {}}, False)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["inc-1-observe.json", "reports"]

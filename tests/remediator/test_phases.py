@@ -60,7 +60,9 @@ def test_phases_of_a_relocation(cfg) -> None:  # type: ignore[no-untyped-def]
         (3.0, "playbook_on_start", {"playbook": "isolate_and_relocate.yml"}),
         (5.0, "runner_on_ok", {"task": "Report | record step slurm_drain", "host": "localhost", "res": {}}),
         (5.5, "runner_on_ok", {"task": "Drain | record the drain", "host": "localhost", "res": {}}),
-        (13.0, "runner_on_ok", {"task": "Report | record step slurm_requeue", "host": "localhost", "res": {}}),
+        # A module's rows are recorded together (playbooks/tasks/record.yml).
+        (13.0, "runner_on_ok", {"task": "Report | record steps slurm_signal slurm_requeue", "host": "n2",
+                                "res": {}}),
         (20.0, "runner_on_ok", {"task": "Report | record step k8s_isolate", "host": "localhost", "res": {}}),
         (24.0, "runner_on_ok", {"task": "Report | record step standby_promote", "host": "localhost",
                                 "res": {"changed": True}}),
@@ -79,6 +81,7 @@ def test_phases_of_a_relocation(cfg) -> None:  # type: ignore[no-untyped-def]
         "detected": 2.0,
         "acting": 3.0,
         "isolated": 5.0,
+        "signalled": 13.0,
         "requeued": 13.0,  # the first time
         "isolated_kubernetes": 20.0,
         "replaced": 24.0,

@@ -28,7 +28,7 @@ def step_result(steps: Any, work: Work, params: Mapping[str, Any], check_mode: b
     try:
         settings = steps.Settings.from_vars(params["settings"])
         results, extra = work(steps, settings, params, bool(params["dry_run"] or check_mode))
-    except (steps.StepError, ValueError) as exc:
+    except (steps.StepError, ValueError, OSError) as exc:
         return {"failed": True, "msg": str(exc)}
     return {"changed": any(r.changed for r in results), "steps": [r.as_dict() for r in results], **extra}
 

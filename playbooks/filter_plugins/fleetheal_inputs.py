@@ -1,0 +1,41 @@
+"""Filters that check a remediation playbook's inputs against the taxonomy (playbooks/tasks/validate.yml).
+
+The checks live in `fleetheal.contracts.playbook_input_problem`. The taxonomy is read here, for the task that
+asks, and never becomes a host fact: every host of a run over many incidents would carry it into every
+later task (it doubled the cost of each task of a 150-incident run).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from fleetheal.contracts import PLAYBOOK_VARS, playbook_input_problem
+
+
+@functools.lru_cache(maxsize=4)
+def _taxonomy(path: str, mtime_ns: int) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 (safe loaders only)
+
+
+def fleetheal_taxonomy(path: str) -> dict[str, Any]:
+    """`playbooks/vars/taxonomy.yml` (generated from policies/faults.yaml)."""
+    return _taxonomy(str(path), os.stat(path).st_mtime_ns)
+
+
+def fleetheal_input_problem(
+    values: Mapping[str, Any], playbook_action: str, taxonomy_path: str, followups: Mapping[str, Any]
+) -> str:
+    """Why the playbook must not run on `values` (the play's variables), or ""."""
+    given = {name: values.get(name) for name in PLAYBOOK_VARS if name in values}
+    return playbook_input_problem(given, fleetheal_taxonomy(taxonomy_path), followups or {}, str(playbook_action))
+
+
+class FilterModule:
+    def filters(self) -> dict[str, Any]:
+        return {"fleetheal_taxonomy": fleetheal_taxonomy, "fleetheal_input_problem": fleetheal_input_problem}
