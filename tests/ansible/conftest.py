@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,3 +160,33 @@ def node_json(cluster: SlurmCluster, node: str) -> dict[str, Any]:
         if entry["name"] == node:
             return dict(entry)
     raise AssertionError(f"node {node} not listed by sinfo")
+
+
+def responder_incident(ref: str, node: str) -> types.SimpleNamespace:
+    """The fields of a remediator Incident the first responder reads: an Xid 79 on `node`."""
+    return types.SimpleNamespace(
+        ref=ref,
+        node=node,
+        fault_id="xid-79",
+        action="ISOLATE_AND_RELOCATE",
+        gpu="1",
+        dry_run=False,
+        run_job_id="",
+        received_at=time.time(),
+    )
+
+
+def respond(responder: Any, incident: Any) -> list[Any]:
+    """Run the first response of `incident` on a private event loop (asyncio.run() would leave the thread
+    without a current loop, and the Pulumi mock tests that run later in the same session need one); its
+    step results."""
+    import asyncio
+
+    recorded: list[Any] = []
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(responder.respond(incident, recorded.append))
+    finally:
+        loop.close()
+        responder.close()
+    return recorded

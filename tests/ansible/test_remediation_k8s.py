@@ -28,11 +28,12 @@ from typing import Any
 
 import pytest
 
-from fleetheal import contracts
+from fleetheal import contracts, steps
 from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built, tools_dir
 from fleetheal.lab.slurm import SlurmCluster
+from fleetheal.remediator.responder import FirstResponder
 
-from .conftest import Playbooks, wait_until
+from .conftest import PLAYBOOKS, Playbooks, respond, responder_incident, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.kube]
 
@@ -391,6 +392,58 @@ def test_isolate_cordons_taints_evicts_under_the_pdb_and_promotes_the_standby(
     assert again.rc == 0, again.stdout[-4000:]
     assert s.versions() == before
     assert again.stats.get("changed", {}) == {}
+
+
+def _isolation(s: Scene, slurm: SlurmCluster, incident: str) -> dict[str, Any]:
+    """What an isolation of FAILED left in the API server and in Slurm, with the incident written generically."""
+
+    def generic(text: str | None) -> str:
+        return (text or "").replace(incident, "INC")
+
+    pods = (*s.workload.values(), s.agent_pod)
+    return {
+        node: {
+            "cordoned": s.cordoned(node),
+            "taints": sorted(s.taints(node)),
+            "labels": s.labels(node),
+            "slurm": (sorted(slurm.node(node).flags), generic(slurm.node(node).reason)),
+        }
+        for node in (FAILED, ACTIVE, STANDBY)
+    } | {
+        "pods": {name: (s.pod(name) is not None, s.pods.evicted(name)) for name in pods},
+        "nodeset": generic(s.nodeset()["metadata"].get("annotations", {}).get(REPLACEMENT)),
+    }
+
+
+def test_the_remediator_and_a_hand_run_playbook_leave_the_same_state(
+    slurm: SlurmCluster, playbooks: Playbooks, scene: Callable[..., Scene]
+) -> None:
+    """The remediator's path (the first responder in-process, then the follow-up playbook for the same
+    incident, which finds its steps done and goes on) and a human running the playbook alone end in the same
+    Kubernetes and Slurm state, on the same real API server and Slurm."""
+    found: dict[str, dict[str, Any]] = {}
+    for path, incident in (("remediator", "inc-r"), ("by hand", "inc-h")):
+        s = scene(min_available=1)
+        if found:  # undo the first isolation in Slurm; the scene made the Node objects anew
+            slurm.scontrol("update", f"nodename={FAILED}", "state=resume")
+        _standby(slurm)
+        variables = s.vars(playbooks, fleetheal_incident_id=incident, fleetheal_grace_seconds=0)
+        if path == "remediator":
+            responder = FirstResponder(steps.Settings.load(PLAYBOOKS, variables))
+            first = respond(responder, responder_incident(incident, FAILED))
+            assert {(r.step, r.outcome) for r in first} >= {
+                ("slurm_drain", "done"),
+                ("k8s_cordon", "done"),
+                ("standby_promote", "done"),
+            }, first
+            assert s.cordoned(FAILED) and s.labels(STANDBY)[POOL_LABEL] == "active"
+        run = playbooks.run("isolate_and_relocate.yml", variables)
+        assert run.rc == 0, run.stdout[-4000:]
+        assert run.report is not None and run.report["status"] == "done", run.report
+        found[path] = _isolation(s, slurm, incident)
+    assert found["remediator"] == found["by hand"]
+    assert found["by hand"][FAILED]["labels"][POOL_LABEL] == "quarantine"
+    assert found["by hand"]["nodeset"] == f"{FAILED} -> {STANDBY} incident=INC"
 
 
 def test_a_pdb_that_allows_no_disruption_stops_the_drain_and_the_promotion(

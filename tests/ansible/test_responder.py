@@ -6,12 +6,9 @@ both skip it; tests/ansible/test_remediation_k8s.py covers the Kubernetes steps 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import sys
-import time
-import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,15 @@ import pytest
 from fleetheal import steps
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.remediator.responder import FirstResponder
-from tests.ansible.conftest import PLAYBOOKS, Playbooks, job_json, node_json, submit_running
+from tests.ansible.conftest import (
+    PLAYBOOKS,
+    Playbooks,
+    job_json,
+    node_json,
+    respond,
+    responder_incident,
+    submit_running,
+)
 
 
 @pytest.fixture
@@ -30,20 +35,6 @@ def cluster(tmp_path: Path):
         yield c
     finally:
         c.stop()
-
-
-def _incident(ref: str, node: str) -> types.SimpleNamespace:
-    """The fields of a remediator Incident the responder reads."""
-    return types.SimpleNamespace(
-        ref=ref,
-        node=node,
-        fault_id="xid-79",
-        action="ISOLATE_AND_RELOCATE",
-        gpu="1",
-        dry_run=False,
-        run_job_id="",
-        received_at=time.time(),
-    )
 
 
 def _slurm_state(cluster: SlurmCluster, ref: str, node: str, job: str, promoted: str) -> dict[str, object]:
@@ -71,15 +62,7 @@ def test_the_first_responder_and_the_hand_run_playbook_leave_the_same_slurm_stat
 
     site = {"fleetheal_slurm_env": {"SLURM_CONF": str(cluster.conf_path)}, "fleetheal_grace_seconds": 1}
     responder = FirstResponder(steps.Settings.load(PLAYBOOKS, site), kube_factory=lambda _settings: None)
-    recorded: list[steps.StepResult] = []
-    # A private loop: asyncio.run() would leave the thread without a current loop, and the Pulumi mock
-    # tests that run later in the same session need one.
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(responder.respond(_incident("inc-a", "n1"), recorded.append))
-    finally:
-        loop.close()
-        responder.close()
+    recorded = respond(responder, responder_incident("inc-a", "n1"))
     assert all(r.outcome in ("done", "skipped") for r in recorded), recorded
     promoted_a = next(r.node for r in recorded if r.step == "standby_promote")
 
