@@ -690,6 +690,9 @@ def _storm(label: str, nodes: int, failed: int, jobs: int, *, raised: bool, max_
     drain = [r["slurm_drain"] - posted[n] for n, r in by_node.items() if "slurm_drain" in r]
     cordon = [r["k8s_cordon"] - posted[n] for n, r in by_node.items() if "k8s_cordon" in r]
     received = [i.received_at - posted[n] for n, i in incs.items()]
+    # The clock starts at the fault's arrival at fleetheal: Alertmanager's post to the webhook.
+    arrived = [max(r["slurm_drain"], r["k8s_cordon"]) - incs[n].received_at for n, r in by_node.items()
+               if "slurm_drain" in r and "k8s_cordon" in r and n in incs]  # fmt: skip
     failures: dict[str, int] = {}
     for r in by_node.values():
         for step, outs in r["outcomes"].items():
@@ -705,7 +708,7 @@ def _storm(label: str, nodes: int, failed: int, jobs: int, *, raised: bool, max_
     res: dict[str, Any] = {
         "label": label, "nodes": nodes, "failed": failed, "setup": setup, "how": how, "timed_out": timed_out,
         "allowed": len(allowed), "held": len(held), "iso": list(iso.values()), "drain": drain, "cordon": cordon,
-        "received": received, "failures": failures, "rate": rate, "span": span, "breaker": breaker,
+        "received": received, "arrived": arrived, "failures": failures, "rate": rate, "span": span, "breaker": breaker,
         "drained_failed": len(drained_now & failed_nodes), "drained_other": len(drained_now - failed_nodes),
         "cordoned_failed": len(cordoned_now & failed_nodes), "cordoned_other": len(cordoned_now - failed_nodes),
         "obs_drain": obs_drain, "obs_cordon": obs_cordon, "obs_iso": obs_iso, "watch_error": watch.error,
@@ -748,10 +751,11 @@ def _isolation_rows(r: dict[str, Any], goal: str) -> list[dict[str, Any]]:
         f"held {r['held']}); "
         f"per node from the alert's post to Alertmanager until drained in Slurm AND cordoned+tainted in the API "
         f"server, from the store's first_step events: {_dist(iso)}; isolated {len(iso)}/{n}"
-        f"{'' if complete else ' (INCOMPLETE at the time limit: p99 is a lower bound)'}. Breakdown: webhook "
-        f"received {_dist(r['received'])}; drained {_dist(r['drain'])}; cordoned {_dist(r['cordon'])}; the first "
-        f"cordon {_f(r['first_cordon'])} s. Seen by Slurm (slurmctld log, DRAIN set) {_dist(r['obs_drain'])}; by the "
-        f"API server (Node watch, unschedulable) {_dist(r['obs_cordon'])}; both {_dist(r['obs_iso'])}. "
+        f"{'' if complete else ' (INCOMPLETE at the time limit: p99 is a lower bound)'}; from the alert's arrival "
+        f"at fleetheal (Alertmanager's post to the webhook, the issue's clock) {_dist(r['arrived'])}. Breakdown: "
+        f"webhook received {_dist(r['received'])}; drained {_dist(r['drain'])}; cordoned {_dist(r['cordon'])}; the "
+        f"first cordon {_f(r['first_cordon'])} s. Seen by Slurm (slurmctld log, DRAIN set) {_dist(r['obs_drain'])}; "
+        f"by the API server (Node watch, unschedulable) {_dist(r['obs_cordon'])}; both {_dist(r['obs_iso'])}. "
         f"State at the end: Slurm drained (owned reason) {r['drained_failed']}/{n} failing + {r['drained_other']} "
         f"others; API server cordoned+tainted {r['cordoned_failed']}/{n} + {r['cordoned_other']} others. "
         f"Non-done step outcomes {r['failures'] or 'none'}. Remediator CPU {r['cpu_first']:.1f} s until every first "

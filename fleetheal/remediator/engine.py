@@ -343,7 +343,7 @@ class Engine:
         when one of those changed (or every FULL_RECHECK_S, in case something else did).
         """
         self.gate.tick()
-        state = (self.cfg.paused(), self.gate.breaker_open(), len(self.store.isolations()))
+        state = (self.cfg.paused(), self.gate.breaker_open(), sum(self.store.isolation_counts().values()))
         now = time.monotonic()
         if state == self._hold_state and now - self._last_recheck < FULL_RECHECK_S:
             return

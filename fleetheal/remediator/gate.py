@@ -103,10 +103,7 @@ class Gate:
 
     def budget(self) -> BudgetState:
         b = self.cfg.gate.budget
-        isolations = self.store.isolations()
-        per_domain: dict[str, int] = dict.fromkeys(self._pool, 0)
-        for iso in isolations.values():
-            per_domain[iso.domain] = per_domain.get(iso.domain, 0) + 1
+        per_domain: dict[str, int] = dict.fromkeys(self._pool, 0) | self.store.isolation_counts()
         pool = len(self.cfg.cluster.nodes)
         domains = {
             d: (
@@ -116,19 +113,19 @@ class Gate:
             )
             for d, size in self._pool.items()
         }
-        return BudgetState(pool, len(isolations), budget_limit(b.max_isolated, b.max_isolated_fraction, pool), domains)
+        isolated = sum(per_domain.values())
+        return BudgetState(pool, isolated, budget_limit(b.max_isolated, b.max_isolated_fraction, pool), domains)
 
     def remaining(self, node: str) -> int:
         """Isolations the budget allows now with `node`'s own slot counted free (cluster and domain)."""
         budget = self.budget()
-        isolations = self.store.isolations()
         domain = self.cfg.cluster.domain_of(node)
         _, dused, dlimit = budget.domains[domain]
-        mine = 1 if node in isolations else 0
+        mine = 1 if self.store.isolation(node) is not None else 0
         return max(0, min(budget.limit - (budget.isolated - mine), dlimit - (dused - mine)))
 
     def quarantined(self) -> int:
-        return sum(1 for iso in self.store.isolations().values() if iso.quarantined)
+        return self.store.quarantined_count()
 
     # --- the breaker ------------------------------------------------------------------------------------
 
@@ -186,8 +183,7 @@ class Gate:
             return Verdict("hold", "hold", "paused", "pause switch is on")
         if incident.resolved_at is not None:
             return Verdict("deny", "deny", "resolved", "the alert resolved before anything ran; nothing to do")
-        isolations = self.store.isolations()
-        current = isolations.get(node)
+        current = self.store.isolation(node)
         if current is not None and current.quarantined:
             return Verdict(
                 "deny",

@@ -69,12 +69,22 @@ class FirstResponder:
             return self._kube
 
     def warm(self) -> None:
-        """Before the first fault: load the Kubernetes client and open a connection (seconds on a small
-        machine, which the first incident of a storm would otherwise wait for)."""
+        """Before the first fault: load the Kubernetes client and open the connections the cordons will use
+        (seconds on a small machine, and a TLS handshake per connection, which the first incidents of a
+        storm would otherwise wait for): one request on each of the Kubernetes pool's threads at once."""
         try:
             kube = self.kube()
-            if kube is not None:
-                kube.core.list_node(limit=1, _preload_content=False)
+            if kube is None:
+                return
+            kube.core.list_node(limit=1, _preload_content=False)
+            ready = threading.Barrier(steps.Kube.CONNECTIONS)
+
+            def connect() -> None:
+                ready.wait(timeout=10)  # all at once, so that each opens a connection of its own
+                kube.core.list_node(limit=1, _preload_content=False, _request_timeout=kube.TIMEOUT_S)
+
+            for f in [self._kube_pool.submit(connect) for _ in range(steps.Kube.CONNECTIONS)]:
+                f.result()
         except Exception as exc:
             log.warning("Kubernetes API not reachable yet", extra={"error": str(exc)[:300]})
 
