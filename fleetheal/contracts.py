@@ -25,6 +25,9 @@ LABEL_POOL = K8S_PREFIX + "pool"
 POOLS = ("active", "standby", "quarantine")
 #: Label naming the fault on a node the agent's fast path took out (value = fault id).
 LABEL_FAULT = K8S_PREFIX + "fault"
+#: Annotation on a Node that reports its repair done (any value: who and what); the remediator then
+#: revalidates the node and removes the annotation.
+ANNOTATION_REPAIRED = K8S_PREFIX + "repaired"
 #: Failure-domain label (rack, leaf switch) the safety gate budgets by.
 LABEL_FAILURE_DOMAIN = K8S_PREFIX + "failure-domain"
 

@@ -35,7 +35,8 @@ class NodeInfo:
 
 
 _KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_.:/]*)=")
-_REASON_TAIL = re.compile(r"\s*\[[^\]@]*@[^\]]*\]\s*$")
+#: What Slurm prints after a node's reason: `[user@time]`, then (when the node has one) ` Comment=...`.
+_REASON_TAIL = re.compile(r"\s*\[[^\]@]*@[^\]]*\](?:\s+Comment=(.*))?\s*$")
 
 
 def parse_kv_line(line: str, to_end: str | None = None) -> dict[str, str]:
@@ -70,7 +71,12 @@ def parse_node_line(line: str) -> NodeInfo:
     base, *flags = kv.get("State", "UNKNOWN").split("+")
     reason = kv.get("Reason")
     if reason is not None:
-        reason = _REASON_TAIL.sub("", reason).strip() or None
+        tail = _REASON_TAIL.search(reason)
+        if tail is not None:
+            if tail.group(1) is not None:
+                kv["Comment"] = tail.group(1).strip()
+            reason = reason[: tail.start()]
+        reason = reason.strip() or None
         if reason == "(null)":
             reason = None
     return NodeInfo(

@@ -71,9 +71,11 @@ class Settings:
     max_restarts: int = 3
     restart_mode: str = "requeue"
     standby_reason: str = contracts.DRAIN_REASON_PREFIX + "standby"
+    quarantine_reason: str = contracts.DRAIN_REASON_PREFIX + "quarantine"
     promote_standby: bool = True
     kubeconfig: str = ""
     k8s_in_cluster: bool = False
+    report_dir: str = "/var/lib/fleetheal/reports"
 
     @classmethod
     def from_vars(cls, values: Mapping[str, Any]) -> Settings:

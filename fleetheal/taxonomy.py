@@ -1,6 +1,8 @@
 """The fault taxonomy: load `policies/faults.yaml` (shipped in this package) and look faults up.
 
-Nothing else in fleetheal maps an Xid, a counter or a symptom to an action. This module needs only
+Nothing else in fleetheal maps an Xid, a counter or a symptom to an action, nor says what an action means
+(whether the agent's fast path takes it, whether it requeues the job, which node states it moves the node
+through): code asks the `Action` for it, never names an action. This module needs only
 the standard library and PyYAML, so the agent stays lean; full JSON-schema validation
 (`check_schema`) imports jsonschema lazily.
 """
@@ -25,11 +27,42 @@ class TaxonomyError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Lifecycle:
+    """The node states an action moves its node through, and the follow-up it starts (all optional)."""
+
+    #: Node state once the gate lets the action act.
+    acting: str | None = None
+    #: Node state after its playbook succeeded.
+    done: str | None = None
+    #: Node state when a validation fails (REVALIDATE only).
+    rejected: str | None = None
+    #: The follow-up action...
+    next: str | None = None
+    #: ... and when it starts (one of TRIGGERS).
+    trigger: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Action:
     name: str
     description: str
     destructive: bool
     playbook: str
+    #: The node agent's fast path takes it by default (drain, taint).
+    fastpath: bool = False
+    #: The remediator runs its latency-critical steps in-process before the playbook (responder.py).
+    first_response: bool = False
+    #: Its playbook requeues the Slurm job: the per-job retry limit applies.
+    requeues_job: bool = False
+    #: Once it ran on a node, a later destructive alert there for one of these actions is a duplicate.
+    supersedes: tuple[str, ...] = ()
+    #: A follow-up action (no fault maps to it): the fault that took the node out maps to one of these.
+    follows: tuple[str, ...] = ()
+    lifecycle: Lifecycle = Lifecycle()
+
+    @property
+    def is_follow_up(self) -> bool:
+        return bool(self.follows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +127,24 @@ def _enum(field: str) -> tuple[str, ...]:
 
 CLASSES: tuple[str, ...] = _enum("class")
 SEVERITIES: tuple[str, ...] = _enum("severity")
+#: When a lifecycle's `next` action starts: at once when the action succeeded (`done`), when the node's
+#: repair is reported (`repaired`), or when the action succeeded and the standby pool is full (`pool_full`).
+TRIGGERS: tuple[str, ...] = tuple(
+    _schema()["properties"]["actions"]["additionalProperties"]["properties"]["lifecycle"]["properties"]["trigger"][
+        "enum"
+    ]
+)
+TRIGGER_TEXT = {
+    "done": "at once",
+    "repaired": "when the repair is reported",
+    "pool_full": "when the standby pool is full",
+}
+#: Keys of an action's `lifecycle`: node states, then the follow-up.
+LIFECYCLE_STATES = ("acting", "done", "rejected")
+LIFECYCLE_KEYS = (*LIFECYCLE_STATES, "next", "trigger")
+#: Required action fields (besides description, destructive and playbook).
+_ACTION_FLAGS = ("fastpath", "first_response", "requeues_job")
+_ACTION_LISTS = ("supersedes", "follows")
 
 
 class Taxonomy:
@@ -102,9 +153,23 @@ class Taxonomy:
     def __init__(self, doc: Mapping[str, Any]) -> None:
         _check_structure(doc)
         self.actions: dict[str, Action] = {
-            name: Action(name, a["description"], bool(a["destructive"]), a["playbook"])
+            name: Action(
+                name,
+                a["description"],
+                a["destructive"],
+                a["playbook"],
+                fastpath=a["fastpath"],
+                first_response=a["first_response"],
+                requeues_job=a["requeues_job"],
+                supersedes=tuple(a["supersedes"]),
+                follows=tuple(a["follows"]),
+                lifecycle=Lifecycle(**a["lifecycle"]),
+            )
             for name, a in doc["actions"].items()
         }
+        #: Node states of the lifecycle (name -> what it means), in the taxonomy's order; the first is the
+        #: state of a node in service.
+        self.node_states: dict[str, str] = dict(doc["node_states"])
         self.faults: dict[str, Fault] = {}
         self._by_xid: dict[int, Fault] = {}
         for entry in doc["faults"]:
@@ -159,6 +224,48 @@ class Taxonomy:
                 return self.faults[rule.fault]
         return None
 
+    def fastpath_actions(self) -> tuple[str, ...]:
+        """Actions the node agent's fast path takes by default (`fastpath: true`), in taxonomy order."""
+        return tuple(a.name for a in self.actions.values() if a.fastpath)
+
+    def first_response_actions(self) -> tuple[str, ...]:
+        """Actions whose latency-critical steps the remediator runs in-process (`first_response: true`)."""
+        return tuple(a.name for a in self.actions.values() if a.first_response)
+
+    def requeuing_actions(self) -> tuple[str, ...]:
+        """Actions whose playbook requeues the Slurm job (`requeues_job: true`)."""
+        return tuple(a.name for a in self.actions.values() if a.requeues_job)
+
+    def destructive_actions(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.actions.values() if a.destructive)
+
+    def followups(self) -> dict[str, tuple[str, ...]]:
+        """Follow-up action -> the actions it follows (only actions with a non-empty `follows`)."""
+        return {a.name: a.follows for a in self.actions.values() if a.follows}
+
+    def covers(self, owner: str, action: str) -> bool:
+        """True when `action` on a node adds nothing once `owner` runs there: the same action, or one
+        `owner` supersedes."""
+        return owner == action or action in self.actions[owner].supersedes
+
+    def transitions(self) -> list[tuple[str, str, str]]:
+        """The node lifecycle as (from state, to state, why) edges, derived from the actions' lifecycles."""
+        in_service = next(iter(self.node_states))  # the first state is the one a node is in service in
+        edges: list[tuple[str, str, str]] = []
+        for a in self.actions.values():
+            lc = a.lifecycle
+            if lc.acting and not a.follows:
+                edges.append((in_service, lc.acting, f"the gate lets {a.name} act"))
+            if lc.acting and lc.done:
+                edges.append((lc.acting, lc.done, f"{a.name} succeeded"))
+            if lc.acting and lc.rejected:
+                edges.append((lc.acting, lc.rejected, f"{a.name} failed"))
+            if lc.next and lc.done:
+                nxt = self.actions[lc.next].lifecycle
+                if nxt.acting and nxt.acting != lc.done:
+                    edges.append((lc.done, nxt.acting, f"{lc.next} starts {TRIGGER_TEXT.get(lc.trigger or '', '')}"))
+        return edges
+
     def allowed(self, fault_id: str, action: str) -> bool:
         """True when `action` is what the taxonomy maps `fault_id` to."""
         fault = self.faults.get(fault_id)
@@ -173,9 +280,11 @@ class Taxonomy:
 
 def _check_structure(doc: Mapping[str, Any]) -> None:
     """The checks every reader needs, without jsonschema: ids unique, enums and references closed."""
-    for key in ("actions", "faults", "nvlink5_decode"):
+    for key in ("actions", "node_states", "faults", "nvlink5_decode"):
         if key not in doc:
             raise TaxonomyError(f"taxonomy: missing top-level key {key!r}")
+    _check_node_states(doc["node_states"])
+    _check_actions(doc["actions"], doc["node_states"])
     actions = doc["actions"]
     seen: set[str] = set()
     for i, entry in enumerate(doc["faults"]):
@@ -190,6 +299,11 @@ def _check_structure(doc: Mapping[str, Any]) -> None:
             raise TaxonomyError(f"{where}: class {entry.get('class')!r} is not one of {', '.join(CLASSES)}")
         if entry.get("action") not in actions:
             raise TaxonomyError(f"{where}: action {entry.get('action')!r} is not one of {', '.join(actions)}")
+        if actions[entry["action"]]["follows"]:
+            raise TaxonomyError(
+                f"{where}: action {entry['action']!r} is a follow-up (it follows "
+                f"{', '.join(actions[entry['action']]['follows'])}); no fault maps to it"
+            )
         if entry.get("severity") not in SEVERITIES:
             raise TaxonomyError(f"{where}: severity {entry.get('severity')!r} is not one of {', '.join(SEVERITIES)}")
         for field in ("name", "explanation", "source"):
@@ -200,6 +314,69 @@ def _check_structure(doc: Mapping[str, Any]) -> None:
     for i, rule in enumerate(doc["nvlink5_decode"]):
         if rule.get("fault") not in seen:
             raise TaxonomyError(f"taxonomy: nvlink5_decode[{i}]: fault {rule.get('fault')!r} is not a fault id")
+
+
+def _check_node_states(states: Any) -> None:
+    if not isinstance(states, Mapping) or not states:
+        raise TaxonomyError("taxonomy: 'node_states' must be a non-empty mapping of state name -> description")
+    for name, text in states.items():
+        if not isinstance(name, str) or not name:
+            raise TaxonomyError(f"taxonomy: node_states: {name!r} is not a state name")
+        if not isinstance(text, str) or not text.strip():
+            raise TaxonomyError(f"taxonomy: node_states.{name}: the description must be a non-empty string")
+
+
+def _check_actions(actions: Any, states: Mapping[str, Any]) -> None:
+    """Every action's fields present and typed, and every action or state it names defined."""
+    if not isinstance(actions, Mapping) or not actions:
+        raise TaxonomyError("taxonomy: 'actions' must be a non-empty mapping of action name -> fields")
+    for name, a in actions.items():
+        where = f"taxonomy: action {name}"
+        if not isinstance(a, Mapping):
+            raise TaxonomyError(f"{where}: expected a mapping of fields, got {type(a).__name__}")
+        for field in ("description", "playbook"):
+            if not isinstance(a.get(field), str) or not a[field].strip():
+                raise TaxonomyError(f"{where}: {field!r} must be a non-empty string")
+        for field in ("destructive", *_ACTION_FLAGS):
+            if field not in a:
+                raise TaxonomyError(f"{where}: {field!r} is missing (true or false)")
+            if not isinstance(a[field], bool):
+                raise TaxonomyError(f"{where}: {field!r} must be true or false, got {a[field]!r}")
+        for field in _ACTION_LISTS:
+            if field not in a:
+                raise TaxonomyError(f"{where}: {field!r} is missing (a list of action names, [] for none)")
+            names = a[field]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise TaxonomyError(f"{where}: {field!r} must be a list of action names, got {names!r}")
+            for other in names:
+                if other not in actions:
+                    raise TaxonomyError(
+                        f"{where}: {field} names {other!r}, which is not an action ({', '.join(actions)})"
+                    )
+            if name in names:
+                raise TaxonomyError(f"{where}: {field} names the action itself")
+        if "lifecycle" not in a:
+            raise TaxonomyError(f"{where}: 'lifecycle' is missing ({{}} for an action that moves no node)")
+        lc = a["lifecycle"]
+        if not isinstance(lc, Mapping):
+            raise TaxonomyError(f"{where}: 'lifecycle' must be a mapping, got {lc!r}")
+        for key, value in lc.items():
+            if key not in LIFECYCLE_KEYS:
+                raise TaxonomyError(f"{where}: lifecycle.{key} is not one of {', '.join(LIFECYCLE_KEYS)}")
+            if key in LIFECYCLE_STATES and value not in states:
+                raise TaxonomyError(
+                    f"{where}: lifecycle.{key} {value!r} is not one of the node_states ({', '.join(states)})"
+                )
+        if "next" in lc and lc["next"] not in actions:
+            raise TaxonomyError(f"{where}: lifecycle.next {lc['next']!r} is not an action ({', '.join(actions)})")
+        if "trigger" in lc and lc["trigger"] not in TRIGGERS:
+            raise TaxonomyError(f"{where}: lifecycle.trigger {lc['trigger']!r} is not one of {', '.join(TRIGGERS)}")
+        if ("next" in lc) != ("trigger" in lc):
+            raise TaxonomyError(f"{where}: lifecycle.next and lifecycle.trigger go together (one is missing)")
+        if "next" in lc and "acting" not in actions[lc["next"]].get("lifecycle", {}):
+            raise TaxonomyError(
+                f"{where}: lifecycle.next {lc['next']!r} has no lifecycle.acting (the node's state while it runs)"
+            )
 
 
 def check_schema(doc: Mapping[str, Any]) -> list[str]:

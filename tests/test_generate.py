@@ -78,6 +78,26 @@ def test_promtool_checks_and_unit_tests_the_rules(repo: Path) -> None:
     assert "SUCCESS" in tests.stdout + tests.stderr
 
 
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) missing: run scripts/bootstrap.sh")
+def test_promtool_checks_and_unit_tests_the_remediator_rules(repo: Path) -> None:
+    """The hand-written rules on the remediator's own metrics (the standby pool's shortfall)."""
+    check = subprocess.run(
+        [PROMTOOL, "check", "rules", str(repo / "policies" / "remediator-rules.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = subprocess.run(
+        [PROMTOOL, "test", "rules", "remediator-rules.test.yml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=repo / "tests" / "promtool",
+    )
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
 def test_taxonomy_check_cli(shared: Path) -> None:
     out = subprocess.run(
         [

@@ -28,8 +28,14 @@ from fleetheal.contracts import FLEET_BUDGET_NODES, FLEET_BUDGET_SHARE
 ENV_PREFIX = "FLEETHEAL_AGENT_"
 MODES = ("act", "observe")
 BACKENDS = ("nvml", "simulated")
-#: Actions the agent's fast path may take; the rest are the remediator's.
-FASTPATH_ACTIONS_DEFAULT = ("ISOLATE_AND_RELOCATE", "RESET_GPU")
+
+
+def _fastpath_actions() -> tuple[str, ...]:
+    """Actions the agent's fast path takes by default (the taxonomy's `fastpath: true`); the rest are the
+    remediator's."""
+    from fleetheal.taxonomy import load  # lazily, as load_config does
+
+    return load().fastpath_actions()
 
 
 class ConfigError(ValueError):
@@ -147,10 +153,12 @@ class KubernetesConfig:
 
 @dataclass(frozen=True)
 class FastPathConfig:
-    #: Taxonomy actions whose faults drain the node at once (and fail `fleetheal agent check`).
-    drain_actions: tuple[str, ...] = FASTPATH_ACTIONS_DEFAULT
-    #: Taxonomy actions whose faults taint and label the Kubernetes node (when kubernetes.enabled).
-    taint_actions: tuple[str, ...] = FASTPATH_ACTIONS_DEFAULT
+    #: Taxonomy actions whose faults drain the node at once (and fail `fleetheal agent check`); default: the
+    #: taxonomy's `fastpath: true` actions.
+    drain_actions: tuple[str, ...] = field(default_factory=_fastpath_actions)
+    #: Taxonomy actions whose faults taint and label the Kubernetes node (when kubernetes.enabled); default:
+    #: the taxonomy's `fastpath: true` actions.
+    taint_actions: tuple[str, ...] = field(default_factory=_fastpath_actions)
     #: Fleet-wide budget: no drain (nor taint) when the fleet already has this many fleetheal fault drains...
     fleet_budget_nodes: int = FLEET_BUDGET_NODES
     #: ... or this share of the pool (rounded down, at least 1): the remediator gate's defaults.

@@ -38,7 +38,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -158,6 +158,18 @@ def clear(path: str | os.PathLike[str], fault_id: str | None = None, gpu: int | 
         current = read_injections(p)
         keep = [i for i in current if not ((fault_id is None or i.fault == fault_id) and (gpu is None or i.gpu == gpu))]
         _write(p, keep)
+    return len(current) - len(keep)
+
+
+def remove(path: str | os.PathLike[str], ids: Collection[str]) -> int:
+    """Remove the injections whose `id` is in `ids` (as `clear`, but exact); returns how many."""
+    p = Path(path)
+    wanted = set(ids)
+    with _locked(p):
+        current = read_injections(p)
+        keep = [i for i in current if i.id not in wanted]
+        if len(keep) != len(current):
+            _write(p, keep)
     return len(current) - len(keep)
 
 

@@ -204,6 +204,7 @@ def build(cfg: StackConfig) -> Fleet:
             "token_secret": cfg.remediator_token_secret,
             "nodes": node_domains(cfg),
             "dry_run": cfg.remediator_dry_run,
+            "standby_target": sum(pool.standby_nodes for pool in cfg.gpu_pools),
         },
         opts=pulumi.ResourceOptions(depends_on=[ns_system, ns_slurm]),
     )

@@ -36,9 +36,11 @@ class RemediatorArgs(TypedDict):
     """Node name -> failure domain of every node it may act on (empty: learnt from node labels)."""
     dry_run: bool
     """Start in dry-run mode (records "would drain")."""
+    standby_target: int
+    """Nodes the warm-standby pools hold together: the remediator refills them to this (lifecycle.standby_target)."""
 
 
-def remediator_config(cluster: str, nodes: dict[str, str], dry_run: bool) -> dict[str, Any]:
+def remediator_config(cluster: str, nodes: dict[str, str], dry_run: bool, standby_target: int = 0) -> dict[str, Any]:
     """The remediator's YAML config (fleetheal/remediator/config.py schema)."""
     return {
         "cluster": {"name": cluster, "nodes": dict(sorted(nodes.items()))},
@@ -47,6 +49,7 @@ def remediator_config(cluster: str, nodes: dict[str, str], dry_run: bool) -> dic
         "store": {"path": f"{STATE_DIR}/remediator.sqlite"},
         "runner": {"run_dir": f"{STATE_DIR}/runs"},
         "gate": {"dry_run": dry_run},
+        "lifecycle": {"standby_target": standby_target, "report_dir": f"{STATE_DIR}/lifecycle"},
     }
 
 
@@ -56,7 +59,18 @@ class Remediator(pulumi.ComponentResource):
     def __init__(self, name: str, args: RemediatorArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         a: dict[str, Any] = dict(args)
         common.require(
-            a, COMPONENT, ("namespace", "image", "cluster_name", "slurm_namespace", "token_secret", "nodes", "dry_run")
+            a,
+            COMPONENT,
+            (
+                "namespace",
+                "image",
+                "cluster_name",
+                "slurm_namespace",
+                "token_secret",
+                "nodes",
+                "dry_run",
+                "standby_target",
+            ),
         )
         ns = common.dns_label(COMPONENT, "namespace", a["namespace"])
         common.dns_label(COMPONENT, "slurm_namespace", a["slurm_namespace"])
@@ -126,7 +140,8 @@ class Remediator(pulumi.ComponentResource):
             metadata={"name": NAME, "namespace": ns, "labels": labels},
             data={
                 "remediator.yaml": yaml.safe_dump(
-                    remediator_config(a["cluster_name"], a["nodes"], a["dry_run"]), sort_keys=True
+                    remediator_config(a["cluster_name"], a["nodes"], a["dry_run"], int(a["standby_target"])),
+                    sort_keys=True,
                 )
             },
             opts=child,

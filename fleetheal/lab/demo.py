@@ -1,15 +1,20 @@
 """`fleetheal lab demo`: the self-healing loop, live, on the local lab (and the scenarios the lab's
 integration tests run).
 
-Three scenarios on one 2-node training job:
+Five scenarios around one 2-node training job:
 
 1. Xid 79 (a GPU falls off the bus; hardware): the agent drains its node and taints its Node, the alert
    reaches the remediator, the isolate-and-relocate playbook gives the job its grace signal, requeues
    it, cordons and drains the Kubernetes node and promotes a warm-standby node; the job runs again on
    healthy nodes and resumes from its checkpoint.
-2. Xid 31 (an MMU fault: the job's own bug): no drain, no requeue; the cause goes to the job's comment
+2. The loop closes for that node: it awaits repair (a repair request is written), the lab "repairs" it
+   (clears the injected fault) and reports it with `fleetheal nodes repaired`; the remediator revalidates
+   it (DCGM diagnostics, NCCL all-reduce and burn-in, by the simulated GPUs' tools) and it is back in the
+   standby pool; its lifecycle timeline is printed.
+3. Xid 31 (an MMU fault: the job's own bug): no drain, no requeue; the cause goes to the job's comment
    and log.
-3. NCCL timeout (transient): the job is restarted in place, on the same nodes, from its checkpoint.
+4. NCCL timeout (transient): the job is restarted in place, on the same nodes, from its checkpoint.
+5. A lemon: three GPU faults on one idle node within the window quarantine it, with an RMA report.
 
 Each scenario is watched from the outside (Slurm, the Kubernetes API, the job's own events, the
 remediator's incidents): every milestone is printed when it is first seen, with its time since the
@@ -115,7 +120,7 @@ class Watcher:
         timeout: float,
     ) -> None:
         """Inject the fault, then poll `checks` (key, label, probe -> detail or None) until `done()`."""
-        t0 = time.time()
+        t0 = outcome.details["injected_at"] = time.time()
         ident = self.lab.inject(outcome.node, outcome.fault, outcome.gpu)
         where = f"GPU {outcome.gpu}" if outcome.gpu is not None else "node-wide"
         self.out(f"  +  0.0s  injected {outcome.fault} on {outcome.node} {where} ({ident})")
@@ -381,6 +386,80 @@ def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     return o
 
 
+def _wait_state(w: Watcher, o: Outcome, t0: float, states: tuple[str, ...], timeout: float) -> str:
+    """Wait until `o.node` is in one of `states`, printing each lifecycle state it passes on the way."""
+    seen: list[str] = []
+    node = o.node
+
+    def check() -> str | None:
+        state = w.lab.node_states()[node]
+        if not seen or seen[-1] != state:
+            seen.append(state)
+            o.milestones.setdefault(state, time.time() - t0)
+            w.out(f"  + {time.time() - t0:5.1f}s  {node} is {state}")
+        return state if state in states else None
+
+    w.progress_wait(f"{node} to be {' or '.join(states)}", check, timeout)
+    return seen[-1]
+
+
+def scenario_repair(lab: Lab, w: Watcher, out: Callable[[str], None], isolated: Outcome) -> Outcome:
+    """The Xid 79 node after its isolation: repair reported -> revalidated -> back in the standby pool.
+    Times are from the Xid 79's injection."""
+    node = isolated.node
+    o = Outcome("repaired, revalidated, back in the standby pool", "repair", node, None, "REVALIDATE")
+    t0 = float(isolated.details.get("injected_at") or time.time())
+    _wait_state(w, o, t0, ("awaiting_repair",), 120)
+    requests = sorted((lab.dir / "remediator" / "lifecycle").glob(f"repair-{node}-*.json"))
+    if requests:
+        o.details["repair_request"] = str(requests[-1])
+        out(f"  + {time.time() - t0:5.1f}s  repair request for the ticketing system: {requests[-1]}")
+    cleared = lab.clear(node)
+    out(f"  + {time.time() - t0:5.1f}s  the GPU is replaced (the lab clears {cleared} injected fault(s) on {node})")
+    said = lab.fleetheal("nodes", "repaired", node, "--by", "lab-demo").stdout.strip()
+    out(f"  + {time.time() - t0:5.1f}s  $ fleetheal nodes repaired {node}: {said}")
+    o.milestones["repaired"] = time.time() - t0
+    final = _wait_state(w, o, t0, ("standby", "quarantined", "active"), 180)
+    info = lab.slurm().node(node)
+    pool = (lab.k8s_nodes()[node]["metadata"].get("labels") or {}).get(LABEL_POOL)
+    o.details.update(state=final, slurm_reason=info.reason, k8s_pool=pool)
+    out(f"  result: {node} {final}; Slurm reason '{info.reason}', Node pool={pool}")
+    shown = lab.fleetheal("nodes", "show", node).stdout.rstrip()
+    out("  " + shown.replace("\n", "\n  "))
+    o.details["loop_s"] = o.milestones.get(final)
+    o.details["revalidation_s"] = (o.milestones.get(final) or 0.0) - o.milestones["repaired"]
+    o.ok = final == "standby" and info.drained and pool == "standby"
+    return o
+
+
+def scenario_lemon(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
+    """Three GPU faults on one node within the lemon window: quarantined, with an RMA report."""
+    busy = set(w.job_nodes())
+    states = lab.node_states()
+    node = next(n for n in lab.nodes if n not in busy and states[n] == "active")
+    o = Outcome("a lemon node: three faults", "lemon", node, None, "quarantine")
+    t0 = time.time()
+    for fault, gpu in (("xid-79", 0), ("xid-48", 1), ("xid-95", 2)):
+        ident = lab.inject(node, fault, gpu)
+        out(f"  + {time.time() - t0:5.1f}s  injected {fault} on {node} GPU {gpu} ({ident})")
+        time.sleep(1.0)
+    final = _wait_state(w, o, t0, ("quarantined",), 180)
+    reports = sorted((lab.dir / "remediator" / "lifecycle").glob(f"rma-{node}-*.json"))
+    if reports:
+        import json
+
+        rma = json.loads(reports[-1].read_text())
+        o.details["rma"] = rma
+        out(f"  RMA report {reports[-1]}:")
+        out(f"    reason: {rma['reason']}")
+        out(f"    faults: {rma['faults']['per_fault']}, per GPU {rma['faults']['per_gpu']}")
+    info = lab.slurm().node(node)
+    o.details.update(state=final, slurm_reason=info.reason)
+    out(f"  result: {node} {final}; Slurm reason '{info.reason}'")
+    o.ok = final == "quarantined" and bool(reports) and info.drained and "quarantine" in (info.reason or "")
+    return o
+
+
 def print_incident(inc: dict[str, Any], out: Callable[[str], None]) -> None:
     """The remediator's timeline of one incident: its steps and the playbook tasks that changed something."""
     out(f"  remediator timeline of {inc.get('id')} ({inc.get('fault_id')} on {inc.get('node')} -> {inc.get('action')}, "
@@ -431,11 +510,19 @@ def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Ou
     w.wait_running()
     out(f"  running on {w.job_info()['NodeList']}")
     w.wait_steps(60)
-    outcomes = []
+    outcomes: list[Outcome] = []
+
+    def repair(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
+        if not outcomes or not outcomes[0].ok:
+            raise LabError("the Xid 79 scenario failed: no isolated node to repair")
+        return scenario_repair(lab, w, out, outcomes[0])
+
     for title, fn in (
         ("1. Xid 79 on a GPU of the job: hardware -> isolate, relocate, replace", scenario_xid79),
-        ("2. Xid 31: the job's own bug -> no relocation, the user is told why", scenario_xid31),
-        ("3. NCCL timeout: transient -> restart in place", scenario_nccl),
+        ("2. The loop closes for that node: repair reported -> revalidation -> standby pool", repair),
+        ("3. Xid 31: the job's own bug -> no relocation, the user is told why", scenario_xid31),
+        ("4. NCCL timeout: transient -> restart in place", scenario_nccl),
+        ("5. A lemon: three faults in the window -> quarantine and an RMA report", scenario_lemon),
     ):
         out(f"\n== {title}")
         w.wait_running()
@@ -473,6 +560,16 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
             note = "not drained, not requeued, cause in the job log"
         elif o.fault == "nccl-timeout":
             note = "same nodes" if o.details.get("same_nodes") else "moved"
+        elif o.fault == "repair":
+            loop = o.details.get("loop_s")
+            note = (
+                f"{o.details.get('state')} {loop:.1f}s after the fault (revalidation "
+                f"{o.details.get('revalidation_s', 0):.1f}s)"
+                if loop
+                else ""
+            )
+        elif o.fault == "lemon":
+            note = f"{o.details.get('state')}, RMA report written" if o.details.get("rma") else ""
         again_text = f"{again:.1f}s" if again is not None else "-"
         result = "ok" if o.ok else "FAILED"
         out(f"  {o.fault:13} {o.node:5} {o.action:21} {o.details.get('incident', '-'):11} "

@@ -380,7 +380,9 @@ class Lab:
                 self._create_pod(namespace, pod)
         pdb = {
             "metadata": {"name": "slurm-worker"},
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
+            # As many disruptions as the remediator's isolation budget (gate.budget.max_isolated): an isolated
+            # node's slurmd pod is not made again (no NodeSet controller runs here).
+            "spec": {"maxUnavailable": 2, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
         }
         self.kube_request("POST", "/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb)
         self.log(
@@ -479,12 +481,15 @@ class Lab:
         return env
 
     def _up_agents(self, gpus: int) -> None:
+        from fleetheal.agent.simtools import write_sim_tools
+
         t0 = time.monotonic()
         ports = {}
         for name in self.nodes:
             nd = self.node_dir(name)
             nd.mkdir(parents=True)
             (nd / "kmsg").touch()
+            write_sim_tools(nd / "bin", nd / "sim-gpus.json", gpus)
             port = free_ports()[0]
             ports[name] = port
             cfg = {
@@ -534,6 +539,8 @@ class Lab:
         )
 
     def _up_remediator(self) -> None:
+        from fleetheal.agent.simtools import validation_vars
+
         t0 = time.monotonic()
         rdir = self.dir / "remediator"
         (rdir / "reports").mkdir(parents=True)
@@ -541,18 +548,29 @@ class Lab:
         fd = os.open(rdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(token)
+        operator = secrets.token_hex(20)
+        fd = os.open(rdir / "operator-token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(operator)
         port = free_ports()[0]
-        inventory = rdir / "inventory"
-        inventory.write_text(
-            f"[fleetheal_control]\nlocalhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"
-        )
+        # The lab's nodes are hosts of the control machine (revalidation runs its checks "on the node"), and
+        # their checks are the simulated GPUs' tools (fleetheal.agent.simtools), each node its own.
+        local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+        inventory = rdir / "inventory.yml"
+        inventory.write_text(yaml.safe_dump({"all": {
+            "vars": validation_vars(self.dir / "nodes", int(self.meta["gpus"])),
+            "children": {
+                "fleetheal_control": {"hosts": {"localhost": local}},
+                "fleetheal_gpu_nodes": {"hosts": dict.fromkeys(self.nodes, local)},
+            },
+        }}, sort_keys=False))  # fmt: skip
         cfg = {
             "cluster": {
                 "name": CLUSTER,
                 "nodes": {n: f"rack-{'ab'[i % 2]}" for i, n in enumerate(self.nodes)},
             },
             "listen": {"host": "127.0.0.1", "port": port},
-            "auth": {"token_file": str(rdir / "token")},
+            "auth": {"token_file": str(rdir / "token"), "operator_token_file": str(rdir / "operator-token")},
             "store": {"path": str(rdir / "remediator.sqlite"), "synchronous": "NORMAL"},
             "runner": {
                 "playbook_dir": str(REPO / "playbooks"),
@@ -567,12 +585,19 @@ class Lab:
                     **LAB_SITE_VARS,
                     "fleetheal_kubeconfig": str(self.kubeconfig),
                     "fleetheal_report_dir": str(rdir / "reports"),
+                    # RESET_GPU resets a simulated GPU too.
+                    "fleetheal_nvidia_smi": str(self.dir / "nodes") + "/{{ fleetheal_node }}/bin/nvidia-smi",
                 },
             },
             "gate": {
                 "pause_file": str(rdir / "PAUSE"),
                 "budget": {"max_isolated": 2, "max_isolated_fraction": 0.5, "max_isolated_per_domain": 2,
                            "max_isolated_fraction_per_domain": 0.5},
+            },
+            "lifecycle": {
+                "standby_target": len(self.standby_nodes),
+                "report_dir": str(rdir / "lifecycle"),
+                "reconcile_interval_s": 2.0,
             },
         }  # fmt: skip
         self.remediator_config.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -655,6 +680,29 @@ class Lab:
         inj = inject(self.node_dir(node) / "sim-gpus.json", fault, gpu)
         return inj.id
 
+    def clear(self, node: str) -> int:
+        """The lab's repair: clear every fault injected on `node`; the number cleared."""
+        from fleetheal.agent.simulated import clear
+
+        if node not in self.nodes:
+            raise LabError(f"unknown node {node}; the lab's nodes are {', '.join(self.nodes)}")
+        return clear(self.node_dir(node) / "sim-gpus.json")
+
+    def fleetheal(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`fleetheal ARGS --config <the lab's remediator configuration>`, as an operator runs it."""
+        out = subprocess.run(
+            [*REMEDIATOR_CLI, *args, "--config", str(self.remediator_config)],
+            capture_output=True, text=True, timeout=120, check=False, env=self._agent_env(),
+        )  # fmt: skip
+        if check and out.returncode != 0:
+            raise LabError(f"fleetheal {' '.join(args)} failed: {(out.stderr or out.stdout).strip()}")
+        return out
+
+    def node_lifecycle(self, node: str) -> dict[str, Any]:
+        """`fleetheal nodes show NODE --json`: the node's state and its timeline."""
+        doc: dict[str, Any] = json.loads(self.fleetheal("nodes", "show", node, "--json").stdout)
+        return doc
+
     def submit_training(
         self,
         name: str = "train",
@@ -734,6 +782,22 @@ class Lab:
                     raise LabError(f"cannot read the remediator's incidents from {cfg.store.path}: {exc}") from exc
                 time.sleep(0.2 * (attempt + 1))
         return []
+
+    def node_states(self) -> dict[str, str]:
+        """Every lab node's lifecycle state, from the remediator's store (in this process: the demo polls)."""
+        from fleetheal.remediator.config import load
+        from fleetheal.remediator.store import Store
+
+        cfg = load(self.remediator_config)
+        states = dict.fromkeys(self.nodes, "active")
+        if not Path(cfg.store.path).exists():
+            return states
+        store = Store(cfg.store.path, cfg.store.synchronous)
+        try:
+            states.update({n.node: n.state for n in store.node_states()})
+        finally:
+            store.close()
+        return states
 
     def incident(self, ref: str) -> dict[str, Any]:
         out = subprocess.run(

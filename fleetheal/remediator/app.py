@@ -34,8 +34,9 @@ from aiohttp import web
 from fleetheal import steps
 from fleetheal import taxonomy as taxmod
 from fleetheal.remediator import alerts
-from fleetheal.remediator.config import Config, require_token
+from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
 from fleetheal.remediator.engine import Engine
+from fleetheal.remediator.lifecycle import LifecycleError
 from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
 from fleetheal.remediator.responder import FirstResponder
 from fleetheal.remediator.runner import AnsibleRunner, Runner
@@ -44,6 +45,8 @@ from fleetheal.remediator.store import IngestResult, Store, incident_ref
 log = logging.getLogger("fleetheal.remediator")
 
 WEBHOOK_PATH = "/webhook"
+#: The operators' node API: a node's repair is done (fleetheal nodes repaired NODE).
+NODE_REPAIRED_PATH = "/api/v1/nodes/{node}/repaired"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -275,6 +278,7 @@ class Service:
     ) -> None:
         self.cfg = cfg
         self._token = require_token(cfg).encode()
+        self._operator_token = operator_token(cfg)
         self.taxonomy = taxonomy or taxmod.load()
         self.store = Store(cfg.store.path, cfg.store.synchronous, clock)
         self.metrics = Metrics(self.store)
@@ -282,6 +286,7 @@ class Service:
         self.runner: Runner = runner if runner is not None else AnsibleRunner(cfg.runner, secrets=[cfg.token])
         responder = None
         dependencies = None
+        settings = None
         if self.ansible:  # the real playbooks act through Slurm and Kubernetes: wait for them before a retry
             settings = steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars)
             dependencies = steps.Dependencies(settings)
@@ -296,6 +301,7 @@ class Service:
             clock=clock,
             responder=responder,
             dependencies=dependencies.unavailable if dependencies is not None else None,
+            settings=settings,
         )
         self.metrics.attach_gate(self.engine.gate)
         self.ingest = GroupCommit(self.store, self._committed)
@@ -306,6 +312,7 @@ class Service:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.webhook.max_body_bytes, middlewares=[self._guard])
         app.router.add_post(WEBHOOK_PATH, self.webhook)
+        app.router.add_post(NODE_REPAIRED_PATH, self.node_repaired)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_handler)
         app.on_startup.append(self._on_startup)
@@ -343,12 +350,42 @@ class Service:
                 if request.path == WEBHOOK_PATH:
                     self.metrics.webhook(status, time.perf_counter() - t0)
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, request: web.Request, token: bytes | None = None) -> bool:
         header = request.headers.get("Authorization", "")
         scheme, _, credentials = header.partition(" ")
         if scheme.lower() != "bearer" or not credentials:
             return False
-        return hmac.compare_digest(credentials.strip().encode("utf-8", "replace"), self._token)
+        return hmac.compare_digest(credentials.strip().encode("utf-8", "replace"), token or self._token)
+
+    async def node_repaired(self, request: web.Request) -> web.Response:
+        """An operator reports a node's repair done (`fleetheal nodes repaired NODE`): revalidate it."""
+        if not self._operator_token:
+            return _error(403, "the node API is off: set auth.operator_token_file")
+        if not self._authorized(request, self._operator_token):
+            log.warning("node API: missing or wrong operator token", extra={"peer": request.remote})
+            return web.json_response(
+                {"error": "missing or wrong operator token"},
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="fleetheal-remediator-nodes"'},
+            )
+        node = request.match_info["node"]
+        lifecycle = self.engine.lifecycle
+        if lifecycle is None:
+            return _error(409, "the node lifecycle is off (lifecycle.enabled: false)")
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except ValueError:
+            return _error(400, "the body must be JSON")
+        by = str((body or {}).get("by") or "operator")[:100] if isinstance(body, dict) else "operator"
+        try:
+            said = lifecycle.repaired(node, f"{by} through the node API")
+        except LifecycleError as exc:
+            return _error(409, str(exc))
+        except sqlite3.Error as exc:
+            log.error("node API: cannot persist", extra={"error": str(exc)})
+            return _error(503, "cannot persist now; retry")
+        self.store.audit("repaired", said, node=node, facts={"source": "node_api", "by": by, "peer": request.remote})
+        return web.json_response({"node": node, "result": said, "state": lifecycle.state(node).state})
 
     async def webhook(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -517,6 +554,23 @@ async def listen(service: Service, runner: web.AppRunner) -> tuple[asyncio.Serve
     return server, f"{'https' if ctx is not None else 'http'}://{cfg.listen.host}:{port}"
 
 
+def operator_token(cfg: Config) -> bytes:
+    """The node API's token (b"" when auth.operator_token_file is unset); ConfigError when unusable."""
+    path = cfg.auth.operator_token_file
+    if not path:
+        return b""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except OSError as exc:
+        raise ConfigError(f"auth.operator_token_file: cannot read {path}: {exc.strerror}") from None
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(f"auth.operator_token_file: the token must have at least {MIN_TOKEN_LENGTH} characters")
+    if hmac.compare_digest(token.encode(), cfg.token.encode()):
+        raise ConfigError("auth.operator_token_file: use a token different from the webhook's")
+    return token.encode()
+
+
 async def run_service(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT; `ready` gets the URL once the socket listens. StartupError when it
     cannot start (nothing is left running then)."""
@@ -532,6 +586,8 @@ async def _serve(cfg: Config, ready: Callable[[str], None] | None) -> None:
         service = Service(cfg)
     except (sqlite3.Error, OSError) as exc:
         raise StartupError(f"cannot open the database {cfg.store.path}: {exc}") from None
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
     runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
     await runner.setup()
     try:

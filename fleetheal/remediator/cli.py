@@ -5,6 +5,9 @@
     fleetheal remediator release NODE             a human takes a node back from isolation/quarantine
     fleetheal incidents list [--state S]          recent incidents
     fleetheal incidents show ID                   one incident's timeline with the duration of each phase
+    fleetheal nodes list                          every node's lifecycle state
+    fleetheal nodes show NODE                     one node's lifecycle timeline (--json for the data)
+    fleetheal nodes repaired NODE                 its repair is done: revalidate it (operators' node API)
 
 Every command takes `--config FILE` (default: $FLEETHEAL_REMEDIATOR_CONFIG, else
 /etc/fleetheal/remediator.yaml). Heavy imports (aiohttp) happen inside the handlers.
@@ -72,6 +75,26 @@ def register(sub: Any) -> None:
     p.add_argument("id", help="incident id, e.g. inc-000042 or 42")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=show_incident)
+
+    nodes = sub.add_parser("nodes", help="node lifecycles: list, show, report a repair")
+    nsub = nodes.add_subparsers(dest="nodes_command", metavar="COMMAND", required=True)
+    p = nsub.add_parser("list", help="every node of the cluster and its lifecycle state")
+    _config_arg(p)
+    p.add_argument("--state", help="only nodes in this state")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=list_nodes)
+    p = nsub.add_parser("show", help="one node's lifecycle timeline: each transition and its cause")
+    _config_arg(p)
+    p.add_argument("node")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=show_node)
+    p = nsub.add_parser("repaired", help="report a node's repair done: the remediator revalidates it")
+    _config_arg(p)
+    p.add_argument("node")
+    p.add_argument("--by", default=os.environ.get("USER", "operator"), help="who repaired it (recorded)")
+    p.add_argument("--token-file", help="the operators' token (default: auth.operator_token_file of the configuration)")
+    p.add_argument("--url", help="the remediator's base URL (default: from listen.host and listen.port)")
+    p.set_defaults(func=repaired)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -163,8 +186,14 @@ def resume(args: argparse.Namespace) -> int:
 def release(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
-        if store.release(args.node, args.reason):
-            print(f"released {args.node}: it no longer counts against the isolation budget")
+        released = store.release(args.node, args.reason)
+        # A quarantined node goes back to awaiting repair: after the RMA, `fleetheal nodes repaired` sends it
+        # through revalidation like any repaired node.
+        back = store.transition(args.node, "awaiting_repair", f"released by an operator: {args.reason}",
+                                store.node_state(args.node).incident_id, expect=("quarantined",))  # fmt: skip
+        if released or back:
+            print(f"released {args.node}: it no longer counts against the isolation budget"
+                  + ("; it awaits repair (then `fleetheal nodes repaired`)" if back else ""))  # fmt: skip
             return 0
         print(f"{args.node} is not isolated", file=sys.stderr)
         return 1
@@ -293,4 +322,95 @@ def show_incident(args: argparse.Namespace) -> int:
         result = f" {e['result']}" if "result" in e else ""
         detail = f" - {e['detail']}" if e["detail"] else ""
         print(f"  +{_dur(offset):>8}  {e['kind']:<5} {e['what']}{result}{dur}{detail}")
+    return 0
+
+
+# --- nodes ------------------------------------------------------------------------------------------------
+
+
+def list_nodes(args: argparse.Namespace) -> int:
+    from fleetheal.remediator.store import NodeState
+
+    cfg = _load(args)
+    store = _store(args)
+    try:
+        known = {n.node: n for n in store.node_states()}
+    finally:
+        store.close()
+    rows = [known.get(node) or NodeState(node, "active", 0.0, None, "") for node in sorted(cfg.cluster.nodes)]
+    rows = [r for r in rows if not args.state or r.state == args.state]
+    if args.json:
+        print(json.dumps([{"node": r.node, "state": r.state, "since": r.since or None, "cause": r.cause} for r in rows],
+                         indent=2))  # fmt: skip
+        return 0
+    now = dt.datetime.now(dt.UTC).timestamp()
+    print(f"{'NODE':<20} {'STATE':<16} {'FOR':>8}  CAUSE")
+    for r in rows:
+        print(f"{r.node:<20} {r.state:<16} {_dur(now - r.since) if r.since else '-':>8}  {r.cause[:90]}")
+    return 0
+
+
+def show_node(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if args.node not in cfg.cluster.nodes:
+        raise UsageError(f"{args.node} is not a node of cluster {cfg.cluster.name} (cluster.nodes in {args.config})")
+    store = _store(args)
+    try:
+        state = store.node_state(args.node)
+        history = store.node_history(args.node)
+        incidents = [i.as_dict() for i in store.incidents(node=args.node, limit=20)]
+    finally:
+        store.close()
+    if args.json:
+        doc = {"node": args.node, "state": state.state, "since": state.since or None, "cause": state.cause,
+               "history": history, "incidents": incidents}  # fmt: skip
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{args.node}  {state.state}" + (f" since {_iso(state.since)}" if state.since else ""))
+    print("timeline:")
+    t0 = history[0]["ts"] if history else 0.0
+    for h in history:
+        print(f"  +{_dur(h['ts'] - t0):>8}  {h['from']} -> {h['to']}  ({h['incident'] or '-'}) {h['cause']}")
+    if not history:
+        print("  (never left active)")
+    return 0
+
+
+def repaired(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    cfg = _load(args)
+    path = args.token_file or cfg.auth.operator_token_file
+    if not path:
+        raise UsageError("give --token-file or set auth.operator_token_file: the node API needs the operators' token")
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read the operators' token {path}: {exc.strerror}") from exc
+    scheme = "https" if cfg.listen.tls_cert_file else "http"
+    base = args.url or f"{scheme}://{cfg.listen.host}:{cfg.listen.port}"
+    from urllib.parse import quote
+
+    request = urllib.request.Request(  # noqa: S310 - the operator's own remediator URL
+        f"{base.rstrip('/')}/api/v1/nodes/{quote(args.node, safe='')}/repaired",
+        data=json.dumps({"by": args.by}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - see above
+            doc = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            why = json.loads(exc.read()).get("error", exc.reason)
+        except ValueError:
+            why = exc.reason
+        print(f"fleetheal nodes repaired: {why} (HTTP {exc.code})", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"fleetheal nodes repaired: cannot reach the remediator at {base}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{doc['result']}; {args.node} is now {doc['state']}")
     return 0

@@ -91,6 +91,9 @@ class ListenConfig:
 class AuthConfig:
     #: File holding the bearer token (first line). FLEETHEAL_REMEDIATOR_TOKEN wins over it.
     token_file: str | None = None
+    #: File holding the operators' token for the node API (`fleetheal nodes repaired`), a different one
+    #: than Alertmanager's: whoever sends alerts cannot report repairs. Unset: the node API is off.
+    operator_token_file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -213,6 +216,25 @@ class GateConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LifecycleConfig:
+    """The node lifecycle after an action (lifecycle.py): repair, revalidation, the standby pool."""
+
+    #: Follow the taxonomy's lifecycle: revalidate after a reset or a reported repair, refill the pool.
+    enabled: bool = True
+    #: Nodes the warm-standby pool should hold (the stack's standby pool size). Revalidated nodes refill
+    #: it first; beyond it they rejoin service. Below it after that: the shortfall metric and alert.
+    standby_target: int = 0
+    #: Where repair requests and RMA reports are written (JSON, one file each).
+    report_dir: str = "/var/lib/fleetheal/lifecycle"
+    #: A ticketing webhook that receives each repair request and RMA report (POST, JSON); "" = none.
+    repair_webhook_url: str = ""
+    #: Bearer token for the repair webhook (a file; never logged).
+    repair_webhook_token_file: str | None = None
+    #: How often Slurm (the standby pool, promotions) and the Nodes' repair annotations are read.
+    reconcile_interval_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     listen: ListenConfig = dataclasses.field(default_factory=ListenConfig)
@@ -221,6 +243,7 @@ class Config:
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
     gate: GateConfig = dataclasses.field(default_factory=GateConfig)
+    lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
     #: The bearer token (never printed: repr=False).
     token: str = dataclasses.field(default="", repr=False, compare=False)
     #: Why the token could not be read (reported when the service starts).
@@ -243,6 +266,7 @@ _SECTIONS: dict[str, type] = {
     "store": StoreConfig,
     "runner": RunnerConfig,
     "gate": GateConfig,
+    "lifecycle": LifecycleConfig,
 }
 
 
@@ -398,6 +422,11 @@ def _check(cfg: Config) -> None:
         raise ConfigError("gate.lemon: threshold >= 1 and window_s > 0 are required")
     if g.max_requeues_per_job < 0 or g.recheck_interval_s <= 0:
         raise ConfigError("gate: max_requeues_per_job >= 0 and recheck_interval_s > 0 are required")
+    lc = cfg.lifecycle
+    if lc.standby_target < 0 or lc.reconcile_interval_s <= 0:
+        raise ConfigError("lifecycle: standby_target >= 0 and reconcile_interval_s > 0 are required")
+    if lc.repair_webhook_url and not lc.repair_webhook_url.startswith(("http://", "https://")):
+        raise ConfigError(f"lifecycle.repair_webhook_url: {lc.repair_webhook_url!r} is not an http(s) URL")
 
 
 def from_mapping(doc: Any, env: Mapping[str, str] | None = None, source: str = "<mapping>") -> Config:

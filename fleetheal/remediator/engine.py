@@ -37,9 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fleetheal import steps
 from fleetheal import taxonomy as taxmod
 from fleetheal.remediator.config import Config
 from fleetheal.remediator.gate import Gate, Verdict
+from fleetheal.remediator.lifecycle import Lifecycle
 from fleetheal.remediator.metrics import Metrics
 from fleetheal.remediator.responder import FirstResponder
 from fleetheal.remediator.runner import (
@@ -94,6 +96,7 @@ class Engine:
         sleep: Callable[[float], Any] = asyncio.sleep,
         responder: FirstResponder | None = None,
         dependencies: Callable[[], dict[str, str]] | None = None,
+        settings: steps.Settings | None = None,
     ) -> None:
         self.cfg = cfg
         self.responder = responder
@@ -126,11 +129,31 @@ class Engine:
         self._last_error = ""
         self._last_taken = time.monotonic()
         self._workers = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self.lifecycle: Lifecycle | None = None
+        if cfg.lifecycle.enabled:
+            kube = getattr(responder, "kube", None)  # the first responder's client, when there is one
+            if kube is None and settings is not None and settings.kubernetes:
+                kube = _lazy(lambda: steps.kube_for(settings))
+            self.lifecycle = Lifecycle(
+                cfg,
+                store,
+                self.taxonomy,
+                submit=self._submit_threadsafe,
+                slurm=steps.Slurm(settings) if settings is not None else None,
+                kube=kube,
+                settings=settings,
+                on_transition=metrics.node_left_state if metrics is not None else None,
+                clock=clock,
+            )
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
     async def start(self, workers: int = 16) -> None:
         """Resume unfinished incidents, then start the workers and the gate's tick."""
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         resumed = [inc.id for inc in self.store.unfinished() if inc.hold_reason is None]
         if resumed:
             log.info("resuming unfinished incidents", extra={"count": len(resumed)})
@@ -171,6 +194,14 @@ class Engine:
                 self._idle.clear()
                 self._quiet.clear()
                 self._queue.put_nowait(iid)
+
+    def _submit_threadsafe(self, incident_ids: Iterable[int]) -> None:
+        """`submit` from any thread (the lifecycle's reconcile runs in one)."""
+        ids = list(incident_ids)
+        if self._loop is not None and threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self.submit, ids)
+        else:
+            self.submit(ids)
 
     def resolved(self, incident_ids: Iterable[int]) -> None:
         """Alerts resolved: release finished isolations; held incidents are looked at again at once."""
@@ -306,15 +337,28 @@ class Engine:
 
     async def _ticker(self) -> None:
         next_prune = 0.0
+        next_reconcile = 0.0
         while True:
             await asyncio.sleep(self.cfg.gate.recheck_interval_s)
             try:
                 self.tick()
             except Exception:
                 log.exception("gate tick failed")
+            if self.lifecycle is not None and time.monotonic() >= next_reconcile:
+                next_reconcile = time.monotonic() + self.cfg.lifecycle.reconcile_interval_s
+                self._spawn(self.reconcile(), "lifecycle-reconcile")
             if time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + PRUNE_INTERVAL_S
                 self._spawn(self.prune_runs(), "prune-runs")
+
+    async def reconcile(self) -> None:
+        """The node lifecycle's look at Slurm and the Nodes (lifecycle.Lifecycle.reconcile), in a thread."""
+        if self.lifecycle is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.lifecycle.reconcile)
+        except Exception:
+            log.exception("lifecycle reconcile failed")
 
     async def prune_runs(self) -> list[str]:
         """Remove old run directories (runner.keep_runs_days, runner.keep_runs; runner.prune_run_dirs), in a
@@ -378,7 +422,14 @@ class Engine:
         step = self.store.start_step(inc.id, "classify")
         t0 = self.clock()
         fault = self.taxonomy.faults.get(inc.fault_id)
-        if fault is None or fault.action != inc.action or inc.node not in self.cfg.cluster.nodes:
+        # A follow-up (the node's lifecycle) carries the fault that took the node out: its action must be one
+        # the follow-up's action follows.
+        expected = (
+            self.taxonomy.actions[inc.action].follows
+            if inc.parent_id is not None and inc.action in self.taxonomy.actions
+            else (inc.action,)
+        )
+        if fault is None or fault.action not in expected or inc.node not in self.cfg.cluster.nodes:
             # The taxonomy or the cluster changed since the alert was accepted: never act on stale input.
             detail = f"{inc.fault_id} -> {inc.action} on {inc.node} is no longer valid (taxonomy or cluster changed)"
             self.store.end_step(step, "rejected", detail, (inc.id, "failed", {"outcome": detail}))
@@ -432,6 +483,13 @@ class Engine:
             step_id=step_id,
         )
         self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
+        if self.lifecycle is not None and not verdict.dry_run:
+            try:
+                self.lifecycle.allowed(inc)
+            except sqlite3.Error:
+                raise
+            except Exception:
+                log.exception("node lifecycle: transition failed", extra={"incident": inc.ref})
         return True
 
     async def _respond_first(self, inc: Incident) -> None:
@@ -676,6 +734,11 @@ class Engine:
         )
         if self.metrics is not None:
             self.metrics.incident_finished(fresh, self.clock())
+        if self.lifecycle is not None:
+            try:
+                self.lifecycle.finished(fresh)
+            except Exception:  # the incident is finished either way; the node's state waits for a human
+                log.exception("node lifecycle: transition failed", extra={"incident": inc.ref})
 
     def _observe_step(self, step: str, action: str, result: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -684,3 +747,17 @@ class Engine:
     def _count_decision(self, verdict: Verdict) -> None:
         if self.metrics is not None:
             self.metrics.decision(verdict.decision, verdict.reason_kind)
+
+
+def _lazy(build: Callable[[], Any]) -> Callable[[], Any]:
+    """`build()` once, on first call (a Kubernetes client costs a second to load)."""
+    made: list[Any] = []
+    lock = threading.Lock()
+
+    def get() -> Any:
+        with lock:
+            if not made:
+                made.append(build())
+            return made[0]
+
+    return get

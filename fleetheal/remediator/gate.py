@@ -11,7 +11,8 @@ A decision is one of
 Rules, in order:
 1. observe-only mode: record what would run, run nothing;
 2. pause switch: hold everything;
-3. alert already resolved: nothing to do;
+3. a follow-up of the node's lifecycle (lifecycle.py) runs only while the node is in the state its
+   action expects, and needs no budget; otherwise, an alert already resolved: nothing to do;
 4. quarantined node (a lemon): nothing runs on it until a human releases it;
 5. non-destructive actions: allowed, but a job is requeued at most `max_requeues_per_job` times;
 6. destructive actions (taxonomy `destructive: true`) on a node not yet isolated:
@@ -36,13 +37,7 @@ from fleetheal.remediator.config import Config
 from fleetheal.remediator.store import Incident, Store, incident_ref
 from fleetheal.taxonomy import Taxonomy
 
-#: Actions whose playbook requeues the affected Slurm job (see the taxonomy's action descriptions);
-#: the per-job retry limit applies to them.
-REQUEUE_ACTIONS = frozenset({"ISOLATE_AND_RELOCATE", "RESET_GPU", "RESTART_IN_PLACE"})
-
 _BREAKER_KEY = "breaker_open_since"
-#: The action that covers every other for a node: once it runs, later destructive alerts are duplicates.
-_STRONGEST = "ISOLATE_AND_RELOCATE"
 
 #: Low-cardinality reasons (metric label values).
 REASONS = (
@@ -57,6 +52,7 @@ REASONS = (
     "lemon",
     "retry_limit",
     "resolved",
+    "lifecycle",
 )
 
 
@@ -181,6 +177,8 @@ class Gate:
             return Verdict("deny", "observe", "observe_only", f"observe-only mode: would run {verb} on {node}")
         if self.cfg.paused():
             return Verdict("hold", "hold", "paused", "pause switch is on")
+        if incident.parent_id is not None:
+            return self._follow_up(incident)
         if incident.resolved_at is not None:
             return Verdict("deny", "deny", "resolved", "the alert resolved before anything ran; nothing to do")
         current = self.store.isolation(node)
@@ -193,7 +191,7 @@ class Gate:
             )
 
         job, job_note = incident.job_id, ""
-        if job and verb in REQUEUE_ACTIONS:
+        if job and action.requeues_job:
             done = self.store.job_requeues(job)
             if done >= g.max_requeues_per_job:
                 if not action.destructive:
@@ -217,7 +215,11 @@ class Gate:
             # One failure raises several alerts (Xid 79 and the GPU-lost counter; Xid 48 and the ECC
             # counters): acting on each would requeue the job and promote a standby twice. A stronger action
             # than the one under way (RESET_GPU, then ISOLATE_AND_RELOCATE) still runs.
-            if owner is not None and owner.id != incident.id and owner.action in (verb, _STRONGEST):
+            if (
+                owner is not None
+                and owner.id != incident.id
+                and (owner.action == verb or verb in self.taxonomy.actions[owner.action].supersedes)
+            ):
                 return Verdict(
                     "deny",
                     "deny",
@@ -275,6 +277,22 @@ class Gate:
             isolate=True,
             quarantine=quarantine,
         )
+
+    def _follow_up(self, incident: Incident) -> Verdict:
+        """A step of the node's lifecycle (lifecycle.py): it acts only while the node is in its action's
+        `acting` state, which the transition that started it set. It needs no budget (the node is out of
+        service already) and is never a storm arrival."""
+        node, verb = incident.node, incident.action
+        current = self.store.isolation(node)
+        if current is not None and current.quarantined:
+            return Verdict("deny", "deny", "quarantined", f"{node} is quarantined; {verb} does not run on it")
+        expected = self.taxonomy.actions[verb].lifecycle.acting
+        state = self.store.node_state(node).state
+        if state != expected:
+            return Verdict("deny", "deny", "lifecycle", f"{verb} runs on a node that is {expected}; {node} is {state}")
+        dry = self.cfg.gate.dry_run
+        word = "would run" if dry else "run"
+        return Verdict("allow", "would_run" if dry else "allow", "ok", f"{word} {verb} on {node} ({state})", "", dry)
 
     def facts(self, incident: Incident) -> dict[str, object]:
         """The numbers a decision was based on (stored with the audit record)."""

@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fleetheal.remediator.phases import PhaseMetrics
-from fleetheal.remediator.store import STATES, Incident, Store
+from fleetheal.remediator.store import ACTIVE, STATES, Incident, Store
 
 if TYPE_CHECKING:
     from fleetheal.remediator.gate import Gate
@@ -83,6 +83,27 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(f"{NS}_dry_run", "1 in dry-run mode.", int(g.dry_run))
         yield GaugeMetricFamily(f"{NS}_observe_only", "1 in observe-only mode.", int(g.observe_only))
         yield GaugeMetricFamily(f"{NS}_paused", "1 while the pause switch is on.", int(self.gate.cfg.paused()))
+        yield from self._lifecycle()
+
+    def _lifecycle(self) -> Iterator[Metric]:
+        assert self.gate is not None
+        cfg = self.gate.cfg
+        nodes = GaugeMetricFamily(f"{NS}_nodes", "Nodes by lifecycle state (docs/taxonomy.md).", labels=["state"])
+        counts: dict[str, int] = {}
+        for n in self.store.node_states():
+            if n.node in cfg.cluster.nodes:
+                counts[n.state] = counts.get(n.state, 0) + 1
+        counts[ACTIVE] = len(cfg.cluster.nodes) - sum(c for s, c in counts.items() if s != ACTIVE)
+        for state in self.gate.taxonomy.node_states:
+            nodes.add_metric([state], counts.get(state, 0))
+        yield nodes
+        target = cfg.lifecycle.standby_target
+        yield GaugeMetricFamily(f"{NS}_standby_target_nodes", "Nodes the warm-standby pool should hold.", target)
+        yield GaugeMetricFamily(
+            f"{NS}_standby_shortfall_nodes",
+            "Nodes the standby pool lacks against its target (alert FleethealStandbyShortfall).",
+            max(0, target - counts.get("standby", 0)),
+        )
 
 
 class Metrics:
@@ -177,6 +198,16 @@ class Metrics:
         )
         for reason in CONNECTION_CLOSE_REASONS:
             self.connections_closed.labels(reason)
+        self.node_state_seconds = Histogram(
+            f"{NS}_node_state_seconds",
+            "Time nodes spent in a lifecycle state, observed when they leave it.",
+            ["state"],
+            buckets=(*_RECOVERY_BUCKETS, 14400, 86400, 604800),
+            registry=r,
+        )
+        self.node_transitions = Counter(
+            f"{NS}_node_transitions_total", "Node lifecycle transitions.", ["from_state", "to_state"], registry=r
+        )
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
 
     def attach_gate(self, gate: Gate) -> None:
@@ -208,10 +239,16 @@ class Metrics:
         self.time_to_playbook.labels(inc.fault_class).observe(max(0.0, when - inc.starts_at_ts))
         self.receive_to_playbook.observe(max(0.0, when - inc.received_at))
 
+    def node_left_state(self, state: str, to_state: str, seconds: float | None) -> None:
+        if seconds is not None:  # None: the node was active since before the remediator knew it
+            self.node_state_seconds.labels(state).observe(seconds)
+        self.node_transitions.labels(state, to_state).inc()
+
     def incident_finished(self, inc: Incident, when: float) -> None:
         self.incidents_finished.labels(inc.fault_class, inc.action, inc.state).inc()
         self.phases.observe(inc, self.store.events(inc.id), when)
-        if inc.state == "done" and inc.decision in ("allow", "would_isolate", "would_run") and not inc.dry_run:
+        recovered = inc.state == "done" and inc.decision in ("allow", "would_isolate", "would_run")
+        if recovered and not inc.dry_run and inc.parent_id is None:  # a follow-up is not a recovery from a fault
             seconds = max(0.0, when - inc.starts_at_ts)
             self.time_to_recovery.labels(inc.fault_class, inc.action).observe(seconds)
             self.downtime.labels(inc.fault_class).inc(seconds)

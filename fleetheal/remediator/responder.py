@@ -1,10 +1,11 @@
 """The first responder: the latency-critical steps of an action, in-process, the moment the gate allows.
 
-Seconds matter only until the job runs again (DESIGN.md, "Where each step runs"). For the actions below
-the remediator does not wait for ansible-runner: it cordons and taints the Kubernetes node while it
-drains the Slurm node (the agent usually has), and then, concurrently, promotes a warm standby and sends
-every job on the node its grace signal at once, waits the grace period and requeues them all with one
-command.
+Seconds matter only until the job runs again (DESIGN.md, "Where each step runs"). For the taxonomy's
+`first_response: true` actions the remediator does not wait for ansible-runner. One that takes the node out
+(destructive) cordons and taints the Kubernetes node while it drains the Slurm node (the agent usually has),
+and then, concurrently, promotes a warm standby and sends every job on the node its grace signal at once,
+waits the grace period and requeues them all with one command; one that keeps the node requeues the job in
+place, on the same nodes.
 Then the engine starts the action's playbook for what may take minutes (evictions under PDBs, the pool
 label, the NodeSet record, the refill request); the playbook calls the same steps (`fleetheal.steps`,
 through the collection's modules), finds them done for this incident and goes on.
@@ -23,12 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fleetheal import contracts, steps
+from fleetheal import taxonomy as taxmod
 from fleetheal.remediator.store import Incident
 
 log = logging.getLogger("fleetheal.remediator.responder")
-
-#: Actions with a first response (the rest go straight to their playbook).
-ACTIONS = ("ISOLATE_AND_RELOCATE", "RESTART_IN_PLACE")
 
 
 class FirstResponder:
@@ -38,8 +37,12 @@ class FirstResponder:
         *,
         workers: int = 192,
         kube_factory: Callable[[steps.Settings], steps.Kube | None] = steps.kube_for,
+        taxonomy: taxmod.Taxonomy | None = None,
     ) -> None:
         self.settings = settings
+        #: Actions with a first response (the taxonomy's `first_response: true`); the rest go straight to
+        #: their playbook.
+        self.taxonomy = taxonomy or taxmod.load()
         self.slurm = steps.Slurm(settings)
         self._kube_factory = kube_factory
         self._kube: steps.Kube | None = None
@@ -55,11 +58,16 @@ class FirstResponder:
         self._kube_pool.shutdown(wait=False, cancel_futures=True)
 
     def handles(self, action: str) -> bool:
-        # A restart in place that only signals (`fleetheal_restart_mode: signal`) is one command the
-        # playbook sends; nothing in Slurm would tell the playbook it was sent already.
-        if action == "RESTART_IN_PLACE" and self.settings.restart_mode != "requeue":
+        a = self.taxonomy.actions.get(action)
+        if a is None or not a.first_response:
             return False
-        return action in ACTIONS
+        # A restart in place (an action that keeps its node) that only signals (`fleetheal_restart_mode:
+        # signal`) is one command the playbook sends; nothing in Slurm would tell the playbook it was sent.
+        return a.destructive or self.settings.restart_mode == "requeue"
+
+    def _in_place(self, action: str) -> bool:
+        """A first response that keeps the node (not destructive) requeues the job on the same nodes."""
+        return not self.taxonomy.actions[action].destructive
 
     def kube(self) -> steps.Kube | None:
         with self._kube_lock:
@@ -100,7 +108,7 @@ class FirstResponder:
         """Run the first response of `inc`'s action; each step's result goes to `record` as it ends."""
         dry = bool(inc.dry_run)
         job_id = inc.run_job_id or ""
-        if inc.action == "RESTART_IN_PLACE":
+        if self._in_place(inc.action):
             await self._requeue(inc, job_id, dry, record, same_nodes=True)
             return
         reason = contracts.drain_reason(inc.fault_id, inc.ref, inc.gpu or None)

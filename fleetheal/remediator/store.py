@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS incidents (
     updated_at    REAL NOT NULL,
     resolved_at   REAL,
     ends_at_ts    REAL,
+    parent_id     INTEGER,
     UNIQUE (fingerprint, starts_at)
 );
 CREATE INDEX IF NOT EXISTS incidents_state ON incidents(state);
@@ -112,6 +113,23 @@ CREATE TABLE IF NOT EXISTS job_requeues (
     ts           REAL NOT NULL,
     PRIMARY KEY (job_id, incident_id)
 );
+CREATE TABLE IF NOT EXISTS nodes (
+    node         TEXT PRIMARY KEY,
+    state        TEXT NOT NULL,
+    since        REAL NOT NULL,
+    incident_id  INTEGER,
+    cause        TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS node_history (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    node         TEXT NOT NULL,
+    ts           REAL NOT NULL,
+    from_state   TEXT NOT NULL,
+    to_state     TEXT NOT NULL,
+    incident_id  INTEGER,
+    cause        TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS node_history_node ON node_history(node, id);
 CREATE TABLE IF NOT EXISTS kv (
     key          TEXT PRIMARY KEY,
     value        TEXT NOT NULL
@@ -158,6 +176,8 @@ class Incident:
     updated_at: float
     resolved_at: float | None
     ends_at_ts: float | None
+    #: A follow-up of the node's lifecycle (REVALIDATE after a repair...): the incident it follows.
+    parent_id: int | None = None
 
     @property
     def ref(self) -> str:
@@ -182,6 +202,7 @@ class Incident:
             "received_at": self.received_at,
             "resolved_at": self.resolved_at,
             "fingerprint": self.fingerprint,
+            "follows": None if self.parent_id is None else incident_ref(self.parent_id),
         }
 
 
@@ -228,11 +249,31 @@ class Isolation:
     quarantined: bool
 
 
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """Where a node is in its lifecycle (a node never seen is `active`)."""
+
+    node: str
+    state: str
+    since: float
+    incident_id: int | None
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
+class FollowUp:
+    """An incident the lifecycle starts for a node: `action` after `parent`'s (REVALIDATE after a repair)."""
+
+    parent: Incident
+    action: str
+
+
+ACTIVE = "active"
+
 _INCIDENT_COLS = (
     "id, fingerprint, starts_at, starts_at_ts, cluster, node, gpu, fault_id, class, action, severity, job_id, "
     "alertname, state, decision, hold_reason, outcome, run_job_id, dry_run, budget_remaining, received_at, updated_at, "
-    "resolved_at, "
-    "ends_at_ts"
+    "resolved_at, ends_at_ts, parent_id"
 )
 _STEP_COLS = "id, incident_id, name, attempt, started_at, ended_at, result, detail, pid, pid_start, run_dir"
 
@@ -262,6 +303,9 @@ class Store:
         self._db.execute("PRAGMA foreign_keys=ON")
         with self._lock:
             self._db.executescript(SCHEMA)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(incidents)")}
+            if "parent_id" not in columns:  # a database from before node lifecycles
+                self._db.execute("ALTER TABLE incidents ADD COLUMN parent_id INTEGER")
 
     def close(self) -> None:
         with self._lock:
@@ -654,3 +698,116 @@ class Store:
             db.execute("DELETE FROM isolations WHERE node = ?", (node,))
             self.audit("release", reason, row[0], node=node, facts={"quarantined": bool(row[1])}, db=db)
             return True
+
+    # --- node lifecycles (lifecycle.py) ----------------------------------------------------------------
+
+    def node_state(self, node: str) -> NodeState:
+        rows = self._query("SELECT node, state, since, incident_id, cause FROM nodes WHERE node = ?", (node,))
+        return NodeState(*rows[0]) if rows else NodeState(node, ACTIVE, 0.0, None, "")
+
+    def node_states(self, state: str | None = None) -> list[NodeState]:
+        """Nodes that ever left `active` (the others are active), optionally only those in `state`."""
+        clause, args = ("WHERE state = ?", (state,)) if state else ("", ())
+        rows = self._query(f"SELECT node, state, since, incident_id, cause FROM nodes {clause} ORDER BY node", args)  # noqa: S608 - constant columns, bound values
+        return [NodeState(*r) for r in rows]
+
+    def node_history(self, node: str) -> list[dict[str, Any]]:
+        rows = self._query(
+            "SELECT ts, from_state, to_state, incident_id, cause FROM node_history WHERE node = ? ORDER BY id", (node,)
+        )
+        return [
+            {"ts": r[0], "from": r[1], "to": r[2], "incident": None if r[3] is None else incident_ref(r[3]),
+             "cause": r[4]}
+            for r in rows
+        ]  # fmt: skip
+
+    def transition(
+        self,
+        node: str,
+        to_state: str,
+        cause: str,
+        incident_id: int | None = None,
+        *,
+        expect: Sequence[str] | None = None,
+        follow_up: FollowUp | None = None,
+    ) -> tuple[NodeState, int | None] | None:
+        """Move `node` to `to_state` (recorded with its cause) and start `follow_up`, in one transaction.
+
+        None, changing nothing, when `expect` is given and the node is in none of those states: two
+        triggers racing for one node (a repair reported twice) start one follow-up. Returns the state
+        left and the follow-up incident's id.
+        """
+        now = self.clock()
+        with self.tx() as db:
+            row = db.execute(
+                "SELECT node, state, since, incident_id, cause FROM nodes WHERE node = ?", (node,)
+            ).fetchone()
+            before = NodeState(*row) if row else NodeState(node, ACTIVE, 0.0, None, "")
+            if expect is not None and before.state not in expect:
+                return None
+            db.execute(
+                "INSERT OR REPLACE INTO nodes (node, state, since, incident_id, cause) VALUES (?, ?, ?, ?, ?)",
+                (node, to_state, now, incident_id, cause),
+            )
+            db.execute(
+                "INSERT INTO node_history (node, ts, from_state, to_state, incident_id, cause) VALUES (?,?,?,?,?,?)",
+                (node, now, before.state, to_state, incident_id, cause),
+            )
+            new_id = None
+            if follow_up is not None:
+                p = follow_up.parent
+                starts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1e6) % 1_000_000:06d}Z"
+                cur = db.execute(
+                    "INSERT INTO incidents (fingerprint, starts_at, starts_at_ts, cluster, node, gpu, fault_id, class, "
+                    "action, severity, job_id, alertname, state, received_at, updated_at, resolved_at, parent_id) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,'','fleetheal:lifecycle','received',?,?,?,?)",
+                    (
+                        f"lifecycle:{node}:{follow_up.action}:{incident_ref(p.id)}",
+                        starts,
+                        now,
+                        p.cluster,
+                        node,
+                        p.gpu,
+                        p.fault_id,
+                        p.fault_class,
+                        follow_up.action,
+                        p.severity,
+                        now,
+                        now,
+                        now,  # no alert fires for a follow-up: "resolved" from the start
+                        p.id,
+                    ),
+                )
+                new_id = cur.lastrowid
+                db.execute(
+                    "INSERT INTO steps (incident_id, name, started_at, ended_at, result, detail) "
+                    "VALUES (?, 'receive', ?, ?, 'ok', ?)",
+                    (new_id, now, now, f"{follow_up.action} follows {incident_ref(p.id)}: {cause}"),
+                )
+            return before, new_id
+
+    def destructive_incidents_since(self, node: str, since: float, actions: Sequence[str]) -> list[Incident]:
+        """Incidents raised by alerts (not follow-ups) on `node` since `since` whose action is one of `actions`."""
+        if not actions:
+            return []
+        marks = ",".join("?" * len(actions))
+        rows = self._query(
+            f"SELECT {_INCIDENT_COLS} FROM incidents WHERE node = ? AND received_at >= ? AND parent_id IS NULL "  # noqa: S608 - constant columns, bound values
+            f"AND action IN ({marks}) ORDER BY id",
+            (node, since, *actions),
+        )
+        return [_incident(r) for r in rows]
+
+    def acting_on(self, node: str) -> bool:
+        """True while an incident on `node` is unfinished (its action may be changing the node)."""
+        rows = self._query("SELECT count(*) FROM incidents WHERE node = ? AND state NOT IN ('done', 'failed')", (node,))
+        return int(rows[0][0]) > 0
+
+    def set_quarantined(self, node: str, domain: str, incident_id: int) -> None:
+        """The node counts as quarantined at the gate (nothing runs on it until `release`)."""
+        with self.tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO isolations (node, domain, incident_id, since) VALUES (?, ?, ?, ?)",
+                (node, domain, incident_id, self.clock()),
+            )
+            db.execute("UPDATE isolations SET quarantined = 1 WHERE node = ?", (node,))

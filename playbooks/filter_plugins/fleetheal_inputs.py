@@ -29,11 +29,14 @@ def fleetheal_taxonomy(path: str) -> dict[str, Any]:
 
 
 def fleetheal_input_problem(
-    values: Mapping[str, Any], playbook_action: str, taxonomy_path: str, followups: Mapping[str, Any]
+    values: Mapping[str, Any], playbook_action: str, taxonomy_path: str, followups: Mapping[str, Any] | None = None
 ) -> str:
-    """Why the playbook must not run on `values` (the play's variables), or ""."""
+    """Why the playbook must not run on `values` (the play's variables), or "". The follow-up actions are the
+    taxonomy's (`fleetheal_followup_actions` in the generated vars/taxonomy.yml) unless `followups` is given."""
     given = {name: values.get(name) for name in PLAYBOOK_VARS if name in values}
-    return playbook_input_problem(given, fleetheal_taxonomy(taxonomy_path), followups or {}, str(playbook_action))
+    taxonomy = fleetheal_taxonomy(taxonomy_path)
+    followups = followups or taxonomy.get("fleetheal_followup_actions") or {}
+    return playbook_input_problem(given, taxonomy, followups, str(playbook_action))
 
 
 class FilterModule:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetheal import taxonomy
 from fleetheal.agent.config import AgentConfig, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +25,8 @@ def test_defaults_and_node_from_slurm():
     assert cfg.mode == "act"
     assert cfg.backend.kind == "nvml"
     assert cfg.fastpath.drain_actions == ("ISOLATE_AND_RELOCATE", "RESET_GPU")
+    # the default is the taxonomy's `fastpath: true` actions (policies/faults.yaml)
+    assert cfg.fastpath.drain_actions == cfg.fastpath.taint_actions == taxonomy.load().fastpath_actions()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.mode = "observe"  # type: ignore[misc]
 

@@ -136,9 +136,7 @@ GOOD = {
 def test_playbook_inputs_are_checked_in_order(change: dict[str, object], action: str, problem: str) -> None:
     """tasks/validate.yml asserts what contracts.playbook_input_problem finds: the first problem, or none."""
     tax = yaml.safe_load((REPO / "playbooks" / "vars" / "taxonomy.yml").read_text())
-    followups = yaml.safe_load((REPO / "playbooks" / "vars" / "remediation.yml").read_text())[
-        "fleetheal_followup_actions"
-    ]
+    followups = tax["fleetheal_followup_actions"]  # generated from the taxonomy's `follows`
     found = contracts.playbook_input_problem({**GOOD, **change}, tax, followups, action)
     assert found.startswith(problem) if problem else found == "", found
 

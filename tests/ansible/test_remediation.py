@@ -225,11 +225,12 @@ def test_observe_changes_nothing(slurm: SlurmCluster, playbooks: Playbooks, monk
     assert job_json(slurm, job)["restart_cnt"] == 0
 
 
-def _fixture_vars() -> dict[str, str]:
+def _fixture_vars() -> dict[str, str | list[str]]:
     return {
         "node_validation_nvidia_smi": str(FIXTURE_BIN / "nvidia-smi"),
         "node_validation_dcgmi": str(FIXTURE_BIN / "dcgmi"),
         "node_validation_nccl_binary": str(FIXTURE_BIN / "all_reduce_perf"),
+        "node_validation_burnin_argv": [str(FIXTURE_BIN / "dcgmproftester12"), "--no-dcgm-validation", "-d", "30"],
     }
 
 
@@ -278,7 +279,9 @@ def test_revalidate_pass_goes_to_standby_then_rejoins(slurm: SlurmCluster, playb
     assert rejoin.report["status"] == "done"
 
 
-def test_reset_gpu_returns_the_node_when_it_revalidates(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+def test_reset_gpu_leaves_the_node_drained_for_its_revalidation(slurm: SlurmCluster, playbooks: Playbooks) -> None:
+    """The reset ends with the node drained and owned: REVALIDATE follows (the remediator starts it at once),
+    and only a passed revalidation puts the node back, into the standby pool."""
     job, node = submit_running(slurm)
     extravars = playbooks.base_vars(
         fleetheal_node=node,
@@ -294,8 +297,12 @@ def test_reset_gpu_returns_the_node_when_it_revalidates(slurm: SlurmCluster, pla
     assert run.rc == 0, run.stdout[-4000:]
     assert "was successfully reset" in run.steps("gpu_reset")[0]["detail"]
     assert job_json(slurm, job)["restart_cnt"] == 1
-    assert [s["outcome"] for s in run.steps("slurm_resume")] == ["done"]
-    assert not slurm.node(node).drained
+    assert run.steps("slurm_resume") == [] and run.steps("revalidate") == []
+    assert slurm.node(node).drained and slurm.node(node).reason.startswith("fleetheal:xid-119 incident=inc-1")
+
+    revalidated = playbooks.run("revalidate.yml", dict(extravars, fleetheal_action="REVALIDATE"))
+    assert revalidated.rc == 0, revalidated.stdout[-4000:]
+    assert slurm.node(node).reason == "fleetheal:standby incident=inc-1"
 
 
 def test_reset_gpu_failure_leaves_the_node_drained_and_owned(slurm: SlurmCluster, playbooks: Playbooks) -> None:

@@ -1,6 +1,6 @@
 """The Kubernetes steps of the remediation playbooks against a real kube-apiserver.
 
-One control plane per module (etcd + kube-apiserver + kube-controller-manager built by `make tools`,
+One control plane per test session (fixture `kube` in conftest.py: etcd + kube-apiserver + kube-controller-manager built by `make tools`,
 `fleetheal.lab.controlplane`) with the Slinky, Kueue and prometheus-operator CRDs; every test also starts
 its own private Slurm (fixture `slurm`, nodes n1..n3). Each test gets fresh Node objects named like the
 Slurm nodes and its own namespace (the playbooks' `fleetheal_slurm_namespace`) holding:
@@ -23,13 +23,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fleetheal import contracts, steps
-from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built, tools_dir
+from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.remediator.responder import FirstResponder
 
@@ -49,18 +48,6 @@ STANDBY_TAINT = contracts.TAINT_STANDBY
 REPLACEMENT = contracts.K8S_PREFIX + "last-replacement"
 SLURMD = {"app.kubernetes.io/name": "slurmd", "app.kubernetes.io/instance": NODESET}
 AGENT = {"app.kubernetes.io/name": "fleetheal-agent"}
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Iterator[KubeControlPlane]:
-    if not tools_built():
-        pytest.fail(
-            f"etcd, kube-apiserver and kube-controller-manager are not built in {tools_dir()}: run `make tools` "
-            "(scripts/build-tools.sh kubernetes)"
-        )
-    with KubeControlPlane(tmp_path_factory.mktemp("kube")) as cp:
-        cp.install_crds(default_crds(shared))
-        yield cp
 
 
 class PodWatch:

@@ -82,3 +82,75 @@ def test_remediator_refuses_a_short_token(tmp_path: Path) -> None:
     )
     assert rc != 0
     assert "remediator_token must be at least 16 characters" in out
+
+
+NODE_VALIDATION_CHECKS = ["gpu_present", "gpu_count", "pcie_links", "dcgm_diag", "nccl_busbw", "burn_in"]
+
+
+def _sim_vars(tmp_path: Path, **extra: object) -> tuple[dict[str, object], Path, Path]:
+    """node_validation variables for a simulated 8-GPU node (fleetheal.agent.simtools)."""
+    from fleetheal.agent.simtools import write_sim_tools
+
+    state, report = tmp_path / "sim-gpus.json", tmp_path / "nv.json"
+    role_vars = write_sim_tools(tmp_path / "sim-bin", state, 8, burnin_seconds=0.2)
+    role_vars.update(node_validation_report_path=str(report), **extra)
+    return role_vars, state, report
+
+
+def test_node_validation_passes_a_healthy_simulated_node(tmp_path: Path) -> None:
+    role_vars, _, report = _sim_vars(tmp_path)
+    rc, out, _ = _run_role(tmp_path, "node_validation", role_vars)
+    assert rc == 0, out[-3000:]
+    result = json.loads(report.read_text())
+    assert result["passed"] is True
+    assert [(c["name"], c["passed"]) for c in result["checks"]] == [(n, True) for n in NODE_VALIDATION_CHECKS]
+    burn_in = result["checks"][-1]["detail"]
+    assert burn_in.startswith("exit 0 after ") and "fleetheal GPU simulator" in burn_in, burn_in
+
+
+def test_node_validation_fails_a_simulated_node_with_a_double_bit_ecc_error(tmp_path: Path) -> None:
+    from fleetheal.agent.simulated import inject
+
+    role_vars, state, report = _sim_vars(tmp_path)
+    inject(state, "xid-48", gpu=1)
+    rc, out, _ = _run_role(tmp_path, "node_validation", role_vars)
+    assert rc != 0
+    assert "Node validation failed on localhost: dcgm_diag: level 2: exit 226" in out
+    result = json.loads(report.read_text())
+    assert result["passed"] is False
+    assert [c["name"] for c in result["checks"] if not c["passed"]] == ["dcgm_diag"]
+
+
+def test_node_validation_counts_a_hung_burn_in_as_a_failure(tmp_path: Path) -> None:
+    """A thermal fault fails the burn-in; a burn-in past its timeout is killed and fails too, and the role
+    still reports (a task timeout must not end the play)."""
+    from fleetheal.agent.simtools import write_sim_tools
+    from fleetheal.agent.simulated import inject
+
+    role_vars, state, report = _sim_vars(tmp_path, node_validation_fail_on_error=False)
+    inject(state, "thermal-slowdown", gpu=5)
+    rc, out, _ = _run_role(tmp_path, "node_validation", role_vars)
+    assert rc == 0, out[-3000:]
+    (burn_in,) = [c for c in json.loads(report.read_text())["checks"] if not c["passed"]]
+    assert burn_in["name"] == "burn_in" and "GPU 5: clocks throttled by HW thermal slowdown" in burn_in["detail"]
+
+    slow = write_sim_tools(tmp_path / "slow-bin", state, 8, burnin_seconds=3)  # Ansible leaves it running
+    role_vars.update(
+        node_validation_burnin_argv=slow["node_validation_burnin_argv"], node_validation_burnin_timeout_s=1
+    )
+    (tmp_path / "project").rename(tmp_path / "project-1")
+    (tmp_path / "runner").rename(tmp_path / "runner-1")
+    rc, out, _ = _run_role(tmp_path, "node_validation", role_vars)
+    assert rc == 0, out[-3000:]
+    (burn_in,) = [c for c in json.loads(report.read_text())["checks"] if not c["passed"]]
+    assert burn_in["detail"].startswith("exit ? after 1 s (dcgmproftester12): ") and "Timed out" in burn_in["detail"]
+
+
+def test_node_validation_in_check_mode_measures_nothing_and_does_not_pass(tmp_path: Path) -> None:
+    role_vars, _, report = _sim_vars(tmp_path, node_validation_fail_on_error=False)
+    rc, out, _ = _run_role(tmp_path, "node_validation", role_vars, cmdline="--check")
+    assert rc == 0, out[-3000:]
+    assert "node validation FAIL on localhost" in out
+    for name in ("dcgm_diag", "nccl_busbw", "burn_in"):
+        assert f'"{name}: not run in check mode"' in out
+    assert "Run | burn-in load] ***" in out and not report.exists()

@@ -8,6 +8,7 @@ nothing it started is left.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, TAINT_UNHEALTHY
+from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY
 from fleetheal.lab.controlplane import tools_built
 from fleetheal.lab.demo import CHECKPOINT_EVERY, STEP_TIME, continuity, run_demo, run_scenarios
 from fleetheal.lab.lab import Lab, _cmdline
@@ -60,7 +61,7 @@ def scenarios(lab):
     lines: list[str] = []
     outcomes, watcher = run_scenarios(lab, lines.append)
     by_fault = {o.fault: o for o in outcomes}
-    assert [o.fault for o in outcomes] == ["xid-79", "xid-31", "nccl-timeout"], "\n".join(lines)
+    assert [o.fault for o in outcomes] == ["xid-79", "repair", "xid-31", "nccl-timeout", "lemon"], "\n".join(lines)
     return by_fault, watcher, "\n".join(lines)
 
 
@@ -86,20 +87,15 @@ def test_xid79_isolates_relocates_and_replaces(lab, scenarios):
     o = by_fault["xid-79"]
     assert o.ok, log
     node = o.node
-    # Slurm: the failed node stays drained with an owned reason naming the fault
-    info = lab.slurm().node(node)
-    assert info.drained
-    assert info.reason.startswith("fleetheal:xid-79"), info.reason
+    # (the node was isolated, then repaired and revalidated: test_the_loop_closes_for_the_isolated_node)
     # the job moved off it and resumed from its checkpoint, losing at most one checkpoint interval
     assert node not in o.details["new_nodes"]
     restart = continuity(watcher.run_dir)[0]
     assert restart["incident"] == o.details["incident"]
     assert 0 <= restart["lost"] <= STEPS_PER_CHECKPOINT, restart
-    # Kubernetes: cordoned, tainted, quarantined; the slurmd pod was evicted, the DaemonSet pod stays
+    # Kubernetes: cordoned and drained; the slurmd pod was evicted, the DaemonSet pod stays
     k = lab.k8s_nodes()[node]
     assert k["spec"]["unschedulable"] is True
-    assert any(t["key"] == TAINT_UNHEALTHY for t in k["spec"]["taints"])
-    assert k["metadata"]["labels"][LABEL_POOL] == "quarantine"
     assert _pods_on(lab, node) == [f"fleetheal-agent-{node}"]
     # a warm-standby node was promoted in both Slurm and Kubernetes
     promoted = o.details["promoted"]
@@ -122,6 +118,44 @@ def test_xid79_isolates_relocates_and_replaces(lab, scenarios):
         assert step in first, first
     changed = " ".join(e["detail"] for e in inc["timeline"] if e.get("what") == "task_changed")
     assert "cordon and drain" in changed, changed
+
+
+def test_the_loop_closes_for_the_isolated_node(lab, scenarios):
+    """isolated -> awaiting repair (a repair request) -> repaired -> revalidated -> the standby pool, which
+    the isolation had drawn on: refilled to its target by the revalidated node."""
+    by_fault, _, log = scenarios
+    o = by_fault["repair"]
+    assert o.ok, log
+    node = o.node
+    assert node == by_fault["xid-79"].node
+    # As the scenario left it (the lemon's isolation may since have promoted it: then it is active again).
+    assert o.details["slurm_reason"].startswith("fleetheal:standby"), o.details
+    assert o.details["k8s_pool"] == "standby"
+    history = [h for h in lab.node_lifecycle(node)["history"] if h["from"] != h["to"]]
+    assert [(h["from"], h["to"]) for h in history][:4] == [
+        ("active", "isolated"),
+        ("isolated", "awaiting_repair"),
+        ("awaiting_repair", "revalidating"),
+        ("revalidating", "standby"),
+    ]
+    assert [(h["from"], h["to"]) for h in history][4:] in ([], [("standby", "active")])
+    assert "lab-demo" in history[2]["cause"]
+    assert "burn_in" in history[3]["cause"] and "dcgm_diag" in history[3]["cause"]
+    request = json.loads(open(o.details["repair_request"]).read())
+    assert (request["node"], request["fault_id"]) == (node, "xid-79")
+    assert o.milestones["awaiting_repair"] < o.milestones["repaired"] < o.milestones["standby"]
+
+
+def test_a_lemon_is_quarantined_with_an_rma_report(lab, scenarios):
+    by_fault, _, log = scenarios
+    o = by_fault["lemon"]
+    assert o.ok, log
+    rma = o.details["rma"]
+    assert rma["node"] == o.node and rma["reason"].startswith("lemon: 3 GPU failures")
+    assert set(rma["faults"]["per_gpu"]) == {"0", "1", "2"}
+    info = lab.slurm().node(o.node)
+    assert info.drained and info.reason.startswith("fleetheal:quarantine"), info.reason
+    assert lab.node_states()[o.node] == "quarantined"
 
 
 def test_xid31_is_refused_and_explained(lab, scenarios):

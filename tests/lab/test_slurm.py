@@ -34,6 +34,19 @@ def test_parse_node_line_keeps_an_owned_reason_whole():
     assert node.fields["AllocTRES"] == ""
 
 
+def test_parse_node_line_separates_a_node_comment_from_the_reason():
+    """Slurm prints a node's Comment after its reason's `[user@time]` (a promoted standby carries one)."""
+    node = parse_node_line(
+        DRAINED_LINE.replace(
+            "Reason=fleetheal:xid-79 incident=inc-7 gpu=3 at=2026-11-29T18:48:04Z",
+            "Reason=fleetheal:quarantine incident=inc-6",
+        )
+        + " Comment=fleetheal: promoted for n2 incident=inc-1"
+    )
+    assert node.reason == "fleetheal:quarantine incident=inc-6"
+    assert node.fields["Comment"] == "fleetheal: promoted for n2 incident=inc-1"
+
+
 def test_parse_node_line_states_and_missing_reason():
     node = parse_node_line("NodeName=n1 State=DOWN*+NOT_RESPONDING Partitions=gpu")
     assert node.state == "DOWN"

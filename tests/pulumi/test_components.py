@@ -96,6 +96,7 @@ COMPONENTS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
             "token_secret": "tok",
             "nodes": {"n1": "fd0"},
             "dry_run": True,
+            "standby_target": 2,
         },
     ),
     "KueueQueues": (
@@ -315,6 +316,7 @@ def test_remediator_config_map_is_a_valid_remediator_config(run_mocked: Runner) 
     assert cfg.cluster.name == "c1" and dict(cfg.cluster.nodes) == {"n1": "fd0"}
     assert cfg.listen.port == 9105 and cfg.gate.dry_run is True
     assert cfg.auth.token_file == "/var/run/secrets/fleetheal/token"
+    assert cfg.lifecycle.standby_target == 2  # the stack's standby pools: the remediator refills them to this
 
 
 def test_container_commands_parse_with_the_real_fleetheal_cli(run_mocked: Runner) -> None:
