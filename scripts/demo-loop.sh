@@ -16,7 +16,9 @@ for i in $(seq 1 "$runs"); do
     verdict="FAILED (see $logs/run-$i.log)"
   fi
   summary=$(grep -E "^  (xid-79|nccl-timeout) " "$logs/run-$i.log" | awk '{printf "%s %s  ", $1, $5}')
-  echo "demo-loop: run $i of $runs $verdict in $((SECONDS - start)) s; running again after: ${summary:-n/a}"
+  loop=$(grep -E "^  repair " "$logs/run-$i.log" | grep -oE "[a-z_]+ [0-9.]+s after the fault \(revalidation [0-9.]+s\)")
+  echo "demo-loop: run $i of $runs $verdict in $((SECONDS - start)) s; running again after: ${summary:-n/a}" \
+    "loop closed: ${loop:-n/a}"
 done
 echo "demo-loop: $passed of $runs runs passed"
 [ "$passed" -eq "$runs" ]

@@ -85,7 +85,7 @@ class Lifecycle:
         self.settings = settings or steps.Settings()
         self.on_transition = on_transition
         self.clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # repairs and quarantines, one at a time
         self._destructive = tuple(n for n, a in taxonomy.actions.items() if a.destructive)
         #: States in which a destructive action runs on the node.
         self._busy = frozenset(
@@ -176,9 +176,9 @@ class Lifecycle:
         if lc.next and lc.trigger == "done":
             self._move(node, lc.done, cause + f"; {lc.next} at once", root.id, follow_up=FollowUp(root, lc.next))
             return
-        self._move(node, lc.done, cause, root.id)
-        if lc.next and lc.trigger == "repaired":
+        if lc.next and lc.trigger == "repaired":  # the request is out before anyone sees the node waiting
             self._report("repair", node, self._repair_request(node, root))
+        self._move(node, lc.done, cause, root.id)
 
     # --- repairs ---------------------------------------------------------------------------------------
 
@@ -254,24 +254,27 @@ class Lifecycle:
         return True
 
     def quarantine(self, node: str, inc: Incident, why: str) -> None:
+        """Quarantine `node`: the gate runs nothing on it, Slurm shows it, and its RMA report is out before
+        the node is seen quarantined."""
         root = self._root(inc)
-        self.store.set_quarantined(node, self.cfg.cluster.domain_of(node), root.id)
-        if self._move(node, QUARANTINED, why, root.id, expect=tuple(
-            s for s in self.taxonomy.node_states if s != QUARANTINED)) is False:  # fmt: skip
-            return
-        self._set_slurm_reason(node, f"{self.settings.quarantine_reason} incident={root.ref}")
-        self._report("rma", node, {
-            "kind": "rma",
-            "cluster": self.cfg.cluster.name,
-            "node": node,
-            "reason": why,
-            "incident": root.ref,
-            "quarantined_at": self.clock(),
-            "faults": self._faults(node),
-            "validation": self._validation_steps(inc),
-            "history": self.store.node_history(node),
-            "release": f"fleetheal remediator release {node}  (after the RMA; it then awaits repair again)",
-        })  # fmt: skip
+        with self._lock:
+            if self.state(node).state == QUARANTINED:
+                return
+            self.store.set_quarantined(node, self.cfg.cluster.domain_of(node), root.id)
+            self._set_slurm_reason(node, f"{self.settings.quarantine_reason} incident={root.ref}")
+            self._report("rma", node, {
+                "kind": "rma",
+                "cluster": self.cfg.cluster.name,
+                "node": node,
+                "reason": why,
+                "incident": root.ref,
+                "quarantined_at": self.clock(),
+                "faults": self._faults(node),
+                "validation": self._validation_steps(inc),
+                "history": self.store.node_history(node),
+                "release": f"fleetheal remediator release {node}  (after the RMA; it then awaits repair again)",
+            })  # fmt: skip
+            self._move(node, QUARANTINED, why, root.id)
 
     def _failures(self, node: str) -> list[Incident]:
         """The node's hardware failures in the lemon window: its destructive incidents, those on one GPU
