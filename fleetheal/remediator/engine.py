@@ -407,6 +407,9 @@ class Engine:
                 if not self._gate(inc):
                     return False  # held
             elif inc.state == "gated":
+                # The node takes the action's lifecycle state before the action starts (again on resume:
+                # the transition is idempotent), never after.
+                self._lifecycle_hook("allowed", inc)
                 self.store.set_state(iid, "acting")
             elif inc.state == "acting":
                 if detach:
@@ -483,13 +486,6 @@ class Engine:
             step_id=step_id,
         )
         self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
-        if self.lifecycle is not None and not verdict.dry_run:
-            try:
-                self.lifecycle.allowed(inc)
-            except sqlite3.Error:
-                raise
-            except Exception:
-                log.exception("node lifecycle: transition failed", extra={"incident": inc.ref})
         return True
 
     async def _respond_first(self, inc: Incident) -> None:
@@ -734,11 +730,24 @@ class Engine:
         )
         if self.metrics is not None:
             self.metrics.incident_finished(fresh, self.clock())
-        if self.lifecycle is not None:
-            try:
+        self._lifecycle_hook("finished", fresh)
+
+    def _lifecycle_hook(self, hook: str, inc: Incident) -> None:
+        """Tell the node lifecycle; a database error is retried like any (sqlite3.Error propagates), anything
+        else is logged: the incident goes on either way, and the lifecycle's reconcile catches up."""
+        if self.lifecycle is None:
+            return
+        fresh = self.store.get(inc.id) or inc
+        try:
+            if hook == "allowed":
+                if not fresh.dry_run:
+                    self.lifecycle.allowed(fresh)
+            else:
                 self.lifecycle.finished(fresh)
-            except Exception:  # the incident is finished either way; the node's state waits for a human
-                log.exception("node lifecycle: transition failed", extra={"incident": inc.ref})
+        except sqlite3.Error:
+            raise
+        except Exception:
+            log.exception("node lifecycle: transition failed", extra={"incident": inc.ref, "hook": hook})
 
     def _observe_step(self, step: str, action: str, result: str, seconds: float) -> None:
         if self.metrics is not None:

@@ -25,7 +25,8 @@ human releases them (`fleetheal remediator release NODE`, which sends them back 
 
 Slurm is the truth about the pool: `reconcile()` (every `lifecycle.reconcile_interval_s`) finds standby
 nodes promoted by an isolation (resumed in Slurm -> active) and drained standby nodes the store did not
-know (the initial pool), and exports the pool's size against its target.
+know (the initial pool); it also takes a lifecycle step an incident's end missed (the two are separate
+transactions: a remediator stopped between them leaves the node in its action's state).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ log = logging.getLogger("fleetheal.remediator.lifecycle")
 _PLAYBOOK_STEP = "playbook"
 #: Alerts on one GPU within this many seconds of each other are one failure (for the lemon count).
 FAILURE_CORRELATION_S = 60.0
+#: An incident finished this long ago whose lifecycle step is missing is taken up by the reconcile.
+CATCH_UP_AFTER_S = 5.0
 QUARANTINED = "quarantined"
 STANDBY = "standby"
 AWAITING_REPAIR = "awaiting_repair"
@@ -127,8 +130,9 @@ class Lifecycle:
         lc = self.taxonomy.actions[inc.action].lifecycle
         if inc.parent_id is not None or not lc.acting:
             return
-        if self.state(inc.node).state == QUARANTINED:
-            return
+        current = self.state(inc.node)
+        if current.state == QUARANTINED or (current.state == lc.acting and current.incident_id == inc.id):
+            return  # out for good, or moved already (a resumed incident)
         self._move(inc.node, lc.acting, f"{inc.ref}: {inc.action} for {inc.fault_id}", inc.id)
 
     def finished(self, inc: Incident) -> None:
@@ -318,7 +322,9 @@ class Lifecycle:
         return len(others) >= self.cfg.lifecycle.standby_target
 
     def reconcile(self) -> None:
-        """Read Slurm (promotions, the initial pool) and the Nodes' repair annotations. Runs in a thread."""
+        """Read Slurm (promotions, the initial pool) and the Nodes' repair annotations, and catch up with
+        incidents whose end the lifecycle missed. Runs in a thread."""
+        self._catch_up()
         if self.slurm is not None:
             try:
                 self._reconcile_slurm(self.slurm.sinfo())
@@ -329,6 +335,30 @@ class Lifecycle:
                 self._reconcile_annotations()
             except Exception as exc:
                 log.warning("lifecycle: cannot read the Nodes' annotations", extra={"error": str(exc)[:300]})
+
+    def _catch_up(self) -> None:
+        """A node still in a destructive action's state with nothing unfinished on it: the remediator stopped
+        between an incident's end and its lifecycle step (they are two transactions). Take that step now
+        (`finished` does nothing for an incident whose step was taken)."""
+        for st in self.store.node_states():
+            if st.state not in self._busy or st.incident_id is None or self.store.acting_on(st.node):
+                continue
+            mine = [i for i in self.store.incidents(node=st.node, limit=20) if st.incident_id in (i.id, i.parent_id)]
+            last = mine[0] if mine else None
+            if (
+                last is None
+                or last.state != "done"
+                or self.taxonomy.actions[last.action].lifecycle.acting != st.state
+                or self.clock() - last.updated_at < CATCH_UP_AFTER_S
+                or self._noted(st.node)  # its step was taken: a note that the node stays
+            ):
+                continue
+            log.info("node lifecycle: catching up", extra={"node": st.node, "incident": last.ref})
+            self.finished(last)
+
+    def _noted(self, node: str) -> bool:
+        history = self.store.node_history(node)
+        return bool(history) and history[-1]["from"] == history[-1]["to"]
 
     def _reconcile_slurm(self, sinfo: dict[str, Any]) -> None:
         standby_reason = self.settings.standby_reason

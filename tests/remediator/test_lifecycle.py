@@ -259,3 +259,36 @@ def test_the_repair_request_reaches_the_ticketing_webhook_with_its_token(tmp_pat
         "xid-79",
         cfg.cluster.name,
     )
+
+
+def test_a_lifecycle_step_missed_at_an_incidents_end_is_caught_up(tmp_path, monkeypatch):
+    """The incident's end and its lifecycle step are two transactions: a remediator stopped between them (or a
+    bug in the step) leaves the node isolated with nothing running; the reconcile takes the step."""
+    from fleetheal.remediator import lifecycle
+
+    monkeypatch.setattr(lifecycle, "CATCH_UP_AFTER_S", 0.0)
+    real = lifecycle.Lifecycle.finished
+    calls: list[int] = []
+
+    def flaky(self, inc):
+        calls.append(inc.id)
+        if len(calls) == 1:
+            raise RuntimeError("stopped here")
+        return real(self, inc)
+
+    monkeypatch.setattr(lifecycle.Lifecycle, "finished", flaky)
+
+    async def scenario(client, service):
+        resp = await client.post("/webhook", data=body(alert(node="gpu-001", fault_id="xid-79")), headers=_auth(TOKEN))
+        assert resp.status == 202
+        await service.engine.wait_idle()
+        for _ in range(100):
+            if service.store.node_state("gpu-001").state == "awaiting_repair":
+                break
+            await asyncio.sleep(0.05)
+        assert service.store.node_state("gpu-001").state == "awaiting_repair", service.store.node_history("gpu-001")
+        assert [h["to"] for h in service.store.node_history("gpu-001")] == ["isolated", "awaiting_repair"]
+
+    cfg = make_config(tmp_path, lifecycle={"report_dir": str(tmp_path / "lifecycle"), "reconcile_interval_s": 0.1})
+    _run(cfg, scenario)
+    assert len(calls) >= 2
