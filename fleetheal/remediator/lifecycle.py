@@ -340,8 +340,9 @@ class Lifecycle:
         """A node still in a destructive action's state with nothing unfinished on it: the remediator stopped
         between an incident's end and its lifecycle step (they are two transactions). Take that step now
         (`finished` does nothing for an incident whose step was taken)."""
+        busy = self.store.nodes_acted_on()
         for st in self.store.node_states():
-            if st.state not in self._busy or st.incident_id is None or self.store.acting_on(st.node):
+            if st.state not in self._busy or st.incident_id is None or st.node in busy:
                 continue
             mine = [i for i in self.store.incidents(node=st.node, limit=20) if st.incident_id in (i.id, i.parent_id)]
             last = mine[0] if mine else None
@@ -361,15 +362,18 @@ class Lifecycle:
         return bool(history) and history[-1]["from"] == history[-1]["to"]
 
     def _reconcile_slurm(self, sinfo: dict[str, Any]) -> None:
+        # One read of the store per reconcile, not per node (25,000 nodes every few seconds).
         standby_reason = self.settings.standby_reason
+        known = {n.node: n for n in self.store.node_states()}
+        busy = self.store.nodes_acted_on()  # an action is changing these (a REJOIN resumes one): its end decides
         for node in self.cfg.cluster.nodes:
+            if node in busy:
+                continue
             info = steps.slurm_node(sinfo, node)
             if not info.get("found"):
                 continue
             in_pool = bool(info["drained"]) and str(info["reason"]).startswith(standby_reason)
-            state = self.state(node)
-            if self.store.acting_on(node):  # an action is changing it (a REJOIN resumes it): its end decides
-                continue
+            state = known.get(node) or NodeState(node, ACTIVE, 0.0, None, "")
             if state.state == STANDBY and not info["drained"]:
                 self._move(node, ACTIVE, "promoted: resumed in Slurm", state.incident_id, expect=(STANDBY,))
             elif state.state == ACTIVE and in_pool:
@@ -487,4 +491,5 @@ class Lifecycle:
             except OSError as exc:
                 log.warning("lifecycle: report not sent", extra={"node": node, "kind": kind, "attempt": attempt + 1,
                                                                  "error": str(exc)[:200]})  # fmt: skip
-                time.sleep(2**attempt)
+                if attempt < 2:
+                    time.sleep(2**attempt)

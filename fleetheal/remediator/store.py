@@ -798,10 +798,9 @@ class Store:
         )
         return [_incident(r) for r in rows]
 
-    def acting_on(self, node: str) -> bool:
-        """True while an incident on `node` is unfinished (its action may be changing the node)."""
-        rows = self._query("SELECT count(*) FROM incidents WHERE node = ? AND state NOT IN ('done', 'failed')", (node,))
-        return int(rows[0][0]) > 0
+    def nodes_acted_on(self) -> set[str]:
+        """Nodes with an unfinished incident (its action may be changing the node)."""
+        return {r[0] for r in self._query("SELECT DISTINCT node FROM incidents WHERE state NOT IN ('done', 'failed')")}
 
     def set_quarantined(self, node: str, domain: str, incident_id: int) -> None:
         """The node counts as quarantined at the gate (nothing runs on it until `release`)."""
