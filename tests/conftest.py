@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built, tools_dir
+from fleetheal.lab.postgres import Postgres, PostgresError
 
 # The Pulumi tests run gRPC servers in this process (the Automation API's language host), and gRPC's
 # event engine then takes part in every fork: now and then (3 in 1,000 pexpect spawns, measured) the child
@@ -29,3 +36,53 @@ def shared() -> Path:
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Iterator[KubeControlPlane]:
+    """One real control plane for the session (etcd, kube-apiserver, kube-controller-manager built by
+    `make tools`) with the Slinky, Kueue and prometheus-operator CRDs; tests make their own objects."""
+    if not tools_built():
+        pytest.fail(
+            f"etcd, kube-apiserver and kube-controller-manager are not built in {tools_dir()}: run `make tools` "
+            "(scripts/build-tools.sh kubernetes)"
+        )
+    with KubeControlPlane(tmp_path_factory.mktemp("kube")) as cp:
+        cp.install_crds(default_crds(shared))
+        yield cp
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Postgres]:
+    """One real PostgreSQL for the session (Debian's package, on loopback, in a temporary directory that
+    the `postgres` user can reach when the tests run as root); tests take a database each (`pg_url`)."""
+    base = tempfile.mkdtemp(prefix="fleetheal-pg-")
+    server: Postgres | None = None
+    try:
+        try:
+            server = Postgres(base)
+            server.start()
+        except PostgresError as exc:
+            pytest.fail(str(exc))
+        yield server
+    finally:
+        if server is not None:
+            server.drop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def pg_url(postgres_server: Postgres) -> Iterator[str]:
+    """A fresh, empty database on the session's PostgreSQL (dropped after the test, connections and all)."""
+    import psycopg
+    from psycopg import sql
+
+    name = f"test_{uuid.uuid4().hex[:16]}"
+    admin = postgres_server.url(database="postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield postgres_server.url(database=name)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

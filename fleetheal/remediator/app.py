@@ -21,9 +21,9 @@ import json
 import logging
 import os
 import signal
-import sqlite3
 import ssl
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +36,12 @@ from fleetheal import taxonomy as taxmod
 from fleetheal.remediator import alerts
 from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
 from fleetheal.remediator.engine import Engine
+from fleetheal.remediator.leader import LeaderElector, Probe
 from fleetheal.remediator.lifecycle import LifecycleError
 from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
 from fleetheal.remediator.responder import FirstResponder
-from fleetheal.remediator.runner import AnsibleRunner, Runner
-from fleetheal.remediator.store import IngestResult, Store, incident_ref
+from fleetheal.remediator.runner import AnsibleRunner, Runner, kill_leftovers
+from fleetheal.remediator.store import IngestResult, Store, StoreError, incident_ref
 
 log = logging.getLogger("fleetheal.remediator")
 
@@ -280,32 +281,111 @@ class Service:
         self._token = require_token(cfg).encode()
         self._operator_token = operator_token(cfg)
         self.taxonomy = taxonomy or taxmod.load()
-        self.store = Store(cfg.store.path, cfg.store.synchronous, clock)
+        self.clock = clock
+        self.store = Store(cfg.store.path, cfg.store.synchronous, clock, url=cfg.store.url())
         self.metrics = Metrics(self.store)
         self.ansible = runner is None
         self.runner: Runner = runner if runner is not None else AnsibleRunner(cfg.runner, secrets=[cfg.token])
-        responder = None
-        dependencies = None
-        settings = None
+        self._settings: steps.Settings | None = None
         if self.ansible:  # the real playbooks act through Slurm and Kubernetes: wait for them before a retry
-            settings = steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars)
-            dependencies = steps.Dependencies(settings)
-            if cfg.runner.first_response:
-                responder = FirstResponder(settings)
-        self.engine = Engine(
-            cfg,
+            self._settings = steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars)
+        self.engine = self._new_engine()
+        self.ingest = GroupCommit(self.store, self._committed)
+        self.connections = ConnectionGuard(cfg.listen.max_connections, cfg.listen.header_timeout_s, self.metrics)
+        #: Leader election (several replicas on a shared store): None when off (this process always acts).
+        self.elector: LeaderElector | None = None
+        self._roles: asyncio.Queue[bool] | None = None
+        self._roles_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._elector_stop = threading.Event()
+        self._elector_thread: threading.Thread | None = None
+        if cfg.leader_election.enabled:
+            self.store.follow()
+            self.elector = LeaderElector(
+                cfg.leader_election,
+                on_lead=lambda: self._role(True),
+                on_stop=self._fence,
+                store_ok=Probe(self.store.prober(), timeout_s=cfg.leader_election.retry_period_s * 2).ok,
+            )
+        self.metrics.set_leader(self.elector is None)
+
+    def _new_engine(self) -> Engine:
+        responder = dependencies = None
+        if self._settings is not None:
+            dependencies = steps.Dependencies(self._settings)
+            if self.cfg.runner.first_response:
+                responder = FirstResponder(self._settings)
+        engine = Engine(
+            self.cfg,
             self.store,
             self.runner,
             self.taxonomy,
             metrics=self.metrics,
-            clock=clock,
+            clock=self.clock,
             responder=responder,
             dependencies=dependencies.unavailable if dependencies is not None else None,
-            settings=settings,
+            settings=self._settings,
         )
-        self.metrics.attach_gate(self.engine.gate)
-        self.ingest = GroupCommit(self.store, self._committed)
-        self.connections = ConnectionGuard(cfg.listen.max_connections, cfg.listen.header_timeout_s, self.metrics)
+        engine.on_fenced = self._fenced
+        if self.cfg.leader_election.enabled:
+            engine.may_act = lambda: self.elector is not None and self.elector.leading
+        self.metrics.attach_gate(engine.gate)
+        return engine
+
+    @property
+    def leading(self) -> bool:
+        return self.elector is None or self.elector.leading
+
+    # --- leadership ------------------------------------------------------------------------------------
+
+    def _role(self, lead: bool) -> None:
+        """From the elector's thread: queue a change of role for the loop (`_roles_loop`)."""
+        if self._loop is not None and self._roles is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the service is gone
+                self._loop.call_soon_threadsafe(self._roles.put_nowait, lead)
+
+    def _fence(self, reason: str) -> None:
+        """In the elector's thread, before the lease can pass to another replica: nothing of this replica
+        acts any more, without waiting for the event loop (it may be stuck in a database call)."""
+        self.store.follow()  # the state machine's writes are refused from now on
+        self.engine.abandon()
+        left = kill_leftovers(self.cfg.runner.run_dir)  # every playbook process of this replica
+        if left:
+            log.error("playbook processes survive SIGKILL", extra={"pids": left})
+        self.metrics.set_leader(False)
+        self._role(False)
+
+    def _fenced(self, reason: str) -> None:
+        """The store refused a write: another replica took the lead while this one did not notice."""
+        if self.elector is not None:
+            self.elector.demand_step_down(reason)
+
+    async def _roles_loop(self) -> None:
+        assert self._roles is not None
+        loop = asyncio.get_running_loop()
+        leading = False
+        while True:
+            lead = await self._roles.get()
+            if lead and not leading:
+                assert self.elector is not None
+                try:
+                    epoch = await loop.run_in_executor(None, self.store.take_leadership, self.elector.identity)
+                except StoreError as exc:
+                    log.error("cannot take the lead in the database", extra={"error": str(exc)[:200]})
+                    self.elector.demand_step_down(f"database: {exc}")
+                    continue
+                if not self.elector.leading:  # the lease went while the epoch was being written
+                    self.store.follow()
+                    continue
+                leading = True
+                self.metrics.set_leader(True)
+                log.info("leading: resuming the incidents", extra={"epoch": epoch, "identity": self.elector.identity})
+                await self.engine.start()
+            elif not lead and leading:
+                leading = False
+                old, self.engine = self.engine, self._new_engine()
+                await old.stop(grace_s=0)
+                log.info("following", extra={"identity": self.elector.identity if self.elector else ""})
 
     # --- the application -------------------------------------------------------------------------------
 
@@ -320,13 +400,29 @@ class Service:
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
-        await self.engine.start()
+        self._loop = asyncio.get_running_loop()
+        if self.elector is None:
+            await self.engine.start()
+        else:
+            self._roles = asyncio.Queue()
+            self._roles_task = asyncio.create_task(self._roles_loop(), name="roles")
+            self._elector_thread = threading.Thread(
+                target=self.elector.run, args=(self._elector_stop,), name="leader-election", daemon=True
+            )
+            self._elector_thread.start()
         if isinstance(self.runner, AnsibleRunner):
             # Import ansible_runner in the background so the first alert does not pay for it.
             asyncio.get_running_loop().run_in_executor(None, self.runner.warm_up)
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        await self.engine.stop()
+        if self._elector_thread is not None:
+            if self._roles_task is not None:
+                self._roles_task.cancel()
+            await self.engine.stop()  # playbooks get their grace before the lease is released
+            self._elector_stop.set()
+            await asyncio.get_running_loop().run_in_executor(None, self._elector_thread.join, 10.0)
+        else:
+            await self.engine.stop()
         self.ingest.close()
         self.store.close()
 
@@ -369,6 +465,9 @@ class Service:
                 headers={"WWW-Authenticate": 'Bearer realm="fleetheal-remediator-nodes"'},
             )
         node = request.match_info["node"]
+        if not self.leading:
+            leader = self.elector.holder if self.elector is not None else ""
+            return _error(503, "this replica does not lead; retry (the Service reaches the leader)", leader=leader)
         lifecycle = self.engine.lifecycle
         if lifecycle is None:
             return _error(409, "the node lifecycle is off (lifecycle.enabled: false)")
@@ -381,7 +480,7 @@ class Service:
             said = lifecycle.repaired(node, f"{by} through the node API")
         except LifecycleError as exc:
             return _error(409, str(exc))
-        except sqlite3.Error as exc:
+        except StoreError as exc:
             log.error("node API: cannot persist", extra={"error": str(exc)})
             return _error(503, "cannot persist now; retry")
         self.store.audit("repaired", said, node=node, facts={"source": "node_api", "by": by, "peer": request.remote})
@@ -430,7 +529,7 @@ class Service:
             log.warning("webhook: Alertmanager truncated alerts", extra={"truncated": payload.truncated_alerts})
         try:
             result = await self.ingest.ingest(payload.alerts)
-        except sqlite3.Error as exc:
+        except StoreError as exc:
             log.error("webhook: cannot persist", extra={"error": str(exc)})
             return _error(503, "cannot persist the alerts now; retry")
         return web.json_response(
@@ -449,15 +548,16 @@ class Service:
         self.metrics.alerts("duplicate", result.duplicates)
         self.metrics.alerts("resolved", len(result.resolved))
         self.metrics.alerts("resolved_unknown", result.resolved_unknown)
-        self.engine.submit(result.created)
-        self.engine.resolved(result.resolved)
+        if self.leading:  # a follower only persists: the leader polls the shared store
+            self.engine.submit(result.created)
+            self.engine.resolved(result.resolved)
 
     async def healthz(self, request: web.Request) -> web.Response:
         """200 while the database answers and incidents move; 503 with the reasons otherwise."""
         try:
             unfinished = len(self.store.unfinished())
             held = self.store.held_count()
-        except sqlite3.Error as exc:
+        except StoreError as exc:
             return _error(503, f"database: {exc}")
         degraded = self.engine.health()
         return web.json_response(
@@ -465,6 +565,8 @@ class Service:
                 "status": "degraded" if degraded else "ok",
                 "degraded": degraded,
                 "cluster": self.cfg.cluster.name,
+                "role": "leader" if self.leading else "follower",
+                "leader": self.elector.holder if self.elector is not None else None,
                 "unfinished_incidents": unfinished,
                 "queue_depth": held,
                 "breaker_open": self.engine.gate.breaker_open(),
@@ -574,18 +676,22 @@ def operator_token(cfg: Config) -> bytes:
 async def run_service(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT; `ready` gets the URL once the socket listens. StartupError when it
     cannot start (nothing is left running then)."""
-    lock = instance_lock(cfg.store.path)
+    # SQLite: one process per database file. A shared PostgreSQL store has replicas; the Lease and the
+    # store's fencing epoch keep all but one from acting.
+    lock = None if cfg.store.url_file else instance_lock(cfg.store.path)
     try:
         await _serve(cfg, ready)
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 async def _serve(cfg: Config, ready: Callable[[str], None] | None) -> None:
     try:
         service = Service(cfg)
-    except (sqlite3.Error, OSError) as exc:
-        raise StartupError(f"cannot open the database {cfg.store.path}: {exc}") from None
+    except (StoreError, OSError) as exc:
+        where = "PostgreSQL (store.url_file)" if cfg.store.url_file else cfg.store.path
+        raise StartupError(f"cannot open the database {where}: {exc}") from None
     except ConfigError as exc:
         raise StartupError(str(exc)) from None
     runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -108,10 +109,49 @@ class WebhookConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoreConfig:
-    #: SQLite database (WAL mode).
+    #: SQLite database (WAL mode): the embedded default, for one remediator.
     path: str = "/var/lib/fleetheal/remediator.sqlite"
     #: SQLite `synchronous`: FULL makes a 202 survive power loss, NORMAL only a process crash.
     synchronous: str = "FULL"
+    #: PostgreSQL instead of SQLite: a file holding the libpq URI (postgresql://user:password@host/db;
+    #: a Secret's mount). The store replicas share; it needs leader_election.
+    url_file: str | None = None
+
+    def url(self) -> str | None:
+        """The PostgreSQL URI from `url_file` (None: SQLite); ConfigError when it cannot be read."""
+        if not self.url_file:
+            return None
+        try:
+            with open(self.url_file, encoding="utf-8") as f:
+                url = f.readline().strip()
+        except OSError as exc:
+            raise ConfigError(f"store.url_file: cannot read {self.url_file}: {exc.strerror}") from None
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError(f"store.url_file: {self.url_file} must hold a postgresql:// URI")
+        return url
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaderElectionConfig:
+    """Several replicas, one acting (leader.py): a coordination.k8s.io Lease elects the leader."""
+
+    enabled: bool = False
+    namespace: str = "fleetheal-system"
+    lease_name: str = "fleetheal-remediator"
+    #: This replica's name in the Lease; "" = $POD_NAME, else the host name and PID.
+    identity: str = ""
+    #: A follower takes the lease when the leader has not renewed it for this long (after a SIGKILL,
+    #: failover takes about this plus retry_period_s).
+    lease_duration_s: float = 6.0
+    #: A leader that could not renew for this long stops acting (before anyone else may take the lease).
+    renew_deadline_s: float = 4.0
+    #: How often the lease is renewed, or tried by followers.
+    retry_period_s: float = 1.0
+    #: kubeconfig file; "" = the pod's service account (in-cluster).
+    kubeconfig: str = ""
+
+    def holder(self) -> str:
+        return self.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -244,6 +284,7 @@ class Config:
     runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
     gate: GateConfig = dataclasses.field(default_factory=GateConfig)
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
+    leader_election: LeaderElectionConfig = dataclasses.field(default_factory=LeaderElectionConfig)
     #: The bearer token (never printed: repr=False).
     token: str = dataclasses.field(default="", repr=False, compare=False)
     #: Why the token could not be read (reported when the service starts).
@@ -267,6 +308,7 @@ _SECTIONS: dict[str, type] = {
     "runner": RunnerConfig,
     "gate": GateConfig,
     "lifecycle": LifecycleConfig,
+    "leader_election": LeaderElectionConfig,
 }
 
 
@@ -379,6 +421,19 @@ def _check(cfg: Config) -> None:
         raise ConfigError("webhook: max_body_bytes must be >= 1024 and max_alerts >= 1")
     if not cfg.webhook.body_timeout_s > 0:
         raise ConfigError(f"webhook.body_timeout_s: {cfg.webhook.body_timeout_s} must be > 0")
+    le = cfg.leader_election
+    if cfg.store.url_file and not le.enabled:
+        raise ConfigError(
+            "store.url_file: a shared PostgreSQL store needs leader_election.enabled: true (one replica acts)"
+        )
+    if le.enabled:
+        if not (le.lease_duration_s > le.renew_deadline_s > le.retry_period_s > 0):
+            raise ConfigError(
+                "leader_election: lease_duration_s > renew_deadline_s > retry_period_s > 0 is required "
+                f"(got {le.lease_duration_s:g}, {le.renew_deadline_s:g}, {le.retry_period_s:g})"
+            )
+        if not is_node_name(le.namespace) or not is_node_name(le.lease_name):
+            raise ConfigError("leader_election: namespace and lease_name must be RFC 1123 names")
     if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
         raise ConfigError(f"store.synchronous: {cfg.store.synchronous!r} is not one of FULL, NORMAL, EXTRA")
     r = cfg.runner

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import sys
 import threading
 import time
@@ -56,7 +55,7 @@ from fleetheal.remediator.runner import (
     prune_run_dirs,
     run_dir_for,
 )
-from fleetheal.remediator.store import TERMINAL, Incident, Step, Store
+from fleetheal.remediator.store import TERMINAL, Incident, NotLeader, Step, Store, StoreError
 
 log = logging.getLogger("fleetheal.remediator.engine")
 
@@ -81,6 +80,8 @@ DEPENDENCY_POLL_S = 5.0
 DEPENDENCY_WAIT_MAX_S = 3600.0
 #: Old run directories are pruned at the first tick after start-up, then this often (prune_runs).
 PRUNE_INTERVAL_S = 3600.0
+#: With a shared store (several replicas), how often the leader looks for what the followers persisted.
+POLL_S = 0.25
 
 
 class Engine:
@@ -131,6 +132,13 @@ class Engine:
         self._workers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
+        #: Called (in the loop) when the store refused a write because another replica leads now.
+        self.on_fenced: Callable[[str], None] | None = None
+        #: False when this replica may not start an action now (its lease is not fresh); None: always may.
+        self.may_act: Callable[[], bool] | None = None
+        #: Watermarks of what the followers persisted (shared store): incident and event ids seen.
+        self._seen_incident = 0
+        self._seen_event = 0
         self.lifecycle: Lifecycle | None = None
         if cfg.lifecycle.enabled:
             kube = getattr(responder, "kube", None)  # the first responder's client, when there is one
@@ -163,12 +171,21 @@ class Engine:
         self._workers = workers
         self._tasks = [asyncio.create_task(self._worker(), name=f"engine-worker-{i}") for i in range(workers)]
         self._tasks.append(asyncio.create_task(self._ticker(), name="engine-tick"))
+        if self.cfg.leader_election.enabled:
+            self._seen_incident, self._seen_event = self.store.watermarks()
+            self._tasks.append(asyncio.create_task(self._poller(), name="engine-tick-poll"))
+
+    def abandon(self) -> None:
+        """From any thread: start nothing more and cancel the running playbooks (the replica lost the lead;
+        `stop()` then tidies up in the loop)."""
+        self._stopping = True
+        self._cancel.set()
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop taking work; running playbooks get `grace_s` to finish, then are canceled (resumed later)."""
         self._stopping = True
         for task in self._tasks:
-            if task.get_name() == "engine-tick":
+            if task.get_name().startswith("engine-tick"):
                 task.cancel()
         deadline = time.monotonic() + grace_s
         while self._inflight and time.monotonic() < deadline:
@@ -304,13 +321,18 @@ class Engine:
         """Called from an exception handler. A database error is not the incident's fault: it is taken up
         again after a backoff. Anything else is a bug: the incident fails, with the log saying why."""
         exc = sys.exc_info()[1]
-        if isinstance(exc, sqlite3.Error):
+        if isinstance(exc, NotLeader):
+            log.warning("another replica leads now; this one stops acting", extra={"incident": iid})
+            if self.on_fenced is not None and not self._stopping:
+                self.on_fenced(str(exc))
+            return
+        if isinstance(exc, StoreError):
             self._retry_later(iid, exc)
             return
         log.exception("incident processing failed", extra={"incident": iid})
         try:
             self._fail(iid, "internal error while processing (see the remediator log)")
-        except sqlite3.Error as db_exc:
+        except StoreError as db_exc:
             self._retry_later(iid, db_exc)
 
     def _retry_later(self, iid: int, exc: BaseException) -> None:
@@ -342,6 +364,8 @@ class Engine:
             await asyncio.sleep(self.cfg.gate.recheck_interval_s)
             try:
                 self.tick()
+            except StoreError as exc:
+                log.warning("gate tick: database error; next tick", extra={"error": str(exc)[:200]})
             except Exception:
                 log.exception("gate tick failed")
             if self.lifecycle is not None and time.monotonic() >= next_reconcile:
@@ -350,6 +374,22 @@ class Engine:
             if time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + PRUNE_INTERVAL_S
                 self._spawn(self.prune_runs(), "prune-runs")
+
+    async def _poller(self) -> None:
+        """Shared store: take up what the other replicas persisted (new incidents, resolved alerts)."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                self.poll()
+            except StoreError as exc:
+                log.info("polling the store failed; next period", extra={"error": str(exc)[:200]})
+
+    def poll(self) -> None:
+        created, resolved, self._seen_incident, self._seen_event = self.store.since(
+            self._seen_incident, self._seen_event
+        )
+        self.submit(created)
+        self.resolved(resolved)
 
     async def reconcile(self) -> None:
         """The node lifecycle's look at Slurm and the Nodes (lifecycle.Lifecycle.reconcile), in a thread."""
@@ -557,6 +597,7 @@ class Engine:
         step is recorded and left to the playbook, which runs the same step with its retries.
         """
         assert self.responder is not None
+        self._check_lead()
         sid = step_id if step_id is not None else self.store.start_step(inc.id, FIRST_STEP)
         started = self.clock()
         results: list[str] = []
@@ -588,6 +629,7 @@ class Engine:
 
     async def _run_attempt(self, inc: Incident, attempt: int) -> None:
         playbook = self.taxonomy.actions[inc.action].playbook
+        self._check_lead()
         step_id = self.store.start_step(inc.id, PLAYBOOK_STEP, attempt, detail=playbook)
         request = StepRequest(
             incident_id=inc.id,
@@ -632,6 +674,8 @@ class Engine:
             self._observe_step(PLAYBOOK_STEP, inc.action, "error", self.clock() - started)
             self._finished(inc, "failed")
             return
+        except StoreError:
+            raise  # the attempt stays open: taken up again, it is recorded as interrupted and run anew
         except Exception as exc:
             log.exception("playbook run raised", extra={"incident": inc.ref})
             outcome = StepOutcome("error", None, f"runner error: {type(exc).__name__}: {str(exc)[:200]}")
@@ -670,13 +714,13 @@ class Engine:
 
     async def _run_batch(self, batch: list[tuple[Run, asyncio.Future[Any]]]) -> None:
         try:
-            run_dir = str(run_dir_for(self.cfg.runner.run_dir, batch[0][0][0]))
-            for (request, _), _ in batch[1:]:  # a batch runs in its first attempt's directory
-                self.store.set_step_run_dir(request.step_id, run_dir)
-            loop = asyncio.get_running_loop()
-            runs = [run for run, _ in batch]
             outcomes: list[StepOutcome | Exception]
-            try:
+            try:  # whatever fails here (the database too) is every attempt's outcome: none waits forever
+                run_dir = str(run_dir_for(self.cfg.runner.run_dir, batch[0][0][0]))
+                for (request, _), _ in batch[1:]:  # a batch runs in its first attempt's directory
+                    self.store.set_step_run_dir(request.step_id, run_dir)
+                loop = asyncio.get_running_loop()
+                runs = [run for run, _ in batch]
                 outcomes = [
                     *await loop.run_in_executor(self._executor, self.runner.run_batch, runs, self._cancel.is_set)
                 ]
@@ -698,6 +742,12 @@ class Engine:
         task.add_done_callback(self._follow_ups.discard)
 
     # --- helpers ---------------------------------------------------------------------------------------
+
+    def _check_lead(self) -> None:
+        """Before an action starts: NotLeader unless this replica's lease is fresh (the store's fencing
+        epoch then refuses any write that comes later still)."""
+        if self.may_act is not None and not self.may_act():
+            raise NotLeader("this replica's lease is not fresh: no action starts")
 
     def _outcome(self, inc: Incident, status: str) -> str:
         fresh = self.store.get(inc.id) or inc
@@ -733,7 +783,7 @@ class Engine:
         self._lifecycle_hook("finished", fresh)
 
     def _lifecycle_hook(self, hook: str, inc: Incident) -> None:
-        """Tell the node lifecycle; a database error is retried like any (sqlite3.Error propagates), anything
+        """Tell the node lifecycle; a database error is retried like any (StoreError propagates), anything
         else is logged: the incident goes on either way, and the lifecycle's reconcile catches up."""
         if self.lifecycle is None:
             return
@@ -744,7 +794,7 @@ class Engine:
                     self.lifecycle.allowed(fresh)
             else:
                 self.lifecycle.finished(fresh)
-        except sqlite3.Error:
+        except StoreError:
             raise
         except Exception:
             log.exception("node lifecycle: transition failed", extra={"incident": inc.ref, "hook": hook})

@@ -113,6 +113,11 @@ class Metrics:
         self._state = _StateCollector(store, None)
         self.registry.register(self._state)
         r = self.registry
+        self.leader = Gauge(
+            f"{NS}_leader",
+            "1 while this replica acts (the leader, or the only instance), 0 while it follows.",
+            registry=r,
+        )
         self.webhook_requests = Counter(
             f"{NS}_webhook_requests_total", "Webhook requests by HTTP status code.", ["code"], registry=r
         )
@@ -209,6 +214,9 @@ class Metrics:
             f"{NS}_node_transitions_total", "Node lifecycle transitions.", ["from_state", "to_state"], registry=r
         )
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
+
+    def set_leader(self, leading: bool) -> None:
+        self.leader.set(1 if leading else 0)
 
     def attach_gate(self, gate: Gate) -> None:
         self._state.gate = gate

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built, tools_dir
 from fleetheal.lab.slurm import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,20 +98,6 @@ class Playbooks:
         if path.exists():
             path.unlink()  # each run's report is read once
         return PlaybookRun(rc=r.rc, status=r.status, stdout=stdout, report=report, stats=r.stats or {})
-
-
-@pytest.fixture(scope="session")
-def kube(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Iterator[KubeControlPlane]:
-    """One real control plane for the session (etcd, kube-apiserver, kube-controller-manager built by
-    `make tools`) with the Slinky, Kueue and prometheus-operator CRDs; tests make their own objects."""
-    if not tools_built():
-        pytest.fail(
-            f"etcd, kube-apiserver and kube-controller-manager are not built in {tools_dir()}: run `make tools` "
-            "(scripts/build-tools.sh kubernetes)"
-        )
-    with KubeControlPlane(tmp_path_factory.mktemp("kube")) as cp:
-        cp.install_crds(default_crds(shared))
-        yield cp
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ def test_the_example_file_is_complete_and_valid():
     assert cfg.cluster.domains() == {"rack-a": 2, "rack-b": 2}
     # The example lists every key of every section.
     doc = yaml.safe_load(EXAMPLE.read_text())
-    for section in ("listen", "auth", "webhook", "store", "runner", "gate"):
+    for section in ("listen", "auth", "webhook", "store", "runner", "gate", "leader_election"):
         fields = {f.name for f in dataclasses.fields(getattr(cfg, section))}
         assert set(doc[section]) == fields, section
     for sub in ("budget", "breaker", "lemon"):

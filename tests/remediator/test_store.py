@@ -1,19 +1,68 @@
-"""The SQLite store: WAL, one incident per alert (fingerprint + start), resolutions recorded."""
+"""The store on both backends, SQLite (WAL, one file) and PostgreSQL (shared by the replicas): one incident
+per alert (fingerprint + start), resolutions recorded, the same Python types from either; and what the
+shared store promises its replicas: fencing, one incident for an alert two replicas take at once,
+reconnection after a restart, ids in commit order."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sqlite3
+import threading
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
 
 from fleetheal import taxonomy
 from fleetheal.remediator.alerts import validate_alert
-from fleetheal.remediator.store import Store, incident_ref, parse_ref
+from fleetheal.remediator.store import FollowUp, NotLeader, Store, StoreError, incident_ref, parse_ref
 from tests.remediator.conftest import alert
 
 TAX = taxonomy.load()
 
+#: Opens another Store object on the test's database: another replica, for PostgreSQL.
+OpenStore = Callable[..., Store]
+
 
 def v(cfg, **kw):
     return validate_alert(alert(**kw), cfg, TAX)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request: pytest.FixtureRequest, cfg) -> Iterator[OpenStore]:
+    """Store objects on one database of the backend under test (closed after the test)."""
+    opened: list[Store] = []
+    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else None
+
+    def make(clock: Callable[[], float] | None = None) -> Store:
+        kw: dict[str, Any] = {} if clock is None else {"clock": clock}
+        store = Store.postgres(url, **kw) if url is not None else Store(cfg.store.path, **kw)
+        assert store.backend == request.param
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        with contextlib.suppress(Exception):
+            store.close()
+
+
+class Clock:
+    """A clock that moves a little at every reading (deterministic timestamps on both backends)."""
+
+    def __init__(self, start: float = 1_795_000_000.25) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        self.now += 0.5
+        return self.now
+
+
+# --- one instance ------------------------------------------------------------------------------------
 
 
 def test_wal_mode_and_schema(cfg):
@@ -22,11 +71,29 @@ def test_wal_mode_and_schema(cfg):
     db = sqlite3.connect(cfg.store.path)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"incidents", "steps", "events", "audit", "isolations"} <= tables
+    assert {"incidents", "steps", "events", "audit", "isolations", "leadership"} <= tables
 
 
-def test_the_same_alert_twice_is_one_incident(cfg):
-    store = Store(cfg.store.path)
+def test_postgresql_schema_has_64_bit_ids_and_double_precision(pg_url):
+    Store.postgres(pg_url).close()
+    Store.postgres(pg_url).close()  # again: the schema exists, nothing fails
+    with psycopg.connect(pg_url) as conn:
+        columns = {
+            (table, column): (kind, identity)
+            for table, column, kind, identity in conn.execute(
+                "SELECT table_name, column_name, data_type, is_identity FROM information_schema.columns "
+                "WHERE table_schema = 'public'"
+            )
+        }
+    assert {"incidents", "steps", "events", "audit", "isolations", "leadership"} <= {t for t, _ in columns}
+    assert columns["incidents", "id"] == ("bigint", "YES")
+    assert columns["steps", "pid_start"] == ("bigint", "NO")
+    assert columns["incidents", "starts_at_ts"] == ("double precision", "NO")
+    assert {kind for kind, _ in columns.values()} == {"bigint", "double precision", "text"}
+
+
+def test_the_same_alert_twice_is_one_incident(open_store, cfg):
+    store = open_store()
     first = store.ingest([v(cfg), v(cfg)])
     again = store.ingest([v(cfg)])
     assert len(first.created) == 1 and first.duplicates == 1
@@ -35,10 +102,11 @@ def test_the_same_alert_twice_is_one_incident(cfg):
     later = store.ingest([v(cfg, starts_at="2026-11-29T18:00:00Z")])
     assert len(later.created) == 1
     assert len(store.incidents()) == 2
+    assert [len(store.steps(i.id)) for i in store.incidents()] == [1, 1]
 
 
-def test_a_resolved_alert_is_recorded_on_its_incident(cfg):
-    store = Store(cfg.store.path)
+def test_a_resolved_alert_is_recorded_on_its_incident(open_store, cfg):
+    store = open_store()
     (iid,) = store.ingest([v(cfg)]).created
     result = store.ingest([v(cfg, status="resolved")])
     assert result.resolved == [iid]
@@ -51,20 +119,316 @@ def test_a_resolved_alert_is_recorded_on_its_incident(cfg):
     assert store.ingest([v(cfg, status="resolved", node="gpu-004")]).resolved_unknown == 1
 
 
-def test_receive_step_and_refs(cfg):
-    store = Store(cfg.store.path)
+def test_receive_step_and_refs(open_store, cfg):
+    store = open_store()
     (iid,) = store.ingest([v(cfg)]).created
     (step,) = store.steps(iid)
     assert step.name == "receive" and step.result == "ok" and step.ended_at is not None
     assert incident_ref(iid) == "inc-000001" and parse_ref("inc-000001") == 1 and parse_ref("7") == 7
 
 
-def test_state_survives_reopening(cfg):
-    store = Store(cfg.store.path)
+def test_state_survives_reopening(open_store, cfg):
+    store = open_store()
     (iid,) = store.ingest([v(cfg)]).created
     store.set_state(iid, "classified")
     store.close()
-    again = Store(cfg.store.path)
+    again = open_store()
     inc = again.get(iid)
     assert inc is not None and inc.state == "classified"
     assert [i.id for i in again.unfinished()] == [iid]
+
+
+# --- the same Python types from both backends --------------------------------------------------------
+
+
+def _everything(store: Store, cfg) -> dict[str, Any]:
+    """Every kind of row filled (no optional column left NULL where it can hold a value), read back
+    through every reader."""
+    (iid,) = store.ingest([v(cfg, job_id="4242")]).created
+    (other,) = store.ingest([v(cfg, node="gpu-001", fault_id="xid-79")]).created
+    store.ingest([v(cfg, status="resolved")])
+    step = store.start_step(iid, "drain", attempt=2, detail="draining")
+    store.set_step_process(step, 31337, 123_456_789_012, "/run/fleetheal/x")
+    store.add_event(iid, "phase", "drain started", step_id=step)
+    inc = store.get(iid)
+    assert inc is not None
+    store.record_decision(
+        inc, "acting", "isolate", "within budget", {"budget": 3, "ok": True}, isolate_domain="rack-0",
+        count_isolation=True, quarantine=True, requeue_job="4242", run_job_id="99", dry_run=True,
+        budget_remaining=2, outcome="pending", step_id=step,
+    )  # fmt: skip
+    store.set_state(iid, "acting", dry_run=True, hold_reason="waiting for the budget")
+    store.end_step(step, "ok", "drained", incident_state=(iid, "done", {"outcome": "drained", "dry_run": True}))
+    store.set_step_run_dir(step, "/run/fleetheal/y")
+    store.set_hold(other, "storm")
+    store.record_arrival("gpu-000", iid, prune_before=0.0)
+    store.set_quarantined("gpu-001", "rack-0", other)
+    store.kv_set("reconcile", "3")
+    done = store.get(iid)
+    assert done is not None
+    _, follow_up = store.transition("gpu-000", "repairing", "repair ticket", iid, follow_up=FollowUp(done, "REBOOT"))
+    assert follow_up is not None
+    store.audit("hold", "a storm", other, node="gpu-001", action="drain", facts={"nodes": 5})
+    store.take_leadership("replica-a")
+    return {
+        "incidents": store.incidents(limit=1000),
+        "get": [store.get(i) for i in (iid, other, follow_up)],
+        "unfinished": store.unfinished(),
+        "held": store.held(),
+        "counts": sorted(store.counts()),
+        "held_count": store.held_count(),
+        "steps": [store.steps(i) for i in (iid, other, follow_up)],
+        "step": store.step(step),
+        "events": store.events(iid),
+        "isolations": store.isolations(),
+        "isolation": store.isolation("gpu-000"),
+        "isolation_counts": store.isolation_counts(),
+        "quarantined_count": store.quarantined_count(),
+        "isolations_since": store.isolations_since("gpu-000", 0.0),
+        "storm_nodes": store.storm_nodes(0.0),
+        "last_storm_arrival": store.last_storm_arrival(),
+        "job_requeues": store.job_requeues("4242"),
+        "kv": store.kv_get("reconcile"),
+        "audit": store.audit_log(),
+        "node_busy": store.node_busy("gpu-001", ["drain", "reboot", done.action]),
+        "node_state": store.node_state("gpu-000"),
+        "node_state_unknown": store.node_state("gpu-007"),
+        "node_states": store.node_states(),
+        "node_history": store.node_history("gpu-000"),
+        "destructive": store.destructive_incidents_since("gpu-000", 0.0, [done.action]),
+        "acted_on": store.nodes_acted_on(),
+        "leadership": store.leadership(),
+        "watermarks": store.watermarks(),
+        "since": store.since(0, 0),
+    }
+
+
+def _check_field_types(obj: Any) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint = hints[f.name]
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        value = getattr(obj, f.name)
+        assert type(value) in allowed, f"{type(obj).__name__}.{f.name} = {value!r} is not {hint}"
+
+
+def test_rows_come_back_with_their_dataclass_types(open_store, cfg):
+    got = _everything(open_store(clock=Clock()), cfg)
+    rows = [*got["incidents"], *got["get"], *(s for steps in got["steps"] for s in steps), got["step"], *got["events"]]
+    rows += [*got["isolations"].values(), got["node_state"], got["node_state_unknown"], *got["node_states"]]
+    for row in rows:
+        _check_field_types(row)
+    inc = got["get"][0]
+    assert inc.dry_run is True and inc.outcome == "drained" and inc.resolved_at is not None
+    assert all(v is not None for v in (inc.decision, inc.hold_reason, inc.run_job_id, inc.ends_at_ts))
+    assert got["get"][2].parent_id == inc.id and got["get"][1].hold_reason == "storm"
+    assert got["step"].pid_start == 123_456_789_012 and got["events"][-1].step_id == got["step"].id
+    isolation = got["isolations"]["gpu-000"]
+    assert isolation.dry_run is True and isolation.quarantined is True
+    assert got["isolations"]["gpu-001"].dry_run is False
+
+
+def test_postgresql_reads_back_what_sqlite_does(cfg, pg_url):
+    """The same changes at the same clock readings: equal results, and equal reprs (1 is not 1.0 or True)."""
+    sqlite_store, pg_store = Store(cfg.store.path, clock=Clock()), Store.postgres(pg_url, clock=Clock())
+    try:
+        lite, pg = _everything(sqlite_store, cfg), _everything(pg_store, cfg)
+    finally:
+        sqlite_store.close()
+        pg_store.close()
+    for key in lite:
+        assert pg[key] == lite[key], key
+        assert repr(pg[key]) == repr(lite[key]), key
+
+
+# --- the shared store: replicas ----------------------------------------------------------------------
+
+
+def _fenced_writes(store: Store, iid: int, cfg) -> dict[str, Callable[[], object]]:
+    inc = store.get(iid)
+    assert inc is not None
+    step = store.steps(iid)[0].id
+    return {
+        "set_state": lambda: store.set_state(iid, "classified"),
+        "set_hold": lambda: store.set_hold(iid, "budget"),
+        "start_step": lambda: store.start_step(iid, "drain"),
+        "end_step": lambda: store.end_step(step, "failed", incident_state=(iid, "failed", {})),
+        "set_step_process": lambda: store.set_step_process(step, 1, 2),
+        "set_step_run_dir": lambda: store.set_step_run_dir(step, "/x"),
+        "add_event": lambda: store.add_event(iid, "phase"),
+        "record_decision": lambda: store.record_decision(
+            inc, "acting", "isolate", "ok", {}, isolate_domain="rack-0", count_isolation=True, requeue_job="1"
+        ),
+        "record_arrival": lambda: store.record_arrival(inc.node, iid, 0.0),
+        "set_quarantined": lambda: store.set_quarantined(inc.node, "rack-0", iid),
+        "release": lambda: store.release("gpu-005", "test"),
+        "transition": lambda: store.transition(inc.node, "repairing", "x", iid, follow_up=FollowUp(inc, "REBOOT")),
+        "audit": lambda: store.audit("hold", "x", iid),
+        "kv_set": lambda: store.kv_set("k", "v"),
+    }
+
+
+def _snapshot(store: Store) -> tuple[object, ...]:
+    incidents = store.incidents(limit=1000)
+    return (
+        incidents,
+        [store.steps(i.id) for i in incidents],
+        [store.events(i.id) for i in incidents],
+        store.audit_log(),
+        store.isolations(),
+        store.node_states(),
+        store.node_history("gpu-000"),
+        store.storm_nodes(0.0),
+        store.kv_get("k"),
+        store.watermarks(),
+    )
+
+
+def test_a_new_leader_fences_the_old_one(open_store, cfg):
+    old, new = open_store(), open_store()
+    (iid,) = old.ingest([v(cfg)]).created
+    assert old.take_leadership("replica-a") == 1
+    old.set_hold(iid, "waiting")  # the leader writes
+    old.set_quarantined("gpu-005", "rack-1", iid)
+    assert new.take_leadership("replica-b") == 2
+    before = _snapshot(new)
+    for name, write in _fenced_writes(old, iid, cfg).items():
+        with pytest.raises(NotLeader):
+            write()
+        assert _snapshot(new) == before, f"{name} changed the database"
+    assert isinstance(NotLeader("x"), StoreError)
+    # Ingesting is the one write every replica makes (a follower persists webhooks and answers 202).
+    (other,) = old.ingest([v(cfg, node="gpu-002")]).created
+    assert new.get(other) is not None and new.leadership()[:2] == (2, "replica-b")
+    new.set_state(iid, "classified")  # the new leader writes
+    assert old.get(iid).state == "classified"
+    assert old.take_leadership("replica-a") == 3  # and the old one can take it back
+    with pytest.raises(NotLeader):
+        new.set_state(iid, "gated")
+
+
+def test_a_follower_cannot_write_state(open_store, cfg):
+    follower = open_store()
+    (iid,) = follower.ingest([v(cfg)]).created
+    follower.follow()  # before any replica took the lead
+    with pytest.raises(NotLeader):
+        follower.set_state(iid, "classified")
+    leader = open_store()
+    leader.take_leadership("replica-a")
+    before = _snapshot(leader)
+    for name, write in _fenced_writes(follower, iid, cfg).items():
+        with pytest.raises(NotLeader):
+            write()
+        assert _snapshot(leader) == before, f"{name} changed the database"
+    assert len(follower.ingest([v(cfg, node="gpu-003")]).created) == 1
+    # A leader that lost its lease follows: it stops writing at once, though the epoch is still its own.
+    leader.follow()
+    with pytest.raises(NotLeader):
+        leader.set_state(iid, "classified")
+    assert leader.get(iid).state == "received"
+
+
+def test_the_same_alert_from_replicas_at_once_is_one_incident(open_store, cfg):
+    replicas, rounds = 4, 30
+    stores: dict[int, Store] = {}
+    barrier = threading.Barrier(replicas)
+    results: list[list[tuple[int, int]]] = [[] for _ in range(replicas)]
+    errors: list[BaseException] = []
+
+    def replica(n: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            stores[n] = open_store()  # all at once, on an empty database: the schema is created once
+            for r in range(rounds):
+                alerts = [v(cfg, starts_at=f"2026-11-29T17:{r:02d}:00Z", node=f"gpu-00{k}") for k in range(3)]
+                barrier.wait(timeout=30)
+                res = stores[n].ingest(alerts)
+                results[n].append((len(res.created), res.duplicates))
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=replica, args=(n,)) for n in range(replicas)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for r in range(rounds):
+        created = sum(results[n][r][0] for n in range(replicas))
+        duplicates = sum(results[n][r][1] for n in range(replicas))
+        assert (created, duplicates) == (3, 3 * (replicas - 1)), f"round {r}"
+    incidents = stores[0].incidents(limit=10_000)
+    assert len(incidents) == 3 * rounds
+    assert all(len(stores[0].steps(i.id)) == 1 for i in incidents)  # one receive step each
+
+
+def test_ids_are_assigned_in_commit_order(open_store, cfg):
+    """Many replicas ingest at once while another one follows with `since` from its watermarks: every id
+    is created once and seen once, in order, none skipped (ids grow in commit order)."""
+    writers, batches, per_batch = 8, 15, 5
+    stores = [open_store() for _ in range(writers)]
+    poller = open_store()
+    created: list[list[int]] = [[] for _ in stores]
+    errors: list[BaseException] = []
+    done = threading.Event()
+    seen: list[int] = []
+
+    def write(n: int) -> None:
+        try:
+            for b in range(batches):
+                alerts = [v(cfg, fingerprint=f"{n:04x}{b:04x}{a:04x}0000", node=f"gpu-00{a}") for a in range(per_batch)]
+                created[n] += stores[n].ingest(alerts).created
+        except BaseException as exc:
+            errors.append(exc)
+
+    def poll() -> None:
+        marks = poller.watermarks()
+        try:
+            while True:
+                finished = done.is_set()
+                new, _, incident_mark, event_mark = poller.since(*marks)
+                assert new == sorted(new) and (not new or new[0] > marks[0])
+                seen.extend(new)
+                marks = (incident_mark, event_mark)
+                if finished:
+                    return
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(writers)]
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    done.set()
+    watcher.join(timeout=60)
+    assert not errors, errors
+    all_created = sorted(i for ids in created for i in ids)
+    assert len(all_created) == len(set(all_created)) == writers * batches * per_batch  # each reported once
+    assert all_created == sorted(i.id for i in poller.incidents(limit=10_000))
+    assert seen == all_created  # the watermark never skipped one, nor saw one twice
+    for ids in created:  # one replica's ids grow too
+        assert ids == sorted(ids)
+
+
+def test_a_restarted_postgresql_fails_one_call_then_reconnects(postgres_server, pg_url, cfg):
+    store = Store.postgres(pg_url)
+    try:
+        (iid,) = store.ingest([v(cfg)]).created
+        postgres_server.restart()  # same port, same data
+        with pytest.raises(StoreError):
+            store.get(iid)  # the old connection is gone: one error...
+        inc = store.get(iid)  # ...and the next call connects again
+        assert inc is not None and inc.state == "received"
+        postgres_server.restart()
+        with pytest.raises(StoreError):
+            store.set_state(iid, "classified")
+        assert store.get(iid).state == "received"  # nothing was written
+        store.set_state(iid, "classified")
+        assert len(store.ingest([v(cfg, node="gpu-001")]).created) == 1
+        assert store.get(iid).state == "classified"
+    finally:
+        store.close()
