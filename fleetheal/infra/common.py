@@ -8,7 +8,12 @@ from typing import Any
 
 #: Labels every object fleetheal creates carries (Kubernetes recommended labels).
 MANAGED_BY = {"app.kubernetes.io/managed-by": "fleetheal", "app.kubernetes.io/part-of": "fleetheal"}
+#: The stack's environment (fleetheal:environment) on its Namespaces; the policy pack holds a stack whose
+#: remediator's Namespace says PRODUCTION to the production rules.
+LABEL_ENVIRONMENT = "fleetheal.io/environment"
+PRODUCTION = "production"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 
 class ComponentArgError(ValueError):
@@ -48,6 +53,14 @@ def one_of(component: str, field: str, value: Any, accepted: Iterable[str]) -> s
 def positive(component: str, field: str, value: Any, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ComponentArgError(f"{component}.{field}: {value!r} is not accepted; use an integer >= {low}")
+    return value
+
+
+def quantity(component: str, field: str, value: Any) -> str:
+    if not isinstance(value, str) or not _QUANTITY.match(value):
+        raise ComponentArgError(
+            f"{component}.{field}: {value!r} is not accepted; use a Kubernetes quantity such as 10Gi"
+        )
     return value
 
 

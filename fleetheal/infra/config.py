@@ -24,6 +24,8 @@ PROJECT_FILE = REPO_ROOT / "Pulumi.yaml"
 
 SLINKY_MODES = ("manifests", "helm")
 NODE_PROVIDERS = ("existing", "eks")
+ENVIRONMENTS = ("development", "staging", "production")
+REMEDIATOR_STORES = ("sqlite", "postgres", "postgres-in-cluster")
 _RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _RFC1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
@@ -41,7 +43,7 @@ class ConfigError(ValueError):
 #: Optional secrets. Pulumi.yaml declares them with the default "" (not set) and without `secret: true`:
 #: the engine requires a declared key that has no default, and refuses a default for a secret key. A
 #: value set without `--secret` is refused when the program runs (it would sit in the stack file in clear).
-SECRET_KEYS = frozenset({"slurmKey", "slurmJwtKey", "remediatorToken"})
+SECRET_KEYS = frozenset({"slurmKey", "slurmJwtKey", "remediatorToken", "remediatorDbPassword"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class GpuPool:
 class StackConfig:
     """Every stack setting, checked. Secret values stay opaque (`Any`: a str or a pulumi Output)."""
 
+    environment: str
     cluster_name: str
     slurm_namespace: str
     system_namespace: str
@@ -132,6 +135,10 @@ class StackConfig:
     remediator_image: str
     remediator_token_secret: str
     remediator_dry_run: bool
+    remediator_replicas: int
+    remediator_store: str
+    remediator_store_secret: str
+    remediator_db_image: str
     dcgm_exporter: bool
     dcgm_exporter_image: str
     monitoring_labels: Mapping[str, str]
@@ -374,8 +381,16 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
         )
     if v["slinkyVersion"] in ("", "latest"):
         raise ConfigError(f"{PROJECT}:slinkyVersion: {v['slinkyVersion']!r} is not pinned; use a release such as 1.2.1")
+    replicas = _at_least("remediatorReplicas", v["remediatorReplicas"], 1)
+    store = _one_of("remediatorStore", v["remediatorStore"], REMEDIATOR_STORES)
+    if replicas > 1 and store == "sqlite":
+        raise ConfigError(
+            f"{PROJECT}:remediatorReplicas: {replicas} is not accepted with remediatorStore=sqlite (SQLite serves one "
+            "replica); set remediatorStore to postgres or postgres-in-cluster, or remediatorReplicas to 1"
+        )
 
     return StackConfig(
+        environment=_one_of("environment", v["environment"], ENVIRONMENTS),
         cluster_name=_dns_label("clusterName", v["clusterName"], 40),
         slurm_namespace=_dns_label("slurmNamespace", v["slurmNamespace"]),
         system_namespace=_dns_label("systemNamespace", v["systemNamespace"]),
@@ -411,6 +426,10 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
         remediator_image=_pinned("remediatorImage", v["remediatorImage"]),
         remediator_token_secret=_dns_label("remediatorTokenSecret", v["remediatorTokenSecret"], 253),
         remediator_dry_run=v["remediatorDryRun"],
+        remediator_replicas=replicas,
+        remediator_store=store,
+        remediator_store_secret=_dns_label("remediatorStoreSecret", v["remediatorStoreSecret"], 253),
+        remediator_db_image=_pinned("remediatorDbImage", v["remediatorDbImage"]),
         dcgm_exporter=v["dcgmExporter"],
         dcgm_exporter_image=_pinned("dcgmExporterImage", v["dcgmExporterImage"]),
         monitoring_labels=dict(labels),

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import yaml
 from pulumi_policy import (
     EnforcementLevel,
     PolicyConfigSchema,
@@ -22,7 +23,7 @@ from pulumi_policy import (
 )
 
 from fleetheal import contracts
-from fleetheal.infra.common import image_is_pinned
+from fleetheal.infra.common import LABEL_ENVIRONMENT, PRODUCTION, image_is_pinned
 
 GPU = "nvidia.com/gpu"
 SLINKY = "slinky.slurm.net/v1beta1"
@@ -345,8 +346,8 @@ REMEDIATOR_SCHEMA = PolicyConfigSchema(
         "remediatorSecrets": {
             "type": "array",
             "items": {"type": "string"},
-            "default": ["fleetheal-remediator-token"],
-            "description": "The only Secrets the remediator may read (its own).",
+            "default": ["fleetheal-remediator-token", "fleetheal-remediator-store"],
+            "description": "The only Secrets the remediator may read (its own: its token, its store's URI).",
         },
     }
 )
@@ -378,7 +379,7 @@ def validate_remediator_rbac(args: ResourceValidationArgs, report: ReportViolati
                     f"{kind} '{_name(props)}' rule {i} lets the remediator read Secrets beyond its own "
                     f"({', '.join(own)}). Secrets hold Slurm, JWT and database keys that remediation never needs. "
                     "Fix: a namespaced Role with resources [secrets], verbs [get] and resourceNames set to the "
-                    "remediator's own token Secret.",
+                    "remediator's own Secrets (its token, its store's URI).",
                     None,
                 )
 
@@ -406,6 +407,123 @@ def validate_alertmanager_receiver_authenticated(args: ResourceValidationArgs, r
                     "{type: Bearer, credentials: {name: <token Secret>, key: token}}.",
                     None,
                 )
+
+
+def _remediators(args: StackValidationArgs) -> list[tuple[Any, str, int, Mapping[str, Any]]]:
+    """(resource, namespace, replicas, parsed remediator.yaml) of every remediator Deployment in the stack.
+
+    The config is the remediator.yaml of the ConfigMaps its pods mount ({} when none is in the stack).
+    """
+    config_maps = {
+        (str((r.props.get("metadata") or {}).get("namespace", "")), _name(r.props)): r.props
+        for r in args.resources
+        if _kind(r.props) == ("v1", "ConfigMap")
+    }
+    out = []
+    for r in args.resources:
+        if _kind(r.props) != ("apps/v1", "Deployment") or _labels(r.props).get(COMPONENT_LABEL) != "remediator":
+            continue
+        ns = str((r.props.get("metadata") or {}).get("namespace", ""))
+        spec = r.props.get("spec") or {}
+        pod = (spec.get("template") or {}).get("spec") or {}
+        replicas = spec.get("replicas", 1)  # Kubernetes' default when it is left out
+        if isinstance(replicas, bool) or not isinstance(replicas, int | float):
+            continue  # not known yet (a preview): `up` checks it
+        cfg: Mapping[str, Any] = {}
+        for volume in pod.get("volumes") or []:
+            cm = config_maps.get((ns, str((volume.get("configMap") or {}).get("name"))))
+            text = ((cm or {}).get("data") or {}).get("remediator.yaml")
+            try:
+                doc = yaml.safe_load(text) if isinstance(text, str) else None
+            except yaml.YAMLError:
+                doc = None  # the remediator refuses it too; here it counts as no shared store
+            if isinstance(doc, Mapping):
+                cfg = doc
+        out.append((r, ns, int(replicas), cfg))
+    return out
+
+
+def _shared_store(cfg: Mapping[str, Any]) -> bool:
+    """The remediator keeps its incidents in PostgreSQL (store.url_file), not in SQLite on its pod's volume."""
+    return bool((cfg.get("store") or {}).get("url_file"))
+
+
+def _production_namespaces(args: StackValidationArgs) -> set[str]:
+    return {
+        _name(r.props)
+        for r in args.resources
+        if _kind(r.props) == ("v1", "Namespace") and _labels(r.props).get(LABEL_ENVIRONMENT) == PRODUCTION
+    }
+
+
+PRODUCTION_MARK = f"Namespace '{{ns}}' is labelled {LABEL_ENVIRONMENT}={PRODUCTION}, from fleetheal:environment"
+REMEDIATOR_FIX_STORE = (
+    "set fleetheal:remediatorStore to postgres (the URI in the Secret fleetheal:remediatorStoreSecret names) or "
+    "postgres-in-cluster (with fleetheal:remediatorDbPassword set as a secret)"
+)
+
+
+def validate_remediator_replicas_shared_store(args: StackValidationArgs, report: ReportViolation) -> None:
+    """More than one remediator replica only with a PostgreSQL store and leader election."""
+    for r, _ns, replicas, cfg in _remediators(args):
+        if replicas <= 1:
+            continue
+        if not _shared_store(cfg):
+            problem = "on the embedded SQLite store (its config sets no store.url_file)"
+        elif (cfg.get("leader_election") or {}).get("enabled") is not True:
+            problem = "without leader election (its config does not set leader_election.enabled: true)"
+        else:
+            continue
+        report(
+            f"Deployment '{_name(r.props)}' runs {replicas} remediator replicas {problem}. SQLite cannot be shared "
+            "between pods, and replicas that do not elect a leader each act on every alert: one fault drained, "
+            f"requeued and replaced twice. Fix: {REMEDIATOR_FIX_STORE}, which also turns on leader election; "
+            "or set fleetheal:remediatorReplicas to 1.",
+            r.urn,
+        )
+
+
+def validate_production_remediator_shared_store(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A production remediator keeps its incidents in PostgreSQL, not on one pod's volume."""
+    production = _production_namespaces(args)
+    for r, ns, _replicas, cfg in _remediators(args):
+        if ns in production and not _shared_store(cfg):
+            report(
+                f"Deployment '{_name(r.props)}' runs in production ({PRODUCTION_MARK.format(ns=ns)}) with its "
+                "incident store in SQLite on one pod's volume (its config sets no store.url_file). When that node "
+                "fails, remediation stops until the pod and its ReadWriteOnce volume are back (a volume on a lost "
+                "node may never be), and SQLite lets no second replica take over. "
+                f"Fix: {REMEDIATOR_FIX_STORE}, and fleetheal:remediatorReplicas to 2 or more.",
+                r.urn,
+            )
+
+
+PRODUCTION_SCHEMA = PolicyConfigSchema(
+    properties={
+        "productionMinReplicas": {
+            "type": "integer",
+            "minimum": 2,
+            "default": 2,
+            "description": "Remediator replicas a production stack runs, at least.",
+        },
+    }
+)
+
+
+def validate_production_remediator_replicas(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A production remediator runs at least productionMinReplicas replicas."""
+    need = int(_cfg(args, PRODUCTION_SCHEMA)["productionMinReplicas"])
+    production = _production_namespaces(args)
+    for r, ns, replicas, _config in _remediators(args):
+        if ns in production and replicas < need:
+            report(
+                f"Deployment '{_name(r.props)}' runs {replicas} remediator replica(s) in production "
+                f"({PRODUCTION_MARK.format(ns=ns)}); it needs at least {need} (productionMinReplicas). With fewer, "
+                "losing or draining one node stops remediation: no GPU fault is handled until the pod is back. "
+                f"Fix: set fleetheal:remediatorReplicas to {need} or more (with "
+                "fleetheal:remediatorStore postgres or postgres-in-cluster); the replicas run on different nodes.",
+                r.urn,
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,6 +565,25 @@ def policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
             validate=validate_remediator_rbac,
             enforcement_level=mandatory,
             config_schema=REMEDIATOR_SCHEMA,
+        ),
+        StackValidationPolicy(
+            name="remediator-replicas-need-shared-store",
+            description="More than one remediator replica only with a PostgreSQL store and leader election.",
+            validate=validate_remediator_replicas_shared_store,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="production-remediator-shared-store",
+            description="A production remediator keeps its incidents in PostgreSQL, not on one pod's volume.",
+            validate=validate_production_remediator_shared_store,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="production-remediator-replicas",
+            description="A production remediator runs at least productionMinReplicas replicas.",
+            validate=validate_production_remediator_replicas,
+            enforcement_level=mandatory,
+            config_schema=PRODUCTION_SCHEMA,
         ),
         ResourceValidationPolicy(
             name="alertmanager-receiver-authenticated",

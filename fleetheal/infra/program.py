@@ -19,12 +19,14 @@ from fleetheal.infra.config import StackConfig
 from fleetheal.infra.dcgm import DcgmExporter
 from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
-from fleetheal.infra.remediator import Remediator
+from fleetheal.infra.remediator import Remediator, RemediatorStore
 from fleetheal.infra.slinky import SlinkyCluster
 from fleetheal.infra.storage import SharedStorage
 
 OPERATOR_NAMESPACE = "slinky"
 GPU_RUNTIME_CLASS = "nvidia"
+#: The in-cluster remediator store's volume: incidents and audit events are small rows.
+REMEDIATOR_DB_SIZE = "10Gi"
 #: The Kubernetes provider's annotation that skips its await logic (readiness on create and update;
 #: deletion too for Namespaces and workloads).
 SKIP_AWAIT = "pulumi.com/skipAwait"
@@ -65,6 +67,21 @@ def node_domains(cfg: StackConfig) -> dict[str, str]:
     return out
 
 
+def remediator_store(cfg: StackConfig) -> RemediatorStore:
+    """The remediator's `store` argument from remediatorStore and its settings."""
+    if cfg.remediator_store == "sqlite":
+        return {"kind": "sqlite"}
+    if cfg.remediator_store == "postgres":
+        return {"kind": "postgres", "secret": cfg.remediator_store_secret}
+    return {
+        "kind": "postgres-in-cluster",
+        "secret": cfg.remediator_store_secret,
+        "image": cfg.remediator_db_image,
+        "size": REMEDIATOR_DB_SIZE,
+        "password": cfg.secret("remediatorDbPassword"),
+    }
+
+
 def skip_await(args: pulumi.ResourceTransformArgs) -> pulumi.ResourceTransformResult | None:
     """Stack-wide transform (awaitReadiness=false): annotate every Kubernetes object `pulumi.com/skipAwait: "true"`.
 
@@ -92,14 +109,16 @@ def skip_await(args: pulumi.ResourceTransformArgs) -> pulumi.ResourceTransformRe
 def build(cfg: StackConfig) -> Fleet:
     if not cfg.await_readiness:
         pulumi.runtime.register_resource_transform(skip_await)
+    environment = {common.LABEL_ENVIRONMENT: cfg.environment}
     ns_slurm = k8s.core.v1.Namespace(
-        "ns-slurm", metadata={"name": cfg.slurm_namespace, "labels": common.labels("namespace", cfg.slurm_namespace)}
+        "ns-slurm",
+        metadata={"name": cfg.slurm_namespace, "labels": common.labels("namespace", cfg.slurm_namespace, environment)},
     )
     ns_system = k8s.core.v1.Namespace(
         "ns-system",
         metadata={
             "name": cfg.system_namespace,
-            "labels": common.labels("namespace", cfg.system_namespace),
+            "labels": common.labels("namespace", cfg.system_namespace, environment),
         },
     )
     in_slurm = pulumi.ResourceOptions(depends_on=[ns_slurm])
@@ -205,6 +224,8 @@ def build(cfg: StackConfig) -> Fleet:
             "nodes": node_domains(cfg),
             "dry_run": cfg.remediator_dry_run,
             "standby_target": sum(pool.standby_nodes for pool in cfg.gpu_pools),
+            "replicas": cfg.remediator_replicas,
+            "store": remediator_store(cfg),
         },
         opts=pulumi.ResourceOptions(depends_on=[ns_system, ns_slurm]),
     )

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import yaml
 from pulumi_policy import ResourceValidationArgs, StackValidationArgs
 
 from fleetheal import contracts
 from fleetheal.infra import agent, config, mocks, policy, program
+from fleetheal.infra.remediator import remediator_config
 
 SLINKY = "slinky.slurm.net/v1beta1"
 Props = dict[str, Any]
@@ -155,6 +157,55 @@ def remediator_token_role() -> Props:
     }
 
 
+def remediator_stack(
+    replicas: int = 2, environment: str = "production", store: Props | None = None
+) -> list[tuple[str, str, Props]]:
+    """The remediator's Namespace, config and Deployment: valid in production (PostgreSQL, 2 replicas)."""
+    cfg = remediator_config("lab", {}, True, lease_namespace="fleetheal-system")
+    if store is not None:
+        cfg["store"] = store
+    labels = {"app.kubernetes.io/component": "remediator"}
+    return [
+        (
+            "kubernetes:core/v1:Namespace",
+            "ns",
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": "fleetheal-system", "labels": {"fleetheal.io/environment": environment}},
+            },
+        ),
+        (
+            "kubernetes:core/v1:ConfigMap",
+            "cm",
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "fleetheal-remediator", "namespace": "fleetheal-system"},
+                "data": {"remediator.yaml": yaml.safe_dump(cfg)},
+            },
+        ),
+        (
+            "kubernetes:apps/v1:Deployment",
+            "deploy",
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": "fleetheal-remediator", "namespace": "fleetheal-system", "labels": labels},
+                "spec": {
+                    "replicas": replicas,
+                    "template": {
+                        "spec": {"volumes": [{"name": "config", "configMap": {"name": "fleetheal-remediator"}}]}
+                    },
+                },
+            },
+        ),
+    ]
+
+
+SQLITE = {"path": "/var/lib/fleetheal/remediator.sqlite"}
+
+
 def am_config() -> Props:
     return {
         "apiVersion": "monitoring.coreos.com/v1alpha1",
@@ -264,9 +315,10 @@ RBAC_WILDCARD = (
     "and verbs it needs."
 )
 RBAC_SECRETS = (
-    "rule {i} lets the remediator read Secrets beyond its own (fleetheal-remediator-token). Secrets "
-    "hold Slurm, JWT and database keys that remediation never needs. Fix: a namespaced Role with "
-    "resources [secrets], verbs [get] and resourceNames set to the remediator's own token Secret."
+    "rule {i} lets the remediator read Secrets beyond its own (fleetheal-remediator-token, "
+    "fleetheal-remediator-store). Secrets hold Slurm, JWT and database keys that remediation never needs. "
+    "Fix: a namespaced Role with resources [secrets], verbs [get] and resourceNames set to the remediator's "
+    "own Secrets (its token, its store's URI)."
 )
 
 
@@ -297,6 +349,97 @@ def test_remediator_rbac_someone_elses_secret() -> None:
     assert run_resource(policy.validate_remediator_rbac, props) == [
         "Role 'fleetheal-remediator-token' " + RBAC_SECRETS.format(i=0)
     ]
+
+
+REPLICAS_FIX = (
+    "SQLite cannot be shared between pods, and replicas that do not elect a leader each act on every alert: one "
+    "fault drained, requeued and replaced twice. Fix: set fleetheal:remediatorStore to postgres (the URI in the "
+    "Secret fleetheal:remediatorStoreSecret names) or postgres-in-cluster (with fleetheal:remediatorDbPassword set "
+    "as a secret), which also turns on leader election; or set fleetheal:remediatorReplicas to 1."
+)
+PRODUCTION = (
+    "in production (Namespace 'fleetheal-system' is labelled fleetheal.io/environment=production, "
+    "from fleetheal:environment)"
+)
+
+
+def _with_config(resources: list[tuple[str, str, Props]], fn: Callable[[Props], None]) -> list[tuple[str, str, Props]]:
+    cm = resources[1][2]
+    cfg = yaml.safe_load(cm["data"]["remediator.yaml"])
+    fn(cfg)
+    cm["data"]["remediator.yaml"] = yaml.safe_dump(cfg)
+    return resources
+
+
+def test_remediator_replicas_valid() -> None:
+    assert run_stack(policy.validate_remediator_replicas_shared_store, remediator_stack(replicas=3)) == []
+    one = remediator_stack(replicas=1, store=SQLITE)
+    assert run_stack(policy.validate_remediator_replicas_shared_store, one) == []
+
+
+def test_remediator_replicas_on_sqlite() -> None:
+    resources = remediator_stack(replicas=2, store=SQLITE)
+    assert run_stack(policy.validate_remediator_replicas_shared_store, resources) == [
+        "Deployment 'fleetheal-remediator' runs 2 remediator replicas on the embedded SQLite store (its config sets "
+        "no store.url_file). " + REPLICAS_FIX
+    ]
+
+
+def test_remediator_replicas_without_leader_election() -> None:
+    resources = _with_config(remediator_stack(replicas=2), lambda c: c["leader_election"].update(enabled=False))
+    assert run_stack(policy.validate_remediator_replicas_shared_store, resources) == [
+        "Deployment 'fleetheal-remediator' runs 2 remediator replicas without leader election (its config does not "
+        "set leader_election.enabled: true). " + REPLICAS_FIX
+    ]
+
+
+def test_remediator_replicas_without_its_config_in_the_stack() -> None:
+    resources = [r for r in remediator_stack(replicas=2) if r[2]["kind"] != "ConfigMap"]
+    (msg,) = run_stack(policy.validate_remediator_replicas_shared_store, resources)
+    assert msg.startswith("Deployment 'fleetheal-remediator' runs 2 remediator replicas on the embedded SQLite store")
+
+
+def test_production_remediator_store_valid() -> None:
+    assert run_stack(policy.validate_production_remediator_shared_store, remediator_stack()) == []
+    # SQLite is fine outside production
+    dev = remediator_stack(replicas=1, environment="development", store=SQLITE)
+    assert run_stack(policy.validate_production_remediator_shared_store, dev) == []
+
+
+def test_production_remediator_on_sqlite() -> None:
+    resources = remediator_stack(replicas=1, store=SQLITE)
+    assert run_stack(policy.validate_production_remediator_shared_store, resources) == [
+        f"Deployment 'fleetheal-remediator' runs {PRODUCTION} with its incident store in SQLite on one pod's volume "
+        "(its config sets no store.url_file). When that node fails, remediation stops until the pod and its "
+        "ReadWriteOnce volume are back (a volume on a lost node may never be), and SQLite lets no second replica "
+        "take over. Fix: set fleetheal:remediatorStore to postgres (the URI in the Secret "
+        "fleetheal:remediatorStoreSecret names) or postgres-in-cluster (with fleetheal:remediatorDbPassword set as a "
+        "secret), and fleetheal:remediatorReplicas to 2 or more."
+    ]
+
+
+def test_production_remediator_replicas_valid() -> None:
+    assert run_stack(policy.validate_production_remediator_replicas, remediator_stack(replicas=2)) == []
+    dev = remediator_stack(replicas=1, environment="staging")
+    assert run_stack(policy.validate_production_remediator_replicas, dev) == []
+
+
+def test_production_remediator_with_one_replica() -> None:
+    assert run_stack(policy.validate_production_remediator_replicas, remediator_stack(replicas=1)) == [
+        f"Deployment 'fleetheal-remediator' runs 1 remediator replica(s) {PRODUCTION}; it needs at least 2 "
+        "(productionMinReplicas). With fewer, losing or draining one node stops remediation: no GPU fault is handled "
+        "until the pod is back. Fix: set fleetheal:remediatorReplicas to 2 or more (with fleetheal:remediatorStore "
+        "postgres or postgres-in-cluster); the replicas run on different nodes."
+    ]
+
+
+def test_production_replicas_threshold_comes_from_pack_config() -> None:
+    (msg,) = run_stack(
+        policy.validate_production_remediator_replicas, remediator_stack(replicas=2), cfg={"productionMinReplicas": 3}
+    )
+    assert msg.startswith(
+        f"Deployment 'fleetheal-remediator' runs 2 remediator replica(s) {PRODUCTION}; it needs at least 3"
+    )
 
 
 def test_alertmanager_receiver_valid() -> None:
@@ -421,11 +564,12 @@ def test_checkpoint_storage_missing() -> None:
 def test_pack_names_descriptions_and_config_schemas() -> None:
     pols = policy.policies()
     names = [p.name for p in pols]
-    assert len(names) == len(set(names)) == 8
+    assert len(names) == len(set(names)) == 11
     for p in pols:
         assert p.name == p.name.lower() and " " not in p.name and "_" not in p.name
         assert p.description.endswith(".") and p.description.count(". ") == 0
     assert policy.config_defaults(policy.STANDBY_SCHEMA) == {"standbyMinNodes": 1, "standbySharePercent": 5}
+    assert policy.config_defaults(policy.PRODUCTION_SCHEMA) == {"productionMinReplicas": 2}
 
 
 @pytest.fixture(scope="module")
@@ -498,6 +642,12 @@ def _mutate(
             ),
             "images-pinned",
         ),
+        (
+            "Deployment",
+            "fleetheal-remediator",
+            lambda p: p["spec"].update(replicas=2),
+            "remediator-replicas-need-shared-store",
+        ),
     ],
 )
 def test_whole_pack_fails_each_mutated_example_stack(
@@ -511,10 +661,28 @@ def test_whole_pack_fails_each_mutated_example_stack(
     assert {p for p, _ in violations} == {expected_policy}, violations
 
 
+def test_whole_pack_fails_the_example_stack_marked_production(example_graph: list[tuple[str, str, Props]]) -> None:
+    graph = _mutate(
+        example_graph,
+        "Namespace",
+        "fleetheal-system",
+        lambda p: p["metadata"]["labels"].update({"fleetheal.io/environment": "production"}),
+    )
+    violations = policy.evaluate(graph)
+    assert {p for p, _ in violations} == {"production-remediator-shared-store", "production-remediator-replicas"}
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         {"slinkyMode": "helm"},
+        {"environment": "production", "remediatorReplicas": 2, "remediatorStore": "postgres"},
+        {
+            "environment": "production",
+            "remediatorReplicas": 3,
+            "remediatorStore": "postgres-in-cluster",
+            "remediatorDbPassword": "test-password-0123456789",
+        },
         {
             "nodeProvider": "eks",
             "eksClusterName": "prod",

@@ -60,6 +60,8 @@ def test_dev_stack_only_overrides_declared_keys(dev_values: dict[str, Any]) -> N
     assert cfg.gpu_pools[0].nodes == 8 and cfg.gpu_pools[0].standby_nodes == 1
     # defaults from Pulumi.yaml fill the rest
     assert cfg.slinky_mode == "manifests" and cfg.requeue_grace_seconds == 120
+    # ... and keep an existing stack's remediator as it was: one replica on SQLite, not production
+    assert (cfg.remediator_replicas, cfg.remediator_store, cfg.environment) == (1, "sqlite", "development")
 
 
 def test_string_values_from_pulumi_config_are_coerced() -> None:
@@ -121,6 +123,28 @@ def test_string_values_from_pulumi_config_are_coerced() -> None:
             "fleetheal:sharedStorageSize: 'lots' is not accepted; use a Kubernetes quantity such as 10Ti",
         ),
         (_values(gpuPool=[]), "fleetheal:gpuPool: not a fleetheal setting; declared keys are: "),
+        (
+            _values(environment="prod"),
+            "fleetheal:environment: 'prod' is not accepted; use one of: development, staging, production",
+        ),
+        (_values(remediatorReplicas=0), "fleetheal:remediatorReplicas: 0 is not accepted; use an integer >= 1"),
+        (
+            _values(remediatorReplicas=2),
+            "fleetheal:remediatorReplicas: 2 is not accepted with remediatorStore=sqlite (SQLite serves one replica); "
+            "set remediatorStore to postgres or postgres-in-cluster, or remediatorReplicas to 1",
+        ),
+        (
+            _values(remediatorStore="mysql"),
+            "fleetheal:remediatorStore: 'mysql' is not accepted; use one of: sqlite, postgres, postgres-in-cluster",
+        ),
+        (
+            _values(remediatorStoreSecret="Store"),
+            "fleetheal:remediatorStoreSecret: 'Store' is not accepted; use lower-case letters, digits and '-'",
+        ),
+        (
+            _values(remediatorDbImage="postgres"),
+            "fleetheal:remediatorDbImage: 'postgres' is not pinned; use REPOSITORY:TAG",
+        ),
     ],
 )
 def test_bad_config_names_the_key_and_accepted_values(values: dict[str, Any], message: str) -> None:
@@ -205,5 +229,24 @@ def test_a_secret_key_stored_in_clear_is_refused(dev_values: dict[str, Any]) -> 
         assert "slurmKey" in config.from_pulumi().secrets
         pulumi.runtime.set_all_config({**base, key: ""}, secret_keys=[])
         assert "slurmKey" not in config.from_pulumi().secrets  # "" is the declared default: not set
+        db = "fleetheal:remediatorDbPassword"
+        pulumi.runtime.set_all_config({**base, db: "pw-in-clear"}, secret_keys=[])
+        with pytest.raises(config.ConfigError, match="fleetheal:remediatorDbPassword: stored in clear; set it with"):
+            config.from_pulumi()
     finally:
         pulumi.runtime.set_all_config({})
+
+
+def test_a_replicated_remediator_on_postgres() -> None:
+    cfg = config.from_values(
+        _values(
+            environment="production",
+            remediatorReplicas="3",
+            remediatorStore="postgres-in-cluster",
+            remediatorDbPassword="pw",
+        )
+    )
+    assert (cfg.environment, cfg.remediator_replicas, cfg.remediator_store) == ("production", 3, "postgres-in-cluster")
+    assert cfg.remediator_store_secret == "fleetheal-remediator-store"
+    assert cfg.secret("remediatorDbPassword") == "pw"
+    assert config.declarations()["remediatorDbPassword"].secret

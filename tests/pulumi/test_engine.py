@@ -137,6 +137,29 @@ def test_preview_rejects_a_stack_the_policy_pack_forbids(
     assert "lets the remediator read Secrets beyond its own" in message, message
 
 
+def test_preview_holds_a_production_stack_to_a_highly_available_remediator(
+    target: engine.Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The example stack marked production: one remediator on SQLite is refused by both production rules.
+    prod = {**target.settings, "environment": "production"}
+    with pytest.raises(auto.CommandError) as err:
+        timed(
+            "preview (production, sqlite)",
+            capsys,
+            lambda: engine.preview(dataclasses.replace(target, settings=prod), [engine.POLICY_PACK]),
+        )
+    message = str(err.value)
+    assert "production-remediator-shared-store" in message and "production-remediator-replicas" in message, message
+    # Two replicas on the in-cluster PostgreSQL (its password a secret) pass the pack.
+    ha = dataclasses.replace(
+        target,
+        settings={**prod, "remediatorReplicas": "2", "remediatorStore": "postgres-in-cluster"},
+        secrets={**target.secrets, "remediatorDbPassword": secrets.token_hex(16)},
+    )
+    result = timed("preview (production, postgres)", capsys, lambda: engine.preview(ha, [engine.POLICY_PACK]))
+    assert result.change_summary.get(auto.OpType.CREATE, 0) > 50, result.change_summary
+
+
 def test_up_creates_the_stack(target: engine.Target, api: Any, capsys: pytest.CaptureFixture[str]) -> None:
     from kubernetes import client
 

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from fleetheal import contracts, generate
-from fleetheal.infra import config, mocks, program
+from fleetheal.infra import common, config, mocks, program
 from fleetheal.infra.slinky import CRD_FILES, crd_documents
 from tests.k8s_schemas import SCHEMAS, SchemaSet
 from tests.pulumi.graph import assert_all_valid, by_kind, objects
@@ -266,3 +266,55 @@ def test_prometheus_rule_groups_pass_promtool(
     proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
+
+
+def test_namespaces_carry_the_stack_environment(run_mocked: Runner, dev_values: dict[str, Any]) -> None:
+    records = _build(run_mocked, config.from_values({**dev_values, "environment": "production"}))
+    labels = {o["metadata"]["name"]: o["metadata"]["labels"] for o in by_kind(records, "Namespace")}
+    assert labels["fleetheal-system"][common.LABEL_ENVIRONMENT] == "production"
+    assert labels["slurm"][common.LABEL_ENVIRONMENT] == "production"
+
+
+def test_a_highly_available_remediator_on_the_in_cluster_postgres(
+    run_mocked: Runner, dev_values: dict[str, Any], k8s_schemas: SchemaSet
+) -> None:
+    password = "in-cluster-db-password-0123456789"
+    cfg = config.from_values(
+        {
+            **dev_values,
+            "remediatorReplicas": 2,
+            "remediatorStore": "postgres-in-cluster",
+            "remediatorDbPassword": password,
+        }
+    )
+    records = _build(run_mocked, cfg)
+    assert_all_valid(k8s_schemas, records)
+    kinds = Counter(o["kind"] for o in objects(records))
+    # the state PVC goes; the database, its Service, the store Secret, the PDB and two Roles with bindings come
+    assert sum(kinds.values()) == 75 - 1 + 8
+    deploy = next(o for o in by_kind(records, "Deployment") if o["metadata"]["name"] == "fleetheal-remediator")
+    assert deploy["spec"]["replicas"] == 2
+    sts = next(o for o in by_kind(records, "StatefulSet") if o["metadata"]["name"] == "fleetheal-remediator-db")
+    assert sts["metadata"]["namespace"] == "fleetheal-system"
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "docker.io/library/postgres:17.6"
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    (store,) = [
+        r
+        for r in records
+        if r.inputs.get("kind") == "Secret" and r.inputs["metadata"]["name"] == "fleetheal-remediator-store"
+    ]
+    assert store.secret_paths == ("stringData",)
+    assert password in store.inputs["stringData"]["url"]
+    assert not [p for p in by_kind(records, "PersistentVolumeClaim") if "remediator" in p["metadata"]["name"]]
+
+
+def test_a_remediator_on_the_operators_postgres_creates_no_database(
+    run_mocked: Runner, dev_values: dict[str, Any]
+) -> None:
+    cfg = config.from_values({**dev_values, "remediatorReplicas": 3, "remediatorStore": "postgres"})
+    assert program.remediator_store(cfg) == {"kind": "postgres", "secret": "fleetheal-remediator-store"}
+    records = _build(run_mocked, cfg)
+    assert "fleetheal-remediator-store" not in [s["metadata"]["name"] for s in by_kind(records, "Secret")]
+    assert [s["metadata"]["name"] for s in by_kind(records, "StatefulSet")] == ["mariadb"]
+    deploy = next(o for o in by_kind(records, "Deployment") if o["metadata"]["name"] == "fleetheal-remediator")
+    assert deploy["spec"]["replicas"] == 3

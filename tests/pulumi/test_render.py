@@ -123,3 +123,29 @@ def test_render_reports_a_bad_stack_with_the_key(tmp_path: Path) -> None:
 def test_render_with_policy_check_passes_the_example_stack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["render", "--stack", "dev", "--out", str(tmp_path / "o"), "--policy"]) == 0
     assert "0 policy violation(s)" in capsys.readouterr().out
+
+
+def test_render_keeps_the_remediator_store_password_out_of_every_file(tmp_path: Path) -> None:
+    root = tmp_path / "proj"
+    root.mkdir()
+    shutil.copy(REPO / "Pulumi.yaml", root)
+    stack = yaml.safe_load((REPO / "Pulumi.dev.yaml").read_text())
+    stack["config"].update(
+        {
+            "fleetheal:remediatorReplicas": 2,
+            "fleetheal:remediatorStore": "postgres-in-cluster",
+            "fleetheal:remediatorDbPassword": "plain-db-password-for-the-test",
+        }
+    )
+    (root / "Pulumi.ha.yaml").write_text(yaml.safe_dump(stack))
+    files = render.render_stack("ha", root)
+    secret = yaml.safe_load(files["fleetheal-system/Secret-fleetheal-remediator-store.yaml"].split("---\n", 1)[1])
+    assert secret["stringData"] == {"password": render.REDACTED, "url": render.REDACTED}
+    assert not any("plain-db-password" in text for text in files.values())
+    assert "fleetheal-system/StatefulSet-fleetheal-remediator-db.yaml" in files
+    # encrypted (not readable here): the Secret is left to the real engine, the database still renders
+    stack["config"]["fleetheal:remediatorDbPassword"] = {"secure": "v1:AAAA"}
+    (root / "Pulumi.ha.yaml").write_text(yaml.safe_dump(stack))
+    files = render.render_stack("ha", root)
+    assert "fleetheal-system/Secret-fleetheal-remediator-store.yaml" not in files
+    assert "fleetheal-system/StatefulSet-fleetheal-remediator-db.yaml" in files
