@@ -1,4 +1,5 @@
-"""Remediator: webhook ingest (alerts/s, time to 202) and alert -> playbook start latency.
+"""Remediator: webhook ingest (alerts/s, time to 202, SQLite and PostgreSQL), alert -> playbook start
+latency, and leader failover.
 
 Both run the real service as its own process (`python -m fleetheal remediator serve`) on loopback.
 
@@ -12,6 +13,10 @@ Both run the real service as its own process (`python -m fleetheal remediator se
    real ansible-runner and a one-task playbook; latency from sending the POST to ansible-runner's
    `playbook_on_start` event as recorded on the incident's timeline (same clock), plus the remediator's
    own share (alert received -> playbook start).
+3. Replicated (PostgreSQL on loopback, the real kube-apiserver of `make tools`): the ingest rounds of 1.
+   against a follower of two replicas, beside SQLite's; and leader failover: SIGKILL of the leader (the
+   process and its playbooks) while five incidents act, to the new leader's first step, FAILOVER_ROUNDS
+   times with the default lease timings.
 """
 
 from __future__ import annotations
@@ -99,28 +104,55 @@ def _body(alerts: list[dict[str, Any]]) -> bytes:
 
 
 class Service:
-    def __init__(self, workdir: Path, **gate: Any) -> None:
+    """`store_url` and `kube`: PostgreSQL and leader election (`lease`, this replica's `name`)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        store_url: str | None = None,
+        kube: Any = None,
+        lease: str = "fleetheal-bench",
+        playbook: str = PLAYBOOK,
+        wait_for: str = "any",
+        **gate: Any,
+    ) -> None:
         self.dir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_ports()[0]
+        self.run_dir = workdir / "runs"
         playbooks = workdir / "playbooks"
         playbooks.mkdir()
         from fleetheal import taxonomy
 
         for action in taxonomy.load().actions.values():
-            (playbooks / action.playbook).write_text(PLAYBOOK)
-        cfg = {
+            (playbooks / action.playbook).write_text(playbook)
+        store: dict[str, Any] = {"path": str(workdir / "remediator.sqlite")}
+        cfg: dict[str, Any] = {
             "cluster": {"name": "bench", "nodes": NODES},
             "listen": {"host": "127.0.0.1", "port": self.port},
-            "store": {"path": str(workdir / "remediator.sqlite")},
+            "store": store,
             # No Slurm here: the first response (in-process Slurm steps) is off; the figure is the playbook path.
             "runner": {
                 "playbook_dir": str(playbooks),
-                "run_dir": str(workdir / "runs"),
+                "run_dir": str(self.run_dir),
                 "retries": 0,
                 "first_response": False,
             },
             "gate": gate,
+            "lifecycle": {"enabled": False},
         }
+        if store_url is not None:
+            (workdir / "store-url").write_text(store_url + "\n")
+            store["url_file"] = str(workdir / "store-url")
+            # The default lease timings: the failover figure is what a site gets out of the box.
+            cfg["leader_election"] = {
+                "enabled": True,
+                "namespace": "default",
+                "lease_name": lease,
+                "identity": workdir.name,
+                "kubeconfig": str(kube.kubeconfig),
+            }
         self.config = workdir / "remediator.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.log = open(workdir / "serve.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -134,13 +166,27 @@ class Service:
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.02)
+            role = self.role()
+            if role is not None and wait_for in ("any", role):
+                return
+            time.sleep(0.02)
         raise RuntimeError("remediator did not start: " + (workdir / "serve.log").read_text()[-2000:])
+
+    def role(self) -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as r:
+                return str(json.loads(r.read()).get("role") or "leader")
+        except OSError:
+            return None
+
+    def kill(self) -> None:
+        """A pod's death: the process and its playbooks at once."""
+        from fleetheal.remediator.runner import kill_leftovers
+
+        self.proc.kill()
+        kill_leftovers(str(self.run_dir))
+        self.proc.wait()
+        self.log.close()
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -179,29 +225,49 @@ async def _ingest(port: int, bodies: list[bytes]) -> tuple[float, list[float]]:
         return time.perf_counter() - t0, latencies
 
 
-def bench_ingest() -> list[dict[str, Any]]:
+def _ingest_rounds(svc: Service, offset: int) -> tuple[list[float], list[float], list[float]]:
     single_rates, grouped_rates, latencies = [], [], []
+    for r in range(ROUNDS):
+        alerts = [_alert(i, "xid-79", offset + r) for i in range(ALERTS)]
+        elapsed, lat = asyncio.run(_ingest(svc.port, [_body([a]) for a in alerts]))
+        single_rates.append(ALERTS / elapsed)
+        latencies += lat
+        alerts = [_alert(i, "xid-79", offset + r + 12) for i in range(ALERTS)]
+        elapsed, _ = asyncio.run(_ingest(svc.port, [_body(alerts[i : i + 50]) for i in range(0, ALERTS, 50)]))
+        grouped_rates.append(ALERTS / elapsed)
+    return single_rates, grouped_rates, latencies
+
+
+def bench_ingest(env: HAEnv | None) -> list[dict[str, Any]]:
+    """SQLite (the embedded default); with `env`, the same rounds on PostgreSQL (a follower of two
+    replicas: what Alertmanager reaches during a storm), measured after it in the same run."""
     with tempfile.TemporaryDirectory(prefix="bench-remediator-") as tmp:
-        svc = Service(Path(tmp), observe_only=True)
+        svc = Service(Path(tmp) / "sqlite", observe_only=True)
         try:
-            for r in range(ROUNDS):
-                alerts = [_alert(i, "xid-79", r) for i in range(ALERTS)]
-                elapsed, lat = asyncio.run(_ingest(svc.port, [_body([a]) for a in alerts]))
-                single_rates.append(ALERTS / elapsed)
-                latencies += lat
-                alerts = [_alert(i, "xid-79", r + 12) for i in range(ALERTS)]
-                elapsed, _ = asyncio.run(_ingest(svc.port, [_body(alerts[i : i + 50]) for i in range(0, ALERTS, 50)]))
-                grouped_rates.append(ALERTS / elapsed)
+            single_rates, grouped_rates, latencies = _ingest_rounds(svc, 0)
         finally:
             svc.stop()
-    return [
+        pg: tuple[list[float], list[float], list[float]] | None = None
+        if env is not None:
+            url = env.database()
+            leader = Service(Path(tmp) / "pg-a", store_url=url, kube=env.cp, lease="bench-ingest",
+                             wait_for="leader", observe_only=True)  # fmt: skip
+            follower = Service(Path(tmp) / "pg-b", store_url=url, kube=env.cp, lease="bench-ingest",
+                               observe_only=True)  # fmt: skip
+            try:
+                pg = _ingest_rounds(follower, 100)
+            finally:
+                follower.stop()
+                leader.stop()
+    out = [
         {
             "name": "webhook ingest, 1 alert/request",
             "unit": "alerts/s",
             "median": statistics.median(single_rates),
             "p99": min(single_rates),
             "n": ROUNDS,
-            "notes": f"{ALERTS} alerts per round, {CONCURRENCY} in flight, synchronous=FULL; p99 column: worst round",
+            "notes": f"{ALERTS} alerts per round, {CONCURRENCY} in flight, SQLite synchronous=FULL; "
+            "p99 column: worst round",
         },
         {
             "name": "webhook time to 202, 1 alert/request",
@@ -220,6 +286,151 @@ def bench_ingest() -> list[dict[str, Any]]:
             "notes": "grouped notifications; p99 column: worst round",
         },
     ]
+    if pg is not None:
+        single, grouped, lat = pg
+        out += [
+            {
+                "name": "webhook ingest, 1 alert/request, PostgreSQL follower",
+                "unit": "alerts/s",
+                "median": statistics.median(single),
+                "p99": min(single),
+                "n": ROUNDS,
+                "peer": statistics.median(single_rates),
+                "ratio_to_peer": statistics.median(single) / statistics.median(single_rates),
+                "notes": "a follower of 2 replicas, loopback PostgreSQL (synchronous_commit on); peer: SQLite above",
+            },
+            {
+                "name": "webhook time to 202, 1 alert/request, PostgreSQL follower",
+                "unit": "ms",
+                "median": statistics.median(lat) * 1000,
+                "p99": _pct(lat, 0.99) * 1000,
+                "n": len(lat),
+                "peer": statistics.median(latencies) * 1000,
+                "ratio_to_peer": statistics.median(lat) / statistics.median(latencies),
+                "notes": "peer: SQLite above",
+            },
+            {
+                "name": "webhook ingest, 50 alerts/request, PostgreSQL follower",
+                "unit": "alerts/s",
+                "median": statistics.median(grouped),
+                "p99": min(grouped),
+                "n": ROUNDS,
+                "peer": statistics.median(grouped_rates),
+                "ratio_to_peer": statistics.median(grouped) / statistics.median(grouped_rates),
+                "notes": "peer: SQLite above",
+            },
+        ]
+    return out
+
+
+#: A playbook that holds (a remediation in progress when the leader dies).
+HOLDING_PLAYBOOK = """\
+- name: Benchmark playbook (holds)
+  hosts: fleetheal_incidents
+  gather_facts: false
+  tasks:
+    - name: Hold like a long remediation
+      ansible.builtin.command: sleep 60
+      changed_when: false
+"""
+FAILOVER_ROUNDS = 5
+
+
+def bench_failover(env: HAEnv) -> list[dict[str, Any]]:
+    """SIGKILL of the leader (process and playbooks, as a pod dies) while its incidents act; the figure
+    is the time to the first action of the new leader (its first step of one of them), default lease
+    timings (lease 6 s, renew deadline 4 s, retry 1 s)."""
+
+    times, takes = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
+        for r in range(FAILOVER_ROUNDS):
+            first, took = _failover_round(env, Path(tmp), r)
+            times.append(first)
+            takes.append(took)
+    return [
+        {
+            "name": "leader failover: SIGKILL -> first action of the new leader",
+            "unit": "s",
+            "median": statistics.median(times),
+            "p99": max(times),
+            "n": len(times),
+            "goal": 10.0,
+            "notes": f"2 replicas, default lease timings; of which taking the lease: median "
+            f"{statistics.median(takes):.2f} s; p99 column: worst round",
+        }
+    ]
+
+
+def _failover_round(env: HAEnv, tmp: Path, r: int) -> tuple[float, float]:
+    """(kill -> first step of the new leader, kill -> its taking the lead), in seconds."""
+    import psycopg
+
+    from fleetheal.remediator.store import Store
+
+    url = env.database()
+    lease = f"bench-failover-{r}-{os.getpid()}"
+    a = Service(tmp / f"r{r}-a", store_url=url, kube=env.cp, lease=lease, playbook=HOLDING_PLAYBOOK, wait_for="leader")
+    b = Service(tmp / f"r{r}-b", store_url=url, kube=env.cp, lease=lease, playbook=HOLDING_PLAYBOOK)
+    store = Store.postgres(url)
+    try:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{a.port}/webhook",
+            data=_body([_alert(i * 20, "xid-79", 50 + r) for i in range(5)]),  # one per rack: within budget
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )
+        urllib.request.urlopen(req, timeout=10).close()
+        _until(lambda: len(store.incidents(state="acting")) == 5, 60)
+        time.sleep(1.0)
+        killed = time.time()
+        a.kill()
+        with psycopg.connect(url, autocommit=True) as conn:
+            first = _until(
+                lambda: conn.execute("SELECT min(started_at) FROM steps WHERE started_at > %s", (killed,)).fetchone()[
+                    0
+                ],
+                60,
+            )
+        lead = store.leadership()
+        assert lead is not None
+        return first - killed, lead[2] - killed
+    finally:
+        store.close()
+        b.kill()
+
+
+def _until(predicate: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise RuntimeError("timed out")
+
+
+class HAEnv:
+    """A loopback PostgreSQL and a real kube-apiserver (`make tools`) for the replicated figures."""
+
+    def __init__(self, base: Path) -> None:
+        from fleetheal.lab.controlplane import KubeControlPlane
+        from fleetheal.lab.postgres import Postgres
+
+        self.pg = Postgres(base / "pg").start()
+        self.cp = KubeControlPlane(base / "kube", controller_manager=False).start()
+        self._n = 0
+
+    def database(self) -> str:
+        import psycopg
+
+        self._n += 1
+        name = f"bench_{self._n}"
+        with psycopg.connect(self.pg.url(database="postgres"), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.pg.url(database=name)
+
+    def close(self) -> None:
+        self.cp.stop()
+        self.pg.drop()
 
 
 def bench_playbook_start() -> list[dict[str, Any]]:
@@ -278,7 +489,17 @@ def bench_playbook_start() -> list[dict[str, Any]]:
 
 
 def run() -> list[dict[str, Any]]:
-    return bench_ingest() + bench_playbook_start()
+    from fleetheal.lab.controlplane import tools_built
+
+    if not tools_built():  # the replicated figures need the API server; the others run anyway
+        return bench_ingest(None) + bench_playbook_start()
+    base = Path(tempfile.mkdtemp(prefix="fleetheal-bench-ha-"))
+    base.chmod(0o711)  # PostgreSQL runs as `postgres` when we are root: it must reach its directory
+    env = HAEnv(base)
+    try:
+        return bench_ingest(env) + bench_playbook_start() + bench_failover(env)
+    finally:
+        env.close()
 
 
 if __name__ == "__main__":

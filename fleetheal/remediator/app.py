@@ -368,6 +368,8 @@ class Service:
             lead = await self._roles.get()
             if lead and not leading:
                 assert self.elector is not None
+                if not self.elector.leading:  # a stale request: the lease went meanwhile; never fence its holder
+                    continue
                 try:
                     epoch = await loop.run_in_executor(None, self.store.take_leadership, self.elector.identity)
                 except StoreError as exc:

@@ -110,9 +110,21 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from fleetheal.remediator.store import Store
+    from fleetheal.remediator.config import ConfigError
+    from fleetheal.remediator.store import Store, StoreError
 
     cfg = _load(args)
+    try:
+        url = cfg.store.url()
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    if url is not None:  # the replicas' shared PostgreSQL: an operator's command writes there too
+        try:
+            return Store.postgres(url)
+        except StoreError as exc:
+            raise UsageError(
+                f"cannot reach the remediator's PostgreSQL (store.url_file in {args.config}): {exc}"
+            ) from None
     if not os.path.exists(cfg.store.path):
         raise UsageError(f"no remediator database at {cfg.store.path} (store.path in {args.config})")
     return Store(cfg.store.path, cfg.store.synchronous)

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -303,6 +304,14 @@ def test_postgresql_restarted_mid_run_the_remediator_waits_and_continues(fleet, 
         store.close()
     _check_every_incident_once(pg_url, 100, fleet.record)
     assert all("HTTP 503" in e for e in late), late  # during the restart, "retry" and nothing else
+    # The operators' commands read the shared store through the same config.
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetheal", "incidents", "list", "--json", "--limit", "500",
+         "--config", str(fleet.replicas[0].dir / "remediator.yaml")],
+        capture_output=True, text=True, timeout=60, cwd=REPO, check=True,
+    ).stdout  # fmt: skip
+    listed = json.loads(out)
+    assert len(listed) == 100 and {i["state"] for i in listed} == {"done"}
 
 
 def _iptables(*args: str) -> None:
