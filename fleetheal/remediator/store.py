@@ -452,6 +452,8 @@ class Store:
                 else:
                     db.execute("BEGIN IMMEDIATE")
             except self._errors as exc:
+                with contextlib.suppress(*self._errors):  # a live connection must not stay in the transaction
+                    db.execute("ROLLBACK")
                 raise StoreError(f"{type(exc).__name__}: {exc}") from exc
             try:
                 if fenced and self.epoch is not None:

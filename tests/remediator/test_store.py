@@ -432,3 +432,19 @@ def test_a_restarted_postgresql_fails_one_call_then_reconnects(postgres_server, 
         assert store.get(iid).state == "classified"
     finally:
         store.close()
+
+
+def test_a_failed_begin_leaves_no_transaction_open(pg_url):
+    """The write lock's wait canceled on a live connection (statement_timeout): the next call still works."""
+    a, b = Store.postgres(pg_url), Store.postgres(pg_url)
+    try:
+        b._db.execute("SET statement_timeout = 200")
+        with a.tx(fenced=False):
+            with pytest.raises(StoreError, match="statement timeout"):
+                with b.tx(fenced=False):
+                    pass
+        b.kv_set("after", "works")
+        assert b.kv_get("after") == "works"
+    finally:
+        a.close()
+        b.close()
