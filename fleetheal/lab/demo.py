@@ -175,15 +175,26 @@ def continuity(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _incident_for(lab: Lab, node: str, fault: str, after: float) -> dict[str, Any] | None:
-    for inc in lab.incidents():
-        if (
-            inc.get("node") == node
-            and inc.get("fault_id") == fault
-            and float(inc.get("received_at") or after) >= after - 1
-        ):
-            return inc
-    return None
+#: What a GPU that falls off the bus raises: the Xid from the kernel log and, from NVML, the lost GPU. Which
+#: alert reaches the remediator first is a race (each is its own Alertmanager group); the first one acts.
+LOST_GPU = ("xid-79", "gpu-lost")
+
+
+def _incident_for(
+    lab: Lab, node: str, fault: str | tuple[str, ...], after: float, *, acted: bool = False
+) -> dict[str, Any] | None:
+    """The first incident for `fault` (or one of them) on `node` since `after`; with `acted`, the first one
+    the gate let act."""
+    faults = (fault,) if isinstance(fault, str) else fault
+    found = [
+        inc
+        for inc in lab.incidents()
+        if inc.get("node") == node
+        and inc.get("fault_id") in faults
+        and float(inc.get("received_at") or after) >= after - 1
+        and (not acted or inc.get("decision") in ("allow", "would_run"))
+    ]
+    return min(found, key=lambda inc: str(inc["id"])) if found else None
 
 
 def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
@@ -210,7 +221,7 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         return f"Node {node} tainted {t[0]['key']}={t[0].get('value')}:NoSchedule" if t else None
 
     def incident() -> str | None:
-        inc = _incident_for(lab, node, "xid-79", t_inject)
+        inc = _incident_for(lab, node, LOST_GPU, t_inject, acted=True)
         if inc is None:
             return None
         o.details["incident"] = inc["id"]
@@ -260,7 +271,7 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         return None
 
     def finished() -> bool:
-        inc = _incident_for(lab, node, "xid-79", t_inject)
+        inc = _incident_for(lab, node, LOST_GPU, t_inject, acted=True)
         return (
             bool(inc and inc.get("state") in ("done", "failed"))
             and "resumed" in o.milestones
