@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -183,7 +184,8 @@ class Service:
         """A pod's death: the process and its playbooks at once."""
         from fleetheal.remediator.runner import kill_leftovers
 
-        self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
         kill_leftovers(str(self.run_dir))
         self.proc.wait()
         self.log.close()
@@ -395,6 +397,7 @@ def _failover_round(env: HAEnv, tmp: Path, r: int) -> tuple[float, float]:
         return first - killed, lead[2] - killed
     finally:
         store.close()
+        a.kill()  # a round that failed before the kill leaves no remediator behind
         b.kill()
 
 
@@ -500,6 +503,7 @@ def run() -> list[dict[str, Any]]:
         return bench_ingest(env) + bench_playbook_start() + bench_failover(env)
     finally:
         env.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
