@@ -196,17 +196,14 @@ class LeaderElector:
     def _try(self, now: float) -> bool:
         """Take or renew the lease; False when someone else holds it or the API server did not answer."""
         from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
 
         cfg = self.cfg
         api = self.api()
         duration = math.ceil(cfg.lease_duration_s)
-        try:
-            lease = api.read_namespaced_lease(cfg.lease_name, cfg.namespace, _request_timeout=self._timeout())
-        except ApiException as exc:
-            if exc.status != 404:
-                log.info("leader election: cannot read the lease", extra={"status": exc.status})
-                return False
+        lease = self._call("read", api.read_namespaced_lease, cfg.lease_name, cfg.namespace, missing_ok=True)
+        if lease is False:
+            return False
+        if lease is None:  # no lease yet: create it, holding it
             body = client.V1Lease(
                 metadata=client.V1ObjectMeta(name=cfg.lease_name, namespace=cfg.namespace),
                 spec=client.V1LeaseSpec(
@@ -217,19 +214,10 @@ class LeaderElector:
                     lease_transitions=0,
                 ),
             )
-            try:
-                api.create_namespaced_lease(cfg.namespace, body, _request_timeout=self._timeout())
-            except ApiException as exc2:
-                log.info("leader election: cannot create the lease", extra={"status": exc2.status})
-                return False
-            except Exception as exc2:
-                log.info("leader election: API server unreachable", extra={"error": str(exc2)[:200]})
+            if self._call("create", api.create_namespaced_lease, cfg.namespace, body) is False:
                 return False
             self.holder, self.transitions = self.identity, 0
             return True
-        except Exception as exc:  # urllib3 errors: the API server did not answer
-            log.info("leader election: API server unreachable", extra={"error": str(exc)[:200]})
-            return False
         spec = lease.spec or client.V1LeaseSpec()
         record = (spec.holder_identity, spec.renew_time, lease.metadata.resource_version)
         if record != self._observed:
@@ -246,32 +234,39 @@ class LeaderElector:
         spec.renew_time = _now()
         spec.lease_duration_seconds = duration
         lease.spec = spec
-        try:
-            api.replace_namespaced_lease(cfg.lease_name, cfg.namespace, lease, _request_timeout=self._timeout())
-        except ApiException as exc:
-            log.info("leader election: lost the race for the lease", extra={"status": exc.status})
-            return False
-        except Exception as exc:
-            log.info("leader election: API server unreachable", extra={"error": str(exc)[:200]})
+        # The resourceVersion read above goes with the write: of two replicas racing, one gets 409.
+        if self._call("write", api.replace_namespaced_lease, cfg.lease_name, cfg.namespace, lease) is False:
             return False
         self.holder, self.transitions = self.identity, spec.lease_transitions or 0
         return True
 
-    def release(self) -> None:
-        """Give the lease up now (client-go's ReleaseOnCancel): a follower takes it at its next period."""
+    def _call(self, what: str, method: Callable[..., Any], *args: Any, missing_ok: bool = False) -> Any:
+        """One request to the API server within `_timeout()`; False when it failed (logged), None for a 404
+        with `missing_ok`."""
         from kubernetes.client.exceptions import ApiException
 
         try:
+            return method(*args, _request_timeout=self._timeout())
+        except ApiException as exc:
+            if missing_ok and exc.status == 404:
+                return None
+            log.info(f"leader election: cannot {what} the lease", extra={"status": exc.status})
+        except Exception as exc:  # urllib3 errors: the API server did not answer
+            log.info("leader election: API server unreachable", extra={"error": str(exc)[:200]})
+        return False
+
+    def release(self) -> None:
+        """Give the lease up now (client-go's ReleaseOnCancel): a follower takes it at its next period."""
+        try:
             api = self.api()
-            lease = api.read_namespaced_lease(self.cfg.lease_name, self.cfg.namespace, _request_timeout=self._timeout())
-            if lease.spec is None or lease.spec.holder_identity != self.identity:
-                return
-            lease.spec.holder_identity = None
-            lease.spec.lease_duration_seconds = 1
-            lease.spec.renew_time = _now()
-            api.replace_namespaced_lease(
-                self.cfg.lease_name, self.cfg.namespace, lease, _request_timeout=self._timeout()
-            )
-            log.info("leader election: released the lease", extra={"identity": self.identity})
-        except (ApiException, Exception) as exc:
+        except Exception as exc:
             log.info("leader election: could not release the lease", extra={"error": str(exc)[:200]})
+            return
+        lease = self._call("read", api.read_namespaced_lease, self.cfg.lease_name, self.cfg.namespace)
+        if not lease or lease.spec is None or lease.spec.holder_identity != self.identity:
+            return
+        lease.spec.holder_identity = None
+        lease.spec.lease_duration_seconds = 1
+        lease.spec.renew_time = _now()
+        if self._call("release", api.replace_namespaced_lease, self.cfg.lease_name, self.cfg.namespace, lease):
+            log.info("leader election: released the lease", extra={"identity": self.identity})

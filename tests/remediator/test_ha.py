@@ -29,6 +29,7 @@ from fleetheal.remediator.runner import kill_leftovers
 from fleetheal.remediator.store import Store
 from tests.remediator.conftest import TEST_PLAYBOOKS, TOKEN, alert, body, nodes
 from tests.remediator.test_app import _serve_cmd
+from tests.remediator.test_crash import _wait
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = nodes(500, per_domain=50)
@@ -188,16 +189,6 @@ class Fleet:
     def stop(self) -> None:
         for r in self.replicas:
             r.stop()
-
-
-def _wait(what, predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _alerts(count: int) -> list[bytes]:
