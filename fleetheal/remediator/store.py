@@ -411,17 +411,29 @@ class Store:
 
     def _open_sqlite(self, path: str) -> None:
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        # Switching a new database to WAL takes a lock that SQLite's busy handler does not wait for: a
+        # second replica opening the same file at that moment gets "database is locked" at once.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         # Alerts are committed at the configured durability before their 202 (ingest_many); the state
         # machine's own writes use NORMAL: in WAL mode they survive a process crash, and what a power loss
         # could take (the last state changes) is redone on resume from the durable prefix.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
-        with self._lock:
-            self._db.executescript(SCHEMA)
-            columns = {r[1] for r in self._db.execute("PRAGMA table_info(incidents)")}
+        with self.tx(fenced=False) as db:  # one writer creates the schema; the others then find it
+            for stmt in SCHEMA.split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(incidents)")}
             if "parent_id" not in columns:  # a database from before node lifecycles
-                self._db.execute("ALTER TABLE incidents ADD COLUMN parent_id INTEGER")
+                db.execute("ALTER TABLE incidents ADD COLUMN parent_id INTEGER")
 
     @classmethod
     def postgres(cls, url: str, clock: Callable[[], float] = time.time) -> Store:
