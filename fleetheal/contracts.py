@@ -170,3 +170,49 @@ LABEL_GPU_TYPE = K8S_PREFIX + "gpu-type"
 AGENT_STATE_DIR = "/run/fleetheal"
 AGENT_HEALTH_FILE = AGENT_STATE_DIR + "/health"
 AGENT_JOBS_DIR = AGENT_STATE_DIR + "/jobs"
+
+# Pool membership of existing nodes (fleetheal.infra.nodepools -> fleetheal.remediator.membership).
+# A stack declares one ConfigMap per GPU pool, not one resource per node: its data maps each member
+# Node's name to "<active|standby> <failure domain>", its labels name the pool and GPU type. The
+# remediator's membership controller applies the labels and the standby taint to the Nodes with its own
+# server-side-apply field manager, and only when a node's entry changes (the annotation records the
+# entry applied), so a promotion by the remediator is never undone by an unchanged declaration.
+#: On a membership ConfigMap: the GPU pool it declares.
+LABEL_MEMBERSHIP = K8S_PREFIX + "membership"
+#: On a Node: the membership entry last applied ("<gpu pool> <gpu type> <role> <failure domain>").
+ANNOTATION_MEMBERSHIP = K8S_PREFIX + "membership"
+MEMBERSHIP_FIELD_MANAGER = "fleetheal-membership"
+#: A ConfigMap holds at most 1 MiB; a pool's membership must stay well under it.
+MEMBERSHIP_MAX_BYTES = 900_000
+MEMBER_ROLES = ("active", "standby")
+
+
+def membership_configmap(pool: str) -> str:
+    """The name of GPU pool `pool`'s membership ConfigMap."""
+    return f"fleetheal-pool-{pool}"
+
+
+def membership_entry(role: str, failure_domain: str) -> str:
+    return f"{role} {failure_domain}"
+
+
+def parse_membership_entry(entry: str) -> tuple[str, str]:
+    """(role, failure domain) of a membership ConfigMap's value; ValueError names what is wrong."""
+    parts = entry.split()
+    if len(parts) != 2 or parts[0] not in MEMBER_ROLES:
+        raise ValueError(f"{entry[:80]!r} is not '<active|standby> <failure domain>'")
+    return parts[0], parts[1]
+
+
+def member_node(
+    pool: str, gpu_type: str, role: str, failure_domain: str
+) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The labels and taints a member Node of `pool` carries (the standby taint's value is the pool)."""
+    labels = {
+        LABEL_POOL: role,
+        LABEL_GPU_POOL: pool,
+        LABEL_GPU_TYPE: gpu_type,
+        LABEL_FAILURE_DOMAIN: failure_domain,
+    }
+    taints = [{"key": TAINT_STANDBY, "value": pool, "effect": "NoSchedule"}] if role == "standby" else []
+    return labels, taints

@@ -89,6 +89,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                 metavar="FILE",
                 help="JSON config for the policy pack at the same position; repeatable",
             )
+        if name == "preview":
+            c.add_argument(
+                "--diff",
+                action="store_true",
+                help="show each change property by property (a node added to a pool shows as that key)",
+            )
         c.set_defaults(func=run_engine)
 
 
@@ -142,7 +148,7 @@ def run_engine(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         if command == "preview":
-            result = engine.preview(target, args.policy_packs, args.policy_pack_configs, out, err)
+            result = engine.preview(target, args.policy_packs, args.policy_pack_configs, out, err, diff=args.diff)
             changed = engine.changes(result.change_summary)
         elif command == "up":
             up = engine.up(target, args.policy_packs, args.policy_pack_configs, out, err)

@@ -62,6 +62,8 @@ def declarations(project_file: Path = PROJECT_FILE) -> dict[str, Declaration]:
     doc = yaml.safe_load(project_file.read_text(encoding="utf-8"))
     out: dict[str, Declaration] = {}
     for key, spec in (doc.get("config") or {}).items():
+        if ":" in key:  # a provider's setting (kubernetes:...), given a value there, not a fleetheal key
+            continue
         out[key] = Declaration(
             key=key,
             type=spec["type"],

@@ -22,6 +22,7 @@ handed to the engine as an executable (see `policy_launchers`) that starts it wi
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import shlex
@@ -107,12 +108,24 @@ def _stack_file(target: Target) -> dict[str, Any]:
     if source.exists():
         doc = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
     doc.pop("encryptionsalt", None)
+    # Objects and arrays go into the file: `pulumi config set` would store them as strings, which the
+    # engine refuses for keys Pulumi.yaml declares as objects (gpuPools).
+    structured = {k: v for k, v in target.settings.items() if _structured(v)}
+    if structured:
+        doc["config"] = {
+            **(doc.get("config") or {}),
+            **{f"{config.PROJECT}:{k}": json.loads(v) for k, v in structured.items()},
+        }
     copy = target.work_dir / source.name
     if copy.exists():
         previous = yaml.safe_load(copy.read_text(encoding="utf-8")) or {}
         if "encryptionsalt" in previous:
             doc["encryptionsalt"] = previous["encryptionsalt"]
     return doc
+
+
+def _structured(value: str) -> bool:
+    return value.lstrip()[:1] in ("[", "{")
 
 
 def prepare(target: Target) -> Path:
@@ -166,7 +179,7 @@ def open_stack(target: Target) -> auto.Stack:
             pulumi_command=command,
         ),
     )
-    values = {f"{config.PROJECT}:{k}": auto.ConfigValue(v) for k, v in target.settings.items()}
+    values = {f"{config.PROJECT}:{k}": auto.ConfigValue(v) for k, v in target.settings.items() if not _structured(v)}
     values |= {f"{config.PROJECT}:{k}": auto.ConfigValue(v, secret=True) for k, v in target.secrets.items()}
     if values:
         stack.set_all_config(values)
@@ -223,12 +236,16 @@ def preview(
     policy_pack_configs: Sequence[Path] = (),
     on_output: OnOutput | None = None,
     on_error: OnOutput | None = None,
+    *,
+    diff: bool = False,
 ) -> auto.PreviewResult:
-    """`pulumi preview [--policy-pack DIR ...]`; raises auto.CommandError on a failure or a mandatory violation."""
+    """`pulumi preview [--policy-pack DIR ...] [--diff]`; raises auto.CommandError on a failure or a mandatory
+    violation."""
     stack = open_stack(target)
     return stack.preview(
         policy_packs=_paths(policy_launchers(target, policy_packs)) or None,
         policy_pack_configs=_paths(policy_pack_configs) or None,
+        diff=diff,
         color="never",
         on_output=on_output,
         on_error=on_error,

@@ -23,62 +23,68 @@ ACTIVE = "active"
 STANDBY = "standby"
 
 
-def node_labels(pool: GpuPool, role: str, failure_domain: str | None = None) -> dict[str, str]:
-    out = {
-        contracts.LABEL_POOL: role,
-        contracts.LABEL_GPU_POOL: pool.name,
-        contracts.LABEL_GPU_TYPE: pool.gpu_type,
-    }
-    if failure_domain is not None:
-        out[contracts.LABEL_FAILURE_DOMAIN] = failure_domain
-    return out
-
-
 def failure_domain(pool: GpuPool, index: int, size: int) -> str:
     """Nodes are listed in rack order: every `size` consecutive nodes share a failure domain."""
     return f"{pool.name}-fd{index // size}"
 
 
 class NodePoolProvider(Protocol):
-    """Declares the nodes of one pool (active or standby) as Pulumi resources."""
+    """Declares the nodes of one GPU pool (its active and its standby nodes) as Pulumi resources."""
 
     name: str
 
-    def declare(self, pool: GpuPool, role: str, parent: pulumi.Resource) -> list[pulumi.Resource]: ...
+    def declare(self, pool: GpuPool, parent: pulumi.Resource) -> list[pulumi.Resource]: ...
+
+
+def membership_data(pool: GpuPool, failure_domain_size: int) -> dict[str, str]:
+    """Node name -> "<role> <failure domain>" for every node of `pool` (contracts.membership_entry)."""
+    data: dict[str, str] = {}
+    for role, names in ((ACTIVE, pool.node_names), (STANDBY, pool.standby_node_names)):
+        for i, node in enumerate(names):
+            data[node] = contracts.membership_entry(role, failure_domain(pool, i, failure_domain_size))
+    return data
 
 
 class ExistingNodesProvider:
-    """Nodes that already exist (bare metal, a pre-built cluster): only labels and taints are applied,
-    with server-side-apply Node patches, so nothing else on the Node object is owned by Pulumi."""
+    """Nodes that already exist (bare metal, a pre-built cluster): one membership ConfigMap per pool.
+
+    The stack grows with the number of pools, not of nodes. The remediator's membership controller
+    (fleetheal.remediator.membership) applies each member's labels and standby taint to its Node, with
+    its own field manager, at registration and whenever the node's entry changes; Pulumi owns no field
+    of any Node, so it never fights the remediator's promotions.
+    """
 
     name = "existing"
 
-    def __init__(self, failure_domain_size: int) -> None:
+    def __init__(self, failure_domain_size: int, namespace: str) -> None:
         self.failure_domain_size = common.positive("ExistingNodesProvider", "failure_domain_size", failure_domain_size)
+        if not namespace:
+            raise common.ComponentArgError("ExistingNodesProvider: namespace (the system namespace) is required")
+        self.namespace = namespace
 
-    def declare(self, pool: GpuPool, role: str, parent: pulumi.Resource) -> list[pulumi.Resource]:
-        names = pool.node_names if role == ACTIVE else pool.standby_node_names
-        out: list[pulumi.Resource] = []
-        for i, node in enumerate(names):
-            metadata = {
-                "name": node,
-                "labels": node_labels(pool, role, failure_domain(pool, i, self.failure_domain_size)),
-            }
-            spec: dict[str, Any] = {}
-            if role == STANDBY:
-                spec["taints"] = [{"key": contracts.TAINT_STANDBY, "value": pool.name, "effect": "NoSchedule"}]
-            out.append(
-                k8s.core.v1.NodePatch(
-                    f"{pool.name}-{role}-{node}",
-                    metadata=metadata,
-                    spec=spec or None,
-                    # Pulumi sets the initial membership only; at promotion the remediator takes the
-                    # labels and the taint over with its own field manager, and an unchanged stack
-                    # does not re-apply these inputs.
-                    opts=pulumi.ResourceOptions(parent=parent),
-                )
+    def declare(self, pool: GpuPool, parent: pulumi.Resource) -> list[pulumi.Resource]:
+        data = membership_data(pool, self.failure_domain_size)
+        size = sum(len(k) + len(v) for k, v in data.items())
+        if size > contracts.MEMBERSHIP_MAX_BYTES:
+            raise common.ComponentArgError(
+                f"{COMPONENT}.pools: pool {pool.name!r} lists {len(data)} nodes ({size:,} bytes of membership); "
+                f"a pool's membership must stay under {contracts.MEMBERSHIP_MAX_BYTES:,} bytes (one ConfigMap). "
+                "Split the pool."
             )
-        return out
+        name = contracts.membership_configmap(pool.name)
+        labels = {
+            **common.labels("pool-membership", name),
+            contracts.LABEL_MEMBERSHIP: pool.name,
+            contracts.LABEL_GPU_POOL: pool.name,
+            contracts.LABEL_GPU_TYPE: pool.gpu_type,
+        }
+        configmap = k8s.core.v1.ConfigMap(
+            f"{pool.name}-membership",
+            metadata={"name": name, "namespace": self.namespace, "labels": labels},
+            data=data,
+            opts=pulumi.ResourceOptions(parent=parent),
+        )
+        return [configmap]
 
 
 class EksNodeGroupProvider:
@@ -97,7 +103,10 @@ class EksNodeGroupProvider:
         self.node_role_arn = node_role_arn
         self.subnet_ids = subnet_ids
 
-    def declare(self, pool: GpuPool, role: str, parent: pulumi.Resource) -> list[pulumi.Resource]:
+    def declare(self, pool: GpuPool, parent: pulumi.Resource) -> list[pulumi.Resource]:
+        return [self._group(pool, role, parent) for role in (ACTIVE, STANDBY)]
+
+    def _group(self, pool: GpuPool, role: str, parent: pulumi.Resource) -> pulumi.Resource:
         size = pool.nodes if role == ACTIVE else pool.standby_nodes
         props: dict[str, Any] = {
             "clusterName": self.cluster_name,
@@ -107,12 +116,12 @@ class EksNodeGroupProvider:
             "instanceTypes": [pool.instance_type],
             "amiType": "AL2023_x86_64_NVIDIA",
             "scalingConfig": {"desiredSize": size, "minSize": size if role == ACTIVE else 0, "maxSize": size * 2},
-            "labels": node_labels(pool, role, f"{pool.name}-{role}"),
+            "labels": contracts.member_node(pool.name, pool.gpu_type, role, f"{pool.name}-{role}")[0],
             "tags": {"fleetheal.io/gpu-pool": pool.name, "fleetheal.io/pool": role},
         }
         if role == STANDBY:
             props["taints"] = [{"key": contracts.TAINT_STANDBY, "value": pool.name, "effect": "NO_SCHEDULE"}]
-        resource = pulumi.CustomResource(
+        return pulumi.CustomResource(
             self.TYPE,
             f"{pool.name}-{role}",
             props,
@@ -120,12 +129,11 @@ class EksNodeGroupProvider:
             # not shrink a pool back to the declared size on the next `up`.
             opts=pulumi.ResourceOptions(parent=parent, ignore_changes=["scalingConfig.desiredSize"]),
         )
-        return [resource]
 
 
 def make_provider(kind: str, **kwargs: Any) -> NodePoolProvider:
     if kind == "existing":
-        return ExistingNodesProvider(kwargs["failure_domain_size"])
+        return ExistingNodesProvider(kwargs["failure_domain_size"], kwargs["namespace"])
     if kind == "eks":
         return EksNodeGroupProvider(kwargs["cluster_name"], kwargs["node_role_arn"], tuple(kwargs["subnet_ids"]))
     raise common.ComponentArgError(f"{COMPONENT}.provider: {kind!r} is not accepted; use one of: existing, eks")
@@ -156,10 +164,7 @@ class GpuNodePools(pulumi.ComponentResource):
                     f"{COMPONENT}.pools: pool {pool.name!r} has no warm-standby node; at least 1 is required"
                 )
         super().__init__("fleetheal:nodepools:GpuNodePools", name, None, opts)
-        self.resources: dict[tuple[str, str], list[pulumi.Resource]] = {}
-        for pool in pools:
-            for role in (ACTIVE, STANDBY):
-                self.resources[(pool.name, role)] = provider.declare(pool, role, self)
+        self.resources: dict[str, list[pulumi.Resource]] = {pool.name: provider.declare(pool, self) for pool in pools}
         self.register_outputs(
             {"pools": [p.name for p in pools], "standby_nodes": {p.name: p.standby_nodes for p in pools}}
         )

@@ -7,6 +7,7 @@ config schema; every violation says what is wrong, why it matters and how to fix
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -268,20 +269,131 @@ STANDBY_SCHEMA = PolicyConfigSchema(
     }
 )
 
+FAILURE_DOMAIN_SCHEMA = PolicyConfigSchema(
+    properties={
+        "standbyMinFailureDomains": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 1,
+            "description": "Distinct failure domains a GPU pool's warm-standby nodes span, at least.",
+        },
+    }
+)
+
+#: How many items (nodes, entries, domains) one violation message names before "and N more".
+MAX_LISTED = 20
+
+
+def _listed(items: list[str], total: int | None = None) -> str:
+    """The first MAX_LISTED of `items`, comma-separated, then how many more (of `total`, default all)."""
+    total = len(items) if total is None else total
+    shown = ", ".join(items[:MAX_LISTED])
+    more = total - min(len(items), MAX_LISTED)
+    return f"{shown} and {more:,} more" if more > 0 else shown
+
+
+@dataclasses.dataclass
+class _PoolMembers:
+    """One GPU pool as its membership ConfigMap(s) declare it."""
+
+    configmaps: list[str] = dataclasses.field(default_factory=list)
+    active: int = 0
+    standby: int = 0
+    #: failure domain -> its standby nodes, in the order listed
+    standby_domains: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _BadEntries:
+    """Nodes or entries a violation is about: how many, and the first MAX_LISTED of them."""
+
+    total: int = 0
+    shown: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Membership:
+    """Everything the membership ConfigMaps of a stack declare, from one pass over their entries."""
+
+    pools: dict[str, _PoolMembers] = dataclasses.field(default_factory=dict)
+    #: sorted pools of a node listed more than once -> those nodes (the first MAX_LISTED) and their count
+    shared: dict[tuple[str, ...], _BadEntries] = dataclasses.field(default_factory=dict)
+    #: (ConfigMap, what is wrong with its labels, its entries)
+    bad_labels: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    #: ConfigMap -> its malformed entries
+    malformed: dict[str, _BadEntries] = dataclasses.field(default_factory=dict)
+
+
+def _membership(args: StackValidationArgs) -> _Membership:
+    """The pools of the stack's membership ConfigMaps (contracts.LABEL_MEMBERSHIP), as the remediator's
+    membership controller reads them: a ConfigMap whose labels it ignores counts for no pool and a
+    malformed entry for nothing (both are reported); a node listed in two pools counts in each as declared
+    (and is reported, the controller applies it to neither). One pass, linear in the entries."""
+    out = _Membership()
+    first_pool: dict[str, str] = {}  # node -> the pool it was first listed in
+    extra_pools: dict[str, list[str]] = {}  # node -> the pools it was listed in after that
+    for r in args.resources:
+        labels = _labels(r.props)
+        if _kind(r.props) != ("v1", "ConfigMap") or contracts.LABEL_MEMBERSHIP not in labels:
+            continue
+        cm = _name(r.props)
+        data = r.props.get("data") or {}
+        pool = str(labels.get(contracts.LABEL_MEMBERSHIP) or "")
+        gpu_pool = labels.get(contracts.LABEL_GPU_POOL)
+        problem = ""
+        if not pool:
+            problem = f"its {contracts.LABEL_MEMBERSHIP} label is empty"
+        elif gpu_pool != pool:
+            problem = f"it is labelled {contracts.LABEL_MEMBERSHIP}={pool} but " + (
+                f"{contracts.LABEL_GPU_POOL}={gpu_pool}" if gpu_pool else f"has no {contracts.LABEL_GPU_POOL} label"
+            )
+        elif not labels.get(contracts.LABEL_GPU_TYPE):
+            problem = f"it has no {contracts.LABEL_GPU_TYPE} label"
+        members = None
+        if problem:
+            out.bad_labels.append((cm, problem, len(data)))
+        else:
+            members = out.pools.setdefault(pool, _PoolMembers())
+            members.configmaps.append(cm)
+        for node, entry in data.items():
+            text = entry if isinstance(entry, str) else str(entry)
+            try:
+                role, domain = contracts.parse_membership_entry(text)
+            except ValueError:
+                bad = out.malformed.setdefault(cm, _BadEntries())
+                bad.total += 1
+                if len(bad.shown) < MAX_LISTED:
+                    bad.shown.append(f"{node}: {text[:80]!r}")
+                continue
+            if members is None:
+                continue
+            if role == "standby":
+                members.standby += 1
+                members.standby_domains[domain] = members.standby_domains.get(domain, 0) + 1
+            else:
+                members.active += 1
+            if node not in first_pool:
+                first_pool[node] = pool
+            else:
+                extra_pools.setdefault(node, []).append(pool)
+    for node, pools in extra_pools.items():
+        group = out.shared.setdefault(tuple(sorted([first_pool[node], *pools])), _BadEntries())
+        group.total += 1
+        if len(group.shown) < MAX_LISTED:
+            group.shown.append(node)
+    return out
+
 
 def _pool_counts(args: StackValidationArgs) -> dict[str, dict[str, int]]:
-    """gpu-pool -> {active, standby} node counts from Node patches and managed node groups."""
-    counts: dict[str, dict[str, int]] = {}
+    """gpu-pool -> {active, standby} node counts from membership ConfigMaps and managed node groups."""
+    counts = {pool: {"active": m.active, "standby": m.standby} for pool, m in _membership(args).pools.items()}
     for r in args.resources:
-        if _kind(r.props) == ("v1", "Node"):
-            labels, n = _labels(r.props), 1
-        elif r.resource_type == EKS_NODE_GROUP:
-            labels = r.props.get("labels") or {}
-            n = int((r.props.get("scalingConfig") or {}).get("desiredSize") or 0)
-        else:
+        if r.resource_type != EKS_NODE_GROUP:
             continue
+        labels = r.props.get("labels") or {}
+        n = int((r.props.get("scalingConfig") or {}).get("desiredSize") or 0)
         pool, role = labels.get(contracts.LABEL_GPU_POOL), labels.get(contracts.LABEL_POOL)
-        if pool and role in ("active", "standby"):
+        if pool and role in contracts.MEMBER_ROLES:
             counts.setdefault(pool, {"active": 0, "standby": 0})[role] += n
     return counts
 
@@ -297,10 +409,66 @@ def validate_standby_minimum(args: StackValidationArgs, report: ReportViolation)
                 f"GPU pool '{pool}' has {c['standby']} warm-standby node(s); it needs {need} "
                 f"(standbyMinNodes={floor}, standbySharePercent={share} of {c['active']} active nodes). Without "
                 "spare validated nodes a failed node cannot be replaced in minutes and the job waits for a "
-                "repair. Fix: add nodes labelled fleetheal.io/pool=standby for this pool (gpuPools[].standbyNodeNames, "
-                "or raise the standby node group's size).",
+                "repair. Fix: add warm-standby nodes to this pool (gpuPools[].standbyNodeNames, listed as 'standby' "
+                "in its membership ConfigMap; or raise the standby node group's size).",
                 None,
             )
+
+
+def validate_node_in_one_pool(args: StackValidationArgs, report: ReportViolation) -> None:
+    """Every node is listed in one GPU pool's membership, in a well-formed entry."""
+    m = _membership(args)
+    for pools, nodes in sorted(m.shared.items()):
+        names = [f"'{p}'" for p in pools]
+        listed = ", ".join(names[:-1]) + " and " + names[-1]
+        configmaps = sorted({cm for p in set(pools) for cm in m.pools[p].configmaps})
+        report(
+            f"{nodes.total:,} node(s) are listed in more than one GPU pool's membership, in pools {listed} "
+            f"(ConfigMaps {', '.join(configmaps)}): {_listed(nodes.shown, nodes.total)}. The remediator's "
+            "membership controller applies such a node to neither pool, so it gets no pool labels and no standby "
+            "taint: it is neither scheduled as active nor held as a spare. Fix: list each node once, in one "
+            "pool's gpuPools[].nodeNames or gpuPools[].standbyNodeNames.",
+            None,
+        )
+    for cm, problem, entries in m.bad_labels:
+        report(
+            f"Membership ConfigMap '{cm}': {problem}. The remediator's membership controller ignores a membership "
+            f"ConfigMap unless {contracts.LABEL_MEMBERSHIP} and {contracts.LABEL_GPU_POOL} both name its pool and "
+            f"{contracts.LABEL_GPU_TYPE} is set, so none of its {entries:,} node(s) get their pool labels or standby "
+            "taint. Fix: keep the labels fleetheal.infra.nodepools.ExistingNodesProvider sets (no transformation "
+            f"may change them): {contracts.LABEL_MEMBERSHIP} and {contracts.LABEL_GPU_POOL} = the pool's name.",
+            None,
+        )
+    for cm, bad in m.malformed.items():
+        report(
+            f"Membership ConfigMap '{cm}' has {bad.total:,} malformed entr{'y' if bad.total == 1 else 'ies'}: "
+            f"{_listed(bad.shown, bad.total)}. Each entry must map a node name to '<active|standby> <failure "
+            "domain>'; the remediator's membership controller skips any other, so that node gets no pool labels "
+            "or standby taint. Fix: declare nodes through gpuPools[].nodeNames and gpuPools[].standbyNodeNames "
+            "(fleetheal.infra.nodepools writes the entries with contracts.membership_entry), never by editing "
+            "the ConfigMap.",
+            None,
+        )
+
+
+def validate_standby_failure_domains(args: StackValidationArgs, report: ReportViolation) -> None:
+    """Each GPU pool's warm-standby nodes span at least standbyMinFailureDomains failure domains."""
+    want = int(_cfg(args, FAILURE_DOMAIN_SCHEMA)["standbyMinFailureDomains"])
+    for pool, m in sorted(_membership(args).pools.items()):
+        need = min(want, m.standby)
+        found = m.standby_domains
+        if len(found) >= need:
+            continue
+        domains = _listed([f"{d} ({n})" for d, n in found.items()])
+        report(
+            f"GPU pool '{pool}' has its {m.standby} warm-standby node(s) in {len(found)} failure domain(s) "
+            f"[{domains}]; they must span at least {need} (standbyMinFailureDomains={want}, at most one per standby "
+            "node). Spares in one rack or behind one leaf switch fail together: a single such failure would leave "
+            "the pool short of spares right when it needs replacements. Fix: list gpuPools[].standbyNodeNames in "
+            f"rack order with nodes from {need} or more racks, and set failureDomainSize to the nodes per rack "
+            "(every failureDomainSize consecutive names share a failure domain); or lower standbyMinFailureDomains.",
+            None,
+        )
 
 
 def validate_checkpoint_storage_rwx(args: StackValidationArgs, report: ReportViolation) -> None:
@@ -546,6 +714,19 @@ def policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
             validate=validate_standby_minimum,
             enforcement_level=mandatory,
             config_schema=STANDBY_SCHEMA,
+        ),
+        StackValidationPolicy(
+            name="node-in-one-pool",
+            description="Every node is listed in one GPU pool's membership, in a well-formed entry.",
+            validate=validate_node_in_one_pool,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="standby-failure-domains",
+            description="Each GPU pool's warm-standby nodes span at least standbyMinFailureDomains failure domains.",
+            validate=validate_standby_failure_domains,
+            enforcement_level=mandatory,
+            config_schema=FAILURE_DOMAIN_SCHEMA,
         ),
         StackValidationPolicy(
             name="checkpoint-storage-rwx",

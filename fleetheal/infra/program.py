@@ -145,11 +145,12 @@ def build(cfg: StackConfig) -> Fleet:
     provider = make_provider(
         cfg.node_provider,
         failure_domain_size=cfg.failure_domain_size,
+        namespace=cfg.system_namespace,
         cluster_name=cfg.eks_cluster_name,
         node_role_arn=cfg.eks_node_role_arn,
         subnet_ids=cfg.eks_subnet_ids,
     )
-    pools = GpuNodePools("gpu-pools", {"pools": cfg.gpu_pools, "provider": provider})
+    pools = GpuNodePools("gpu-pools", {"pools": cfg.gpu_pools, "provider": provider}, opts=in_system)
 
     accounting_db = None
     if cfg.accounting_database:
@@ -226,6 +227,7 @@ def build(cfg: StackConfig) -> Fleet:
             "standby_target": sum(pool.standby_nodes for pool in cfg.gpu_pools),
             "replicas": cfg.remediator_replicas,
             "store": remediator_store(cfg),
+            "membership": cfg.node_provider == "existing",
         },
         opts=pulumi.ResourceOptions(depends_on=[ns_system, ns_slurm]),
     )

@@ -82,6 +82,9 @@ class RemediatorArgs(TypedDict):
     """Remediator pods (>= 1); more than one needs a PostgreSQL store (they elect a leader)."""
     store: RemediatorStore
     """Where the incident store lives (see RemediatorStore)."""
+    membership: bool
+    """Apply the GPU pools' membership ConfigMaps in `namespace` to the Nodes (existing-nodes provider):
+    the remediator gets read access to ConfigMaps there and runs its membership controller."""
 
 
 def remediator_config(
@@ -89,12 +92,15 @@ def remediator_config(
     nodes: dict[str, str],
     dry_run: bool,
     standby_target: int = 0,
+    *,
     lease_namespace: str | None = None,
+    membership_namespace: str | None = None,
 ) -> dict[str, Any]:
     """The remediator's YAML config (fleetheal/remediator/config.py schema).
 
     `lease_namespace` set: the store is PostgreSQL (the URI in the mounted store Secret) and the replicas
     elect a leader through the Lease LEASE_NAME there; None: SQLite in the state directory.
+    `membership_namespace` set: the leader applies the pool membership ConfigMaps there to the Nodes.
     """
     cfg: dict[str, Any] = {
         "cluster": {"name": cluster, "nodes": dict(sorted(nodes.items()))},
@@ -109,6 +115,8 @@ def remediator_config(
         cfg["store"] = {"url_file": f"{STORE_MOUNT}/url"}
         # identity "" is $POD_NAME (the Deployment sets it); the timings are the remediator's defaults.
         cfg["leader_election"] = {"enabled": True, "namespace": lease_namespace, "lease_name": LEASE_NAME}
+    if membership_namespace is not None:
+        cfg["membership"] = {"enabled": True, "namespace": membership_namespace}
     return cfg
 
 
@@ -164,6 +172,10 @@ class Remediator(pulumi.ComponentResource):
         common.pinned_image(COMPONENT, "image", a["image"])
         if not isinstance(a["dry_run"], bool):
             raise common.ComponentArgError(f"{COMPONENT}.dry_run: {a['dry_run']!r} is not accepted; use true or false")
+        if not isinstance(a["membership"], bool):
+            raise common.ComponentArgError(
+                f"{COMPONENT}.membership: {a['membership']!r} is not accepted; use true or false"
+            )
         replicas = common.positive(COMPONENT, "replicas", a["replicas"])
         store = _store(a["store"], replicas)
         shared = store["kind"] != "sqlite"
@@ -216,6 +228,14 @@ class Remediator(pulumi.ComponentResource):
             labels,
             [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [a["token_secret"]], "verbs": ["get"]}],
         )
+        if a["membership"]:  # the pools' membership ConfigMaps (fleetheal.infra.nodepools); Nodes: ClusterRole
+            self.membership_role, self.membership_binding = self._role(
+                f"{name}-membership",
+                f"{NAME}-membership",
+                ns,
+                labels,
+                [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}],
+            )
         self.config_map = k8s.core.v1.ConfigMap(
             f"{name}-config",
             metadata={"name": NAME, "namespace": ns, "labels": labels},
@@ -227,6 +247,7 @@ class Remediator(pulumi.ComponentResource):
                         a["dry_run"],
                         int(a["standby_target"]),
                         lease_namespace=ns if shared else None,
+                        membership_namespace=ns if a["membership"] else None,
                     ),
                     sort_keys=True,
                 )

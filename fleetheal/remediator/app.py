@@ -36,8 +36,9 @@ from fleetheal import taxonomy as taxmod
 from fleetheal.remediator import alerts
 from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
 from fleetheal.remediator.engine import Engine
-from fleetheal.remediator.leader import LeaderElector, Probe
+from fleetheal.remediator.leader import LeaderElector, Probe, api_client
 from fleetheal.remediator.lifecycle import LifecycleError
+from fleetheal.remediator.membership import MembershipController
 from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
 from fleetheal.remediator.responder import FirstResponder
 from fleetheal.remediator.runner import AnsibleRunner, Runner, kill_leftovers
@@ -308,6 +309,18 @@ class Service:
                 store_ok=Probe(self.store.prober(), timeout_s=cfg.leader_election.retry_period_s * 2).ok,
             )
         self.metrics.set_leader(self.elector is None)
+        #: Applies the stack's pool membership to the Nodes while this replica leads (membership.py).
+        self.membership: MembershipController | None = None
+        self._membership_stop = threading.Event()
+        self._membership_thread: threading.Thread | None = None
+        if cfg.membership.enabled:
+            from kubernetes import client
+
+            m = cfg.membership
+            core = client.CoreV1Api(api_client(m.kubeconfig))
+            self.membership = MembershipController(
+                core, m.namespace, resync_s=m.resync_s, on_apply=self.metrics.membership_applied
+            )
 
     def _new_engine(self) -> Engine:
         responder = dependencies = None
@@ -348,6 +361,7 @@ class Service:
         """In the elector's thread, before the lease can pass to another replica: nothing of this replica
         acts any more, without waiting for the event loop (it may be stuck in a database call)."""
         self.store.follow()  # the state machine's writes are refused from now on
+        self._stop_membership()
         self.engine.abandon()
         left = kill_leftovers(self.cfg.runner.run_dir)  # every playbook process of this replica
         if left:
@@ -359,6 +373,20 @@ class Service:
         """The store refused a write: another replica took the lead while this one did not notice."""
         if self.elector is not None:
             self.elector.demand_step_down(reason)
+
+    def _start_membership(self) -> None:
+        if self.membership is None or self._membership_thread is not None:
+            return
+        self._membership_stop = threading.Event()
+        self._membership_thread = threading.Thread(
+            target=self.membership.run, args=(self._membership_stop,), name="membership", daemon=True
+        )
+        self._membership_thread.start()
+
+    def _stop_membership(self) -> None:
+        """Stops applying at once (its watches end within seconds, in the background)."""
+        self._membership_stop.set()
+        self._membership_thread = None
 
     async def _roles_loop(self) -> None:
         assert self._roles is not None
@@ -383,6 +411,7 @@ class Service:
                 self.metrics.set_leader(True)
                 log.info("leading: resuming the incidents", extra={"epoch": epoch, "identity": self.elector.identity})
                 await self.engine.start()
+                self._start_membership()
             elif not lead and leading:
                 leading = False
                 old, self.engine = self.engine, self._new_engine()
@@ -405,6 +434,7 @@ class Service:
         self._loop = asyncio.get_running_loop()
         if self.elector is None:
             await self.engine.start()
+            self._start_membership()
         else:
             self._roles = asyncio.Queue()
             self._roles_task = asyncio.create_task(self._roles_loop(), name="roles")
@@ -417,6 +447,7 @@ class Service:
             asyncio.get_running_loop().run_in_executor(None, self.runner.warm_up)
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        self._stop_membership()
         if self._elector_thread is not None:
             if self._roles_task is not None:
                 self._roles_task.cancel()

@@ -155,6 +155,19 @@ class LeaderElectionConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class MembershipConfig:
+    """Pool membership of existing nodes (membership.py): the stack's ConfigMaps applied to the Nodes."""
+
+    enabled: bool = False
+    #: Where the stack's membership ConfigMaps are (the system namespace).
+    namespace: str = "fleetheal-system"
+    #: Everything is listed and compared again this often (the watches carry changes in between).
+    resync_s: float = 600.0
+    #: kubeconfig file; "" = the pod's service account (in-cluster).
+    kubeconfig: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RunnerConfig:
     #: Directory of the remediation playbooks (taxonomy action -> playbook file name).
     playbook_dir: str = dataclasses.field(default_factory=lambda: str(_repo_root() / "playbooks"))
@@ -285,6 +298,7 @@ class Config:
     gate: GateConfig = dataclasses.field(default_factory=GateConfig)
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
     leader_election: LeaderElectionConfig = dataclasses.field(default_factory=LeaderElectionConfig)
+    membership: MembershipConfig = dataclasses.field(default_factory=MembershipConfig)
     #: The bearer token (never printed: repr=False).
     token: str = dataclasses.field(default="", repr=False, compare=False)
     #: Why the token could not be read (reported when the service starts).
@@ -309,6 +323,7 @@ _SECTIONS: dict[str, type] = {
     "gate": GateConfig,
     "lifecycle": LifecycleConfig,
     "leader_election": LeaderElectionConfig,
+    "membership": MembershipConfig,
 }
 
 
@@ -434,6 +449,10 @@ def _check(cfg: Config) -> None:
             )
         if not is_node_name(le.namespace) or not is_node_name(le.lease_name):
             raise ConfigError("leader_election: namespace and lease_name must be RFC 1123 names")
+    if cfg.membership.enabled and not is_node_name(cfg.membership.namespace):
+        raise ConfigError(f"membership.namespace: {cfg.membership.namespace!r} is not an RFC 1123 name")
+    if not cfg.membership.resync_s > 0:
+        raise ConfigError(f"membership.resync_s: {cfg.membership.resync_s} must be > 0")
     if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
         raise ConfigError(f"store.synchronous: {cfg.store.synchronous!r} is not one of FULL, NORMAL, EXTRA")
     r = cfg.runner

@@ -81,6 +81,19 @@ class Probe:
         return self._healthy
 
 
+def api_client(kubeconfig: str, retries: int | None = None) -> Any:
+    """A Kubernetes ApiClient from `kubeconfig`, or ("") from the pod's service account."""
+    from kubernetes import client, config
+
+    conf = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=conf)  # type: ignore[no-untyped-call]
+    else:
+        config.load_incluster_config(client_configuration=conf)  # type: ignore[no-untyped-call]
+    conf.retries = retries
+    return client.ApiClient(conf)
+
+
 class LeaderElector:
     """Run `run(stop)` in a thread. `on_lead()` when this replica takes the lease, `on_stop(reason)` when it
     stops leading (both called from that thread; `on_stop` must return only once nothing acts any more)."""
@@ -119,15 +132,10 @@ class LeaderElector:
 
     def api(self) -> Any:
         if self._api is None:
-            from kubernetes import client, config
+            from kubernetes import client
 
-            conf = client.Configuration()
-            if self.cfg.kubeconfig:
-                config.load_kube_config(config_file=self.cfg.kubeconfig, client_configuration=conf)  # type: ignore[no-untyped-call]
-            else:
-                config.load_incluster_config(client_configuration=conf)  # type: ignore[no-untyped-call]
-            conf.retries = 0  # one try per period; the loop is the retry
-            self._api = client.CoordinationV1Api(client.ApiClient(conf))
+            # one try per period; the loop is the retry
+            self._api = client.CoordinationV1Api(api_client(self.cfg.kubeconfig, retries=0))
         return self._api
 
     # --- the loop --------------------------------------------------------------------------------------

@@ -213,6 +213,15 @@ class Metrics:
         self.node_transitions = Counter(
             f"{NS}_node_transitions_total", "Node lifecycle transitions.", ["from_state", "to_state"], registry=r
         )
+        self.membership_changes = Counter(
+            f"{NS}_membership_changes_total",
+            "Pool memberships applied to Nodes (applied), released from them (released), or refused by the "
+            "API server (failed).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("applied", "released", "failed"):
+            self.membership_changes.labels(result)
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
 
     def set_leader(self, leading: bool) -> None:
@@ -229,6 +238,9 @@ class Metrics:
     def webhook(self, code: int, seconds: float) -> None:
         self.webhook_requests.labels(str(code)).inc()
         self.webhook_seconds.observe(seconds)
+
+    def membership_applied(self, result: str) -> None:
+        self.membership_changes.labels(result).inc()
 
     def connection_closed(self, reason: str) -> None:
         self.connections_closed.labels(reason).inc()

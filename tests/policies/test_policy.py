@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,23 +111,48 @@ def shared_claim(modes: list[str] | None = None) -> Props:
     }
 
 
-def node(name: str, role: str, pool: str = "h100") -> Props:
+MEMBERSHIP = "kubernetes:core/v1:ConfigMap"
+
+
+def membership(pool: str, data: dict[str, str], gpu_type: str | None = None) -> Props:
+    """A pool's membership ConfigMap as fleetheal.infra.nodepools.ExistingNodesProvider declares it."""
     return {
         "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {contracts.LABEL_POOL: role, contracts.LABEL_GPU_POOL: pool}},
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": contracts.membership_configmap(pool),
+            "namespace": "fleetheal-system",
+            "labels": {
+                "app.kubernetes.io/component": "pool-membership",
+                contracts.LABEL_MEMBERSHIP: pool,
+                contracts.LABEL_GPU_POOL: pool,
+                contracts.LABEL_GPU_TYPE: gpu_type or pool,
+            },
+        },
+        "data": data,
     }
 
 
+def members(active: int, standby: int, pool: str = "h100", fd_size: int = 8, prefix: str = "") -> dict[str, str]:
+    """Node name -> entry, failure domains as nodepools.membership_data numbers them (rack order)."""
+    data = {}
+    for role, n in (("active", active), ("standby", standby)):
+        for i in range(n):
+            data[f"{prefix}{role[0]}{i}"] = contracts.membership_entry(role, f"{pool}-fd{i // fd_size}")
+    return data
+
+
+def pool_resource(pool: str, data: dict[str, str], gpu_type: str | None = None) -> tuple[str, str, Props]:
+    return (MEMBERSHIP, f"{pool}-membership", membership(pool, data, gpu_type))
+
+
 def stack(active: int = 4, standby: int = 1) -> list[tuple[str, str, Props]]:
-    out = [
+    return [
         ("kubernetes:slinky.slurm.net/v1beta1:NodeSet", "ns", nodeset()),
         ("kubernetes:apps/v1:DaemonSet", "agent", agent_daemonset()),
         ("kubernetes:core/v1:PersistentVolumeClaim", "pvc", shared_claim()),
+        pool_resource("h100", members(active, standby)),
     ]
-    out += [("kubernetes:core/v1:NodePatch", f"a{i}", node(f"a{i}", "active")) for i in range(active)]
-    out += [("kubernetes:core/v1:NodePatch", f"s{i}", node(f"s{i}", "standby")) for i in range(standby)]
-    return out
 
 
 def remediator_clusterrole() -> Props:
@@ -506,9 +532,42 @@ def test_standby_below_minimum() -> None:
     assert run_stack(policy.validate_standby_minimum, stack(active=40, standby=1)) == [
         "GPU pool 'h100' has 1 warm-standby node(s); it needs 2 (standbyMinNodes=1, standbySharePercent=5 of 40 "
         "active nodes). Without spare validated nodes a failed node cannot be replaced in minutes and the job waits "
-        "for a repair. Fix: add nodes labelled fleetheal.io/pool=standby for this pool "
-        "(gpuPools[].standbyNodeNames, or raise the standby node group's size)."
+        "for a repair. Fix: add warm-standby nodes to this pool (gpuPools[].standbyNodeNames, listed as 'standby' "
+        "in its membership ConfigMap; or raise the standby node group's size)."
     ]
+
+
+def test_standby_counts_each_pool_from_its_membership_configmap() -> None:
+    resources = [
+        pool_resource("h100", members(40, 2, "h100", prefix="h-")),
+        pool_resource("a100", members(40, 1, "a100", prefix="a-")),
+        # no membership label: not a membership ConfigMap, its entries count for nothing
+        (
+            "kubernetes:core/v1:ConfigMap",
+            "other",
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "x"},
+                "data": members(0, 9, "a100", prefix="x-"),
+            },
+        ),
+    ]
+    (msg,) = run_stack(policy.validate_standby_minimum, resources)
+    assert msg.startswith(
+        "GPU pool 'a100' has 1 warm-standby node(s); it needs 2 (standbyMinNodes=1, "
+        "standbySharePercent=5 of 40 active nodes)."
+    )
+
+
+def test_standby_ignores_malformed_entries_and_mislabelled_configmaps() -> None:
+    data = members(20, 1)
+    data["s0"] = "spare h100-fd0"  # malformed: node-in-one-pool reports it, it is no standby
+    (msg,) = run_stack(policy.validate_standby_minimum, [pool_resource("h100", data)])
+    assert msg.startswith("GPU pool 'h100' has 0 warm-standby node(s); it needs 1 ")
+    cm = membership("h100", members(20, 0))
+    cm["metadata"]["labels"][contracts.LABEL_GPU_POOL] = "h200"  # ignored by the controller: no pool to count
+    assert run_stack(policy.validate_standby_minimum, [(MEMBERSHIP, "cm", cm)]) == []
 
 
 def test_standby_threshold_comes_from_pack_config() -> None:
@@ -531,6 +590,246 @@ def test_standby_counts_managed_node_groups() -> None:
     assert run_stack(policy.validate_standby_minimum, groups) == []
     (msg,) = run_stack(policy.validate_standby_minimum, groups, cfg={"standbySharePercent": 10})
     assert msg.startswith("GPU pool 'p5' has 4 warm-standby node(s); it needs 7 ")
+
+
+SHARED_WHY = (
+    "The remediator's membership controller applies such a node to neither pool, so it gets no pool labels and "
+    "no standby taint: it is neither scheduled as active nor held as a spare. Fix: list each node once, in one "
+    "pool's gpuPools[].nodeNames or gpuPools[].standbyNodeNames."
+)
+LABELS_WHY = (
+    "The remediator's membership controller ignores a membership ConfigMap unless fleetheal.io/membership and "
+    "fleetheal.io/gpu-pool both name its pool and fleetheal.io/gpu-type is set, so none of its {n} node(s) get "
+    "their pool labels or standby taint. Fix: keep the labels fleetheal.infra.nodepools.ExistingNodesProvider sets "
+    "(no transformation may change them): fleetheal.io/membership and fleetheal.io/gpu-pool = the pool's name."
+)
+MALFORMED_WHY = (
+    "Each entry must map a node name to '<active|standby> <failure domain>'; the remediator's membership "
+    "controller skips any other, so that node gets no pool labels or standby taint. Fix: declare nodes through "
+    "gpuPools[].nodeNames and gpuPools[].standbyNodeNames (fleetheal.infra.nodepools writes the entries with "
+    "contracts.membership_entry), never by editing the ConfigMap."
+)
+
+
+def two_pools() -> list[tuple[str, str, Props]]:
+    return [
+        pool_resource("h100", members(8, 1, "h100", prefix="h-")),
+        pool_resource("a100", members(4, 1, "a100", prefix="a-")),
+    ]
+
+
+def test_node_in_one_pool_valid() -> None:
+    assert run_stack(policy.validate_node_in_one_pool, stack()) == []
+    assert run_stack(policy.validate_node_in_one_pool, two_pools()) == []
+    # EKS node groups and other ConfigMaps are not membership
+    other = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {"h-a0": "not an entry"}}
+    assert run_stack(policy.validate_node_in_one_pool, [*two_pools(), (MEMBERSHIP, "x", other)]) == []
+
+
+def test_node_in_two_pools() -> None:
+    resources = two_pools()
+    resources[1][2]["data"]["h-a3"] = "standby a100-fd0"
+    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+        "1 node(s) are listed in more than one GPU pool's membership, in pools 'a100' and 'h100' (ConfigMaps "
+        f"fleetheal-pool-a100, fleetheal-pool-h100): h-a3. {SHARED_WHY}"
+    ]
+
+
+def test_nodes_in_three_pools_and_in_two_pairs() -> None:
+    resources = [*two_pools(), pool_resource("b200", members(2, 1, "b200", prefix="b-"))]
+    resources[1][2]["data"]["h-a0"] = "active a100-fd0"
+    resources[2][2]["data"]["h-a0"] = "active b200-fd0"
+    resources[2][2]["data"]["a-a1"] = "active b200-fd0"
+    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+        "1 node(s) are listed in more than one GPU pool's membership, in pools 'a100' and 'b200' (ConfigMaps "
+        f"fleetheal-pool-a100, fleetheal-pool-b200): a-a1. {SHARED_WHY}",
+        "1 node(s) are listed in more than one GPU pool's membership, in pools 'a100', 'b200' and 'h100' "
+        f"(ConfigMaps fleetheal-pool-a100, fleetheal-pool-b200, fleetheal-pool-h100): h-a0. {SHARED_WHY}",
+    ]
+
+
+def test_node_in_one_pool_lists_at_most_20_nodes_per_message() -> None:
+    resources = two_pools()
+    resources[1][2]["data"].update(members(25, 0, "a100", prefix="h-"))  # h-a0 .. h-a24, of which h-a0..7 in h100
+    resources[0][2]["data"].update(members(25, 0, "h100", prefix="h-"))
+    (msg,) = run_stack(policy.validate_node_in_one_pool, resources)
+    listed = ", ".join(f"h-a{i}" for i in range(20))
+    assert msg == (
+        "25 node(s) are listed in more than one GPU pool's membership, in pools 'a100' and 'h100' (ConfigMaps "
+        f"fleetheal-pool-a100, fleetheal-pool-h100): {listed} and 5 more. {SHARED_WHY}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("labels", "problem"),
+    [
+        (
+            {contracts.LABEL_GPU_POOL: "h200"},
+            "it is labelled fleetheal.io/membership=h100 but fleetheal.io/gpu-pool=h200",
+        ),
+        (
+            {contracts.LABEL_GPU_POOL: None},
+            "it is labelled fleetheal.io/membership=h100 but has no fleetheal.io/gpu-pool label",
+        ),
+        ({contracts.LABEL_GPU_TYPE: None}, "it has no fleetheal.io/gpu-type label"),
+        ({contracts.LABEL_MEMBERSHIP: ""}, "its fleetheal.io/membership label is empty"),
+    ],
+)
+def test_membership_configmap_labels_disagree(labels: dict[str, str | None], problem: str) -> None:
+    cm = membership("h100", members(4, 1))
+    for k, v in labels.items():
+        if v is None:
+            del cm["metadata"]["labels"][k]
+        else:
+            cm["metadata"]["labels"][k] = v
+    assert run_stack(policy.validate_node_in_one_pool, [(MEMBERSHIP, "cm", cm)]) == [
+        f"Membership ConfigMap 'fleetheal-pool-h100': {problem}. " + LABELS_WHY.format(n=5)
+    ]
+
+
+def test_mislabelled_configmap_is_no_pool_for_the_duplicate_check() -> None:
+    resources = two_pools()
+    resources[1][2]["metadata"]["labels"][contracts.LABEL_GPU_POOL] = "h100"
+    resources[1][2]["data"]["h-a0"] = "active a100-fd0"
+    (msg,) = run_stack(policy.validate_node_in_one_pool, resources)
+    assert msg.startswith(
+        "Membership ConfigMap 'fleetheal-pool-a100': it is labelled fleetheal.io/membership=a100 but "
+        "fleetheal.io/gpu-pool=h100. "
+    )
+
+
+def test_malformed_membership_entries() -> None:
+    resources = two_pools()
+    resources[0][2]["data"].update({"h-a1": "actve h100-fd0", "h-s0": "standby", "h-x": "active h100 fd0"})
+    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+        "Membership ConfigMap 'fleetheal-pool-h100' has 3 malformed entries: h-a1: 'actve h100-fd0', "
+        f"h-s0: 'standby', h-x: 'active h100 fd0'. {MALFORMED_WHY}"
+    ]
+    resources = two_pools()
+    resources[1][2]["data"]["a-a0"] = ""
+    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+        f"Membership ConfigMap 'fleetheal-pool-a100' has 1 malformed entry: a-a0: ''. {MALFORMED_WHY}"
+    ]
+
+
+def test_malformed_entries_are_bounded_per_message() -> None:
+    cm = membership("h100", {f"n{i}": "broken" for i in range(30)})
+    (msg,) = run_stack(policy.validate_node_in_one_pool, [(MEMBERSHIP, "cm", cm)])
+    listed = ", ".join(f"n{i}: 'broken'" for i in range(20))
+    assert msg == f"Membership ConfigMap 'fleetheal-pool-h100' has 30 malformed entries: {listed} and 10 more. " + (
+        MALFORMED_WHY
+    )
+
+
+def domains_message(pool: str, standby: int, found: str, *, n_found: int, need: int, want: int) -> str:
+    return (
+        f"GPU pool '{pool}' has its {standby} warm-standby node(s) in {n_found} failure domain(s) [{found}]; they "
+        f"must span at least {need} (standbyMinFailureDomains={want}, at most one per standby node). Spares in one "
+        "rack or behind one leaf switch fail together: a single such failure would leave the pool short of spares "
+        "right when it needs replacements. Fix: list gpuPools[].standbyNodeNames in rack order with nodes from "
+        f"{need} or more racks, and set failureDomainSize to the nodes per rack (every failureDomainSize "
+        "consecutive names share a failure domain); or lower standbyMinFailureDomains."
+    )
+
+
+def test_standby_failure_domains_valid() -> None:
+    # the default (1) keeps every stack with standby nodes valid
+    assert run_stack(policy.validate_standby_failure_domains, stack(active=40, standby=4)) == []
+    assert run_stack(policy.validate_standby_failure_domains, stack(active=40, standby=4), cfg={}) == []
+    spread = [pool_resource("h100", members(40, 4, fd_size=2))]
+    assert run_stack(policy.validate_standby_failure_domains, spread, cfg={"standbyMinFailureDomains": 2}) == []
+    # never more domains than standby nodes: 1 standby node satisfies any minimum
+    assert run_stack(policy.validate_standby_failure_domains, stack(4, 1), cfg={"standbyMinFailureDomains": 3}) == []
+    # a pool without standby nodes is standby-pool-minimum's to report
+    assert run_stack(policy.validate_standby_failure_domains, stack(4, 0), cfg={"standbyMinFailureDomains": 3}) == []
+
+
+def test_standby_nodes_in_one_failure_domain() -> None:
+    resources = stack(active=40, standby=4)
+    assert run_stack(policy.validate_standby_failure_domains, resources, cfg={"standbyMinFailureDomains": 2}) == [
+        domains_message("h100", 4, "h100-fd0 (4)", n_found=1, need=2, want=2)
+    ]
+
+
+def test_standby_failure_domains_capped_by_standby_count() -> None:
+    resources = [
+        pool_resource("h100", members(40, 3, "h100", fd_size=2, prefix="h-")),  # fd0 (2), fd1 (1)
+        pool_resource("a100", members(40, 5, "a100", fd_size=2, prefix="a-")),  # fd0, fd1 (2 each), fd2 (1)
+    ]
+    assert run_stack(policy.validate_standby_failure_domains, resources, cfg={"standbyMinFailureDomains": 4}) == [
+        domains_message("a100", 5, "a100-fd0 (2), a100-fd1 (2), a100-fd2 (1)", n_found=3, need=4, want=4),
+        domains_message("h100", 3, "h100-fd0 (2), h100-fd1 (1)", n_found=2, need=3, want=4),
+    ]
+
+
+def test_standby_failure_domains_ignore_node_groups() -> None:
+    # EKS node groups carry no per-node failure domain in the stack: the rule reads membership entries only
+    groups = [
+        (
+            policy.EKS_NODE_GROUP,
+            "p5-standby",
+            {
+                "labels": {contracts.LABEL_POOL: "standby", contracts.LABEL_GPU_POOL: "p5"},
+                "scalingConfig": {"desiredSize": 4},
+            },
+        )
+    ]
+    assert run_stack(policy.validate_standby_failure_domains, groups, cfg={"standbyMinFailureDomains": 4}) == []
+
+
+# -- 25,000 nodes in 16 pools ------------------------------------------------------------------------
+
+FLEET_POOLS, FLEET_NODES, FLEET_STANDBY = 16, 25_000, 80
+
+
+def fleet() -> list[tuple[str, str, Props]]:
+    """25,000 nodes in 16 membership ConfigMaps, 80 standby nodes each (10 failure domains of 8)."""
+    out = []
+    for p in range(FLEET_POOLS):
+        pool = f"p{p:02d}"
+        size = FLEET_NODES // FLEET_POOLS + (1 if p < FLEET_NODES % FLEET_POOLS else 0)
+        out.append(pool_resource(pool, members(size - FLEET_STANDBY, FLEET_STANDBY, pool, prefix=f"{pool}-")))
+    return out
+
+
+def test_fleet_of_25000_nodes() -> None:
+    resources = fleet()
+    assert sum(len(p["data"]) for _, _, p in resources) == FLEET_NODES
+    assert policy.evaluate(resources, {"standby-failure-domains": {"standbyMinFailureDomains": 10}}) == []
+
+    violations = policy.evaluate(resources, {"standby-failure-domains": {"standbyMinFailureDomains": 11}})
+    assert [p for p, _ in violations] == ["standby-failure-domains"] * FLEET_POOLS
+    found = ", ".join(f"p00-fd{i} (8)" for i in range(10))
+    assert violations[0][1] == domains_message("p00", FLEET_STANDBY, found, n_found=10, need=11, want=11)
+
+    violations = policy.evaluate(resources, {"standby-pool-minimum": {"standbySharePercent": 6}})
+    assert [p for p, _ in violations] == ["standby-pool-minimum"] * FLEET_POOLS
+    assert violations[0][1].startswith(
+        "GPU pool 'p00' has 80 warm-standby node(s); it needs 89 (standbyMinNodes=1, standbySharePercent=6 of 1483 active nodes)."
+    )
+
+
+def test_fleet_of_25000_nodes_all_listed_twice_or_malformed() -> None:
+    resources = fleet()
+    # every node again in one more pool, and one ConfigMap of 25,000 malformed entries
+    everyone = {node: "active mirror-fd0" for _, _, p in resources for node in p["data"]}
+    broken = {f"x{i}": "broken" for i in range(FLEET_NODES)}
+    resources += [pool_resource("mirror", everyone), pool_resource("broken", broken)]
+    violations = policy.evaluate(resources)
+    messages = [m for p, m in violations if p == "node-in-one-pool"]
+    assert {p for p, _ in violations} == {"node-in-one-pool", "standby-pool-minimum"}
+    # one message per pair of pools, one per malformed ConfigMap; each names at most 20 nodes
+    assert len(messages) == FLEET_POOLS + 1
+    assert all(len(m) < 2_000 for m in messages)
+    assert messages[0].startswith(
+        "1,563 node(s) are listed in more than one GPU pool's membership, in pools 'mirror' and 'p00' (ConfigMaps "
+        "fleetheal-pool-mirror, fleetheal-pool-p00): p00-a0, p00-a1, "
+    )
+    assert " and 1,543 more. " in messages[0]
+    assert messages[-1].startswith("Membership ConfigMap 'fleetheal-pool-broken' has 25,000 malformed entries: x0: ")
+    assert " and 24,980 more. " in messages[-1]
+    # the pools with no valid standby entry, as standby-pool-minimum sees them
+    assert sorted(m.split("'")[1] for p, m in violations if p == "standby-pool-minimum") == ["broken", "mirror"]
 
 
 def test_checkpoint_storage_valid() -> None:
@@ -564,12 +863,23 @@ def test_checkpoint_storage_missing() -> None:
 def test_pack_names_descriptions_and_config_schemas() -> None:
     pols = policy.policies()
     names = [p.name for p in pols]
-    assert len(names) == len(set(names)) == 11
+    assert len(names) == len(set(names)) == 13
     for p in pols:
         assert p.name == p.name.lower() and " " not in p.name and "_" not in p.name
         assert p.description.endswith(".") and p.description.count(". ") == 0
     assert policy.config_defaults(policy.STANDBY_SCHEMA) == {"standbyMinNodes": 1, "standbySharePercent": 5}
     assert policy.config_defaults(policy.PRODUCTION_SCHEMA) == {"productionMinReplicas": 2}
+    assert policy.config_defaults(policy.FAILURE_DOMAIN_SCHEMA) == {"standbyMinFailureDomains": 1}
+    assert policy.FAILURE_DOMAIN_SCHEMA.properties["standbyMinFailureDomains"]["minimum"] == 1
+    by_name = {p.name: p for p in pols}
+    assert by_name["node-in-one-pool"].config_schema is None
+    assert by_name["standby-failure-domains"].config_schema is policy.FAILURE_DOMAIN_SCHEMA
+
+
+def test_policies_readme_lists_every_rule() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "policies" / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in readme.splitlines() if line.startswith("| `")}
+    assert rows == {p.name for p in policy.policies()}
 
 
 @pytest.fixture(scope="module")
@@ -617,10 +927,28 @@ def _mutate(
             "agent-requests-and-limits",
         ),
         (
-            "Node",
-            "gpu-h100-09",
-            lambda p: p["metadata"]["labels"].update({contracts.LABEL_POOL: "active"}),
+            "ConfigMap",
+            "fleetheal-pool-h100",
+            lambda p: p["data"].update({"gpu-h100-09": "active h100-fd0"}),
             "standby-pool-minimum",
+        ),
+        (
+            "ConfigMap",
+            "fleetheal-pool-a100",
+            lambda p: p["data"].update({"gpu-h100-01": "active a100-fd0"}),
+            "node-in-one-pool",
+        ),
+        (
+            "ConfigMap",
+            "fleetheal-pool-h100",
+            lambda p: p["data"].update({"gpu-h100-01": "active"}),
+            "node-in-one-pool",
+        ),
+        (
+            "ConfigMap",
+            "fleetheal-pool-h100",
+            lambda p: p["metadata"]["labels"].update({contracts.LABEL_GPU_POOL: "h200"}),
+            "node-in-one-pool",
         ),
         (
             "ClusterRole",
@@ -701,3 +1029,21 @@ def test_whole_pack_passes_the_other_modes(overrides: Props) -> None:
     assert policy.evaluate(graph) == []
     # and the standby rule sees the cloud node groups / the requeue rule the Helm values
     assert policy.evaluate(graph, {"standby-pool-minimum": {"standbyMinNodes": 100}})
+
+
+def test_whole_pack_standby_failure_domains_from_pack_config(example_graph: list[tuple[str, str, Props]]) -> None:
+    cfg = {"standby-failure-domains": {"standbyMinFailureDomains": 2}}
+    assert policy.evaluate(example_graph, cfg) == []  # one standby node per pool: one domain is all it can span
+    graph = _mutate(
+        example_graph,
+        "ConfigMap",
+        "fleetheal-pool-h100",
+        lambda p: p["data"].update({"gpu-h100-10": "standby h100-fd0"}),
+    )
+    assert policy.evaluate(graph) == []
+    violations = policy.evaluate(graph, cfg)
+    assert [p for p, _ in violations] == ["standby-failure-domains"]
+    assert violations[0][1].startswith(
+        "GPU pool 'h100' has its 2 warm-standby node(s) in 1 failure domain(s) [h100-fd0 (2)]; they must span at "
+        "least 2 (standbyMinFailureDomains=2,"
+    )

@@ -68,7 +68,7 @@ COMPONENTS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
         SharedStorage,
         {"namespace": "slurm", "storage_class": "nfs", "size": "1Ti", "claim_name": "shared"},
     ),
-    "GpuNodePools": (GpuNodePools, {"pools": (POOL,), "provider": ExistingNodesProvider(2)}),
+    "GpuNodePools": (GpuNodePools, {"pools": (POOL,), "provider": ExistingNodesProvider(2, "fleetheal-system")}),
     "HealthAgent": (
         HealthAgent,
         {
@@ -107,6 +107,7 @@ COMPONENTS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
             "standby_target": 2,
             "replicas": 1,
             "store": {"kind": "sqlite"},
+            "membership": True,
         },
     ),
     "KueueQueues": (
@@ -374,6 +375,7 @@ def test_remediator_config_map_is_a_valid_remediator_config(run_mocked: Runner) 
     assert cfg.listen.port == 9105 and cfg.gate.dry_run is True
     assert cfg.auth.token_file == "/var/run/secrets/fleetheal/token"
     assert cfg.lifecycle.standby_target == 2  # the stack's standby pools: the remediator refills them to this
+    assert cfg.membership.enabled and cfg.membership.namespace == "sys"
 
 
 def test_container_commands_parse_with_the_real_fleetheal_cli(run_mocked: Runner) -> None:
@@ -426,7 +428,10 @@ def test_remediator_with_sqlite_is_one_pod_on_its_state_volume(run_mocked: Runne
     assert {r["metadata"]["name"] for r in by_kind(records, "Role")} == {
         "fleetheal-remediator",
         "fleetheal-remediator-token",
+        "fleetheal-remediator-membership",  # it reads the pools' membership ConfigMaps
     }
+    (membership,) = [r for r in by_kind(records, "Role") if r["metadata"]["name"].endswith("-membership")]
+    assert membership["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]
 
 
 @pytest.mark.parametrize("store", [{"kind": "postgres", "secret": "rem-store"}, PG_IN_CLUSTER])

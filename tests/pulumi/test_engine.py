@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,11 +24,13 @@ import pytest
 import yaml
 from pulumi import automation as auto
 
-from fleetheal import contracts
+from fleetheal import contracts, steps
 from fleetheal.infra import config, engine
 from fleetheal.infra.remediator import NAME as REMEDIATOR
 from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import KubeControlPlane
+from fleetheal.remediator.leader import api_client
+from fleetheal.remediator.membership import MembershipController
 
 pytestmark = [pytest.mark.kube, pytest.mark.pulumi]
 
@@ -74,6 +78,44 @@ def target(kube: KubeControlPlane, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def api(kube: KubeControlPlane) -> Any:
     return kube.client()
+
+
+@pytest.fixture(scope="module")
+def membership(kube: KubeControlPlane) -> Iterator[MembershipController]:
+    """The remediator's membership controller, as its leader runs it (no pod runs here: no kubelet)."""
+    from kubernetes import client
+
+    controller = MembershipController(client.CoreV1Api(api_client(str(kube.kubeconfig))), DEV.system_namespace)
+    stop = threading.Event()
+    thread = threading.Thread(target=controller.run, args=(stop,), daemon=True)
+    thread.start()
+    yield controller
+    stop.set()
+    thread.join(timeout=30)
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _fleet_labels(api: Any, name: str) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+    node = _node(api, name)
+    labels = {k: v for k, v in (node.metadata.labels or {}).items() if k.startswith(contracts.K8S_PREFIX)}
+    return labels, [(t.key, t.value, t.effect) for t in node.spec.taints or []]
+
+
+def _pools(change: Callable[[dict[str, list[str]]], None]) -> dict[str, str]:
+    """The stack's settings with the example stack's gpuPools changed by `change` (pool -> node names)."""
+    pools = [dict(p) for p in config.stack_values(STACK)["gpuPools"]]
+    names = {p["name"]: list(p["nodeNames"]) for p in pools}
+    change(names)
+    for p in pools:
+        p["nodeNames"] = names[p["name"]]
+    return {"gpuPools": json.dumps(pools)}
 
 
 def timed(name: str, capsys: pytest.CaptureFixture[str], run: Callable[[], Any]) -> Any:
@@ -160,7 +202,9 @@ def test_preview_holds_a_production_stack_to_a_highly_available_remediator(
     assert result.change_summary.get(auto.OpType.CREATE, 0) > 50, result.change_summary
 
 
-def test_up_creates_the_stack(target: engine.Target, api: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_creates_the_stack(
+    target: engine.Target, api: Any, membership: MembershipController, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kubernetes import client
 
     lines: list[str] = []
@@ -185,18 +229,20 @@ def test_up_creates_the_stack(target: engine.Target, api: Any, capsys: pytest.Ca
     h100 = found[f"{DEV.cluster_name}-h100"]
     assert h100["spec"]["template"]["spec"]["nodeSelector"][contracts.LABEL_GPU_POOL] == "h100"
 
-    active, standby = _node(api, "gpu-h100-01"), _node(api, "gpu-h100-09")
-    assert {k: v for k, v in active.metadata.labels.items() if k.startswith("fleetheal.io/")} == {
-        contracts.LABEL_POOL: "active",
-        contracts.LABEL_GPU_POOL: "h100",
-        contracts.LABEL_GPU_TYPE: "h100",
-        contracts.LABEL_FAILURE_DOMAIN: "h100-fd0",
-    }
-    assert not active.spec.taints
-    assert standby.metadata.labels[contracts.LABEL_POOL] == "standby"
-    assert [(t.key, t.value, t.effect) for t in standby.spec.taints] == [
-        (contracts.TAINT_STANDBY, "h100", "NoSchedule")
-    ]
+    # The stack declares the pools' membership; the controller puts the labels and taints on the Nodes.
+    _wait("the membership on every node", lambda: all(_fleet_labels(api, n)[0] for n in NODES))
+    assert _fleet_labels(api, "gpu-h100-01") == (
+        {
+            contracts.LABEL_POOL: "active",
+            contracts.LABEL_GPU_POOL: "h100",
+            contracts.LABEL_GPU_TYPE: "h100",
+            contracts.LABEL_FAILURE_DOMAIN: "h100-fd0",
+        },
+        [],
+    )
+    labels, taints = _fleet_labels(api, "gpu-h100-09")
+    assert labels[contracts.LABEL_POOL] == "standby"
+    assert taints == [(contracts.TAINT_STANDBY, "h100", "NoSchedule")]
 
     deployment = client.AppsV1Api(api).read_namespaced_deployment(REMEDIATOR, DEV.system_namespace)
     assert deployment.spec.replicas == 1
@@ -208,14 +254,79 @@ def test_up_creates_the_stack(target: engine.Target, api: Any, capsys: pytest.Ca
     assert all(m["metadata"]["labels"]["release"] == "kube-prometheus-stack" for m in monitors)
 
 
-def test_second_up_changes_nothing(target: engine.Target, capsys: pytest.CaptureFixture[str]) -> None:
+def test_second_up_changes_nothing_and_a_promotion_survives_it(
+    target: engine.Target,
+    api: Any,
+    kube: KubeControlPlane,
+    membership: MembershipController,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The remediator promotes the a100 pool's standby node with its own step and field manager.
+    promoted = "gpu-a100-05"
+    assert steps.k8s_promote(steps.Kube(steps.Settings(kubeconfig=str(kube.kubeconfig))), promoted).outcome == "done"
     result = timed("up (again)", capsys, lambda: engine.up(target))
     assert result.summary.result == "succeeded"
     assert engine.changes(result.summary.resource_changes) == 0, result.summary.resource_changes
     assert result.summary.resource_changes.get("same", 0) > 50
+    assert membership.sync().applied == 0  # a full resync: nothing differs from what was applied
+    labels, taints = _fleet_labels(api, promoted)
+    assert labels[contracts.LABEL_POOL] == "active" and taints == []
 
 
-def test_destroy_removes_the_stack(target: engine.Target, api: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_node_added_moved_and_removed_is_one_changed_pool_and_converges(
+    target: engine.Target, api: Any, kube: KubeControlPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new, moved = "gpu-a100-06", "gpu-h100-08"
+    kube.add_nodes([new])
+
+    def add(p: dict[str, list[str]]) -> None:
+        p["a100"].append(new)
+
+    def move(p: dict[str, list[str]]) -> None:
+        add(p)
+        p["h100"].remove(moved)
+        p["a100"].append(moved)
+
+    def remove(p: dict[str, list[str]]) -> None:
+        p["h100"].remove(moved)
+        p["a100"].append(moved)
+
+    def step(what: str, change: Callable[[dict[str, list[str]]], None], pools: set[str], node: str, pool: str) -> None:
+        """Change the pools, preview (one ConfigMap per pool touched, the diff naming `node`), up, converge."""
+        changed = dataclasses.replace(target, settings={**target.settings, **_pools(change)})
+        lines: list[str] = []
+        result = timed(
+            f"preview (node {what})", capsys, lambda: engine.preview(changed, on_output=lines.append, diff=True)
+        )
+        # Updates in place only: each touched pool's membership ConfigMap, and what follows from the pools'
+        # sizes (the Kueue quotas, the remediator's node list); never an object per node.
+        updated = [
+            lines[i + 1].split("[id=", 1)[1].rstrip("]").split("/")[-1]
+            for i, x in enumerate(lines)
+            if x.endswith(": (update)") and "[id=" in lines[i + 1]
+        ]
+        assert engine.changes(result.change_summary) == len(updated), (result.change_summary, updated)
+        prefix = contracts.membership_configmap("")
+        assert {u.removeprefix(prefix) for u in updated if u.startswith(prefix)} == pools, updated
+        queues = {f"{DEV.cluster_name}-large", f"{DEV.cluster_name}-small"}
+        assert {u for u in updated if not u.startswith(prefix)} <= {REMEDIATOR, *queues}, updated
+        assert any(node in line for line in lines), "\n".join(lines)
+        assert timed(f"up (node {what})", capsys, lambda: engine.up(changed)).summary.result == "succeeded"
+        want = {contracts.LABEL_GPU_POOL: pool, contracts.LABEL_POOL: "active"} if pool else {}
+        _wait(
+            f"{node}'s membership after it was {what}",
+            lambda: {k: v for k, v in _fleet_labels(api, node)[0].items() if k in want or not want} == want,
+        )
+
+    step("added", add, {"a100"}, new, "a100")
+    step("moved", move, {"a100", "h100"}, moved, "a100")
+    step("removed", remove, {"a100"}, new, "")
+    assert _fleet_labels(api, new) == ({}, [])  # released: no label, no taint of ours
+
+
+def test_destroy_removes_the_stack(
+    target: engine.Target, api: Any, membership: MembershipController, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
@@ -223,10 +334,9 @@ def test_destroy_removes_the_stack(target: engine.Target, api: Any, capsys: pyte
     assert result.summary.result == "succeeded"
     assert result.summary.resource_changes.get("delete", 0) > 50, result.summary.resource_changes
 
+    # The membership ConfigMaps went with the stack: the controller releases what it applied.
     for name in ("gpu-h100-01", "gpu-h100-09"):
-        node = _node(api, name)
-        assert not [k for k in node.metadata.labels if k.startswith("fleetheal.io/")], node.metadata.labels
-        assert not node.spec.taints, node.spec.taints
+        _wait(f"{name} released", lambda name=name: _fleet_labels(api, name) == ({}, []))
     with pytest.raises(ApiException) as gone:
         client.AppsV1Api(api).read_namespaced_deployment(REMEDIATOR, DEV.system_namespace)
     assert gone.value.status == 404

@@ -50,11 +50,12 @@ def test_example_stack_objects_all_validate(
         "ResourceFlavor",
         "ClusterQueue",
         "LocalQueue",
-        "Node",
     ):
         assert kinds[kind] >= 1, kind
     assert kinds["NodeSet"] == 2 and kinds["CustomResourceDefinition"] == 6
-    assert checked == sum(kinds.values()) == 75
+    # Existing nodes are one membership ConfigMap per GPU pool, never an object per node.
+    assert "Node" not in kinds
+    assert checked == sum(kinds.values()) == 65
 
 
 def test_object_names_are_unique_per_kind_and_namespace(run_mocked: Runner, dev_config: config.StackConfig) -> None:
@@ -76,14 +77,18 @@ def test_nodesets_follow_pool_labels_and_skip_standby_nodes(run_mocked: Runner, 
     assert contracts.TAINT_STANDBY not in tolerated and contracts.TAINT_UNHEALTHY not in tolerated
     assert h100["slurmd"]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert h100["extraConf"] == "Gres=gpu:h100:8 Features=h100"
-    # standby nodes are labelled standby and tainted; active ones are not tainted
-    patches = {o["metadata"]["name"]: o for o in by_kind(records, "Node")}
-    assert patches["gpu-h100-09"]["metadata"]["labels"][contracts.LABEL_POOL] == "standby"
-    assert patches["gpu-h100-09"]["spec"]["taints"] == [
-        {"key": contracts.TAINT_STANDBY, "value": "h100", "effect": "NoSchedule"}
-    ]
-    assert "spec" not in patches["gpu-h100-01"]
-    assert patches["gpu-h100-05"]["metadata"]["labels"][contracts.LABEL_FAILURE_DOMAIN] == "h100-fd1"
+    # Membership: one ConfigMap per pool in the system namespace, each node's role and failure domain.
+    cms = {o["metadata"]["name"]: o for o in by_kind(records, "ConfigMap")}
+    h100_members = cms[contracts.membership_configmap("h100")]
+    assert h100_members["metadata"]["namespace"] == dev_config.system_namespace
+    labels = h100_members["metadata"]["labels"]
+    assert labels[contracts.LABEL_MEMBERSHIP] == labels[contracts.LABEL_GPU_POOL] == "h100"
+    assert labels[contracts.LABEL_GPU_TYPE] == "h100"
+    data = h100_members["data"]
+    assert data["gpu-h100-09"] == "standby h100-fd0" and data["gpu-h100-01"] == "active h100-fd0"
+    assert data["gpu-h100-05"] == "active h100-fd1"
+    h100_pool = next(p for p in dev_config.gpu_pools if p.name == "h100")
+    assert sorted(data) == sorted((*h100_pool.node_names, *h100_pool.standby_node_names))
 
 
 def test_controller_turns_requeue_on_and_wires_the_agent_hooks(
@@ -291,7 +296,7 @@ def test_a_highly_available_remediator_on_the_in_cluster_postgres(
     assert_all_valid(k8s_schemas, records)
     kinds = Counter(o["kind"] for o in objects(records))
     # the state PVC goes; the database, its Service, the store Secret, the PDB and two Roles with bindings come
-    assert sum(kinds.values()) == 75 - 1 + 8
+    assert sum(kinds.values()) == 65 - 1 + 8
     deploy = next(o for o in by_kind(records, "Deployment") if o["metadata"]["name"] == "fleetheal-remediator")
     assert deploy["spec"]["replicas"] == 2
     sts = next(o for o in by_kind(records, "StatefulSet") if o["metadata"]["name"] == "fleetheal-remediator-db")
