@@ -8,6 +8,7 @@ config schema; every violation says what is wrong, why it matters and how to fix
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -577,6 +578,17 @@ def validate_alertmanager_receiver_authenticated(args: ResourceValidationArgs, r
                 )
 
 
+@functools.lru_cache(maxsize=4)
+def _remediator_yaml(text: str) -> Any:
+    """remediator.yaml parsed once per evaluation, not once per rule (with 25,000 nodes listed it is ~1 MB),
+    with libyaml where PyYAML has it; None when it is not YAML (the remediator refuses it too; here it
+    counts as no shared store). Read only: the result is shared."""
+    try:
+        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - a safe loader
+    except yaml.YAMLError:
+        return None
+
+
 def _remediators(args: StackValidationArgs) -> list[tuple[Any, str, int, Mapping[str, Any]]]:
     """(resource, namespace, replicas, parsed remediator.yaml) of every remediator Deployment in the stack.
 
@@ -601,10 +613,7 @@ def _remediators(args: StackValidationArgs) -> list[tuple[Any, str, int, Mapping
         for volume in pod.get("volumes") or []:
             cm = config_maps.get((ns, str((volume.get("configMap") or {}).get("name"))))
             text = ((cm or {}).get("data") or {}).get("remediator.yaml")
-            try:
-                doc = yaml.safe_load(text) if isinstance(text, str) else None
-            except yaml.YAMLError:
-                doc = None  # the remediator refuses it too; here it counts as no shared store
+            doc = _remediator_yaml(text) if isinstance(text, str) else None
             if isinstance(doc, Mapping):
                 cfg = doc
         out.append((r, ns, int(replicas), cfg))

@@ -319,7 +319,11 @@ class Service:
             m = cfg.membership
             core = client.CoreV1Api(api_client(m.kubeconfig))
             self.membership = MembershipController(
-                core, m.namespace, resync_s=m.resync_s, on_apply=self.metrics.membership_applied
+                core,
+                m.namespace,
+                resync_s=m.resync_s,
+                release_grace_s=m.release_grace_s,
+                on_apply=self.metrics.membership_applied,
             )
 
     def _new_engine(self) -> Engine:

@@ -163,6 +163,9 @@ class MembershipConfig:
     namespace: str = "fleetheal-system"
     #: Everything is listed and compared again this often (the watches carry changes in between).
     resync_s: float = 600.0
+    #: A pool whose ConfigMap is gone keeps its nodes' labels this long (a mistaken delete is undone in
+    #: time); a node removed from a ConfigMap that exists is released at once.
+    release_grace_s: float = 300.0
     #: kubeconfig file; "" = the pod's service account (in-cluster).
     kubeconfig: str = ""
 
@@ -451,8 +454,8 @@ def _check(cfg: Config) -> None:
             raise ConfigError("leader_election: namespace and lease_name must be RFC 1123 names")
     if cfg.membership.enabled and not is_node_name(cfg.membership.namespace):
         raise ConfigError(f"membership.namespace: {cfg.membership.namespace!r} is not an RFC 1123 name")
-    if not cfg.membership.resync_s > 0:
-        raise ConfigError(f"membership.resync_s: {cfg.membership.resync_s} must be > 0")
+    if not cfg.membership.resync_s > 0 or cfg.membership.release_grace_s < 0:
+        raise ConfigError("membership: resync_s > 0 and release_grace_s >= 0 are required")
     if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
         raise ConfigError(f"store.synchronous: {cfg.store.synchronous!r} is not one of FULL, NORMAL, EXTRA")
     r = cfg.runner

@@ -7,8 +7,13 @@ names, with server-side apply under its own field manager, when the Node registe
 node's entry in the ConfigMaps changes. The entry applied is recorded on the Node
 (`contracts.ANNOTATION_MEMBERSHIP`): an unchanged entry is never applied again, so a promotion by the
 remediator (labels and taint changed by its own steps) survives every later `pulumi up` and resync. A
-node removed from every pool gets its membership fields released (those this field manager still owns).
-A node listed in two pools is applied to neither and reported.
+node removed from its pool's list gets its membership fields released (those this field manager still
+owns). A node listed in two pools is applied to neither and reported.
+
+Safety before speed: a pool whose whole ConfigMap is gone (deleted by hand, or a stack destroyed) keeps
+its nodes' labels for `release_grace_s` before they are released: labels removed from a whole pool take
+slurmd (and its jobs) off every node of it, so a ConfigMap deleted by mistake must be recreated in time,
+not obeyed at once. An entry removed from a ConfigMap that still exists is obeyed at once.
 
 It watches the ConfigMaps and the Nodes (one watch each, from a list), so a change lands in about a
 second, and lists everything again every `resync_s` or when a watch expires.
@@ -49,6 +54,8 @@ class Member:
 @dataclass
 class Desired:
     members: dict[str, Member] = field(default_factory=dict)
+    #: The pools that have a membership ConfigMap.
+    pools: set[str] = field(default_factory=set)
     #: Why some entries are not applied (a node in two pools, a malformed entry); one line each.
     problems: list[str] = field(default_factory=list)
 
@@ -67,6 +74,7 @@ def desired_members(configmaps: Iterable[Mapping[str, Any]]) -> Desired:
                 f"(equal) and {contracts.LABEL_GPU_TYPE} are required; ignored"
             )
             continue
+        out.pools.add(pool)
         for node, entry in (cm.get("data") or {}).items():
             try:
                 role, domain = contracts.parse_membership_entry(entry)
@@ -100,6 +108,8 @@ class SyncStats:
     applied: int = 0
     released: int = 0
     failed: int = 0
+    #: Releases held back: the node's pool has no ConfigMap, for less than release_grace_s.
+    held: int = 0
 
 
 class MembershipController:
@@ -111,6 +121,7 @@ class MembershipController:
         namespace: str,
         *,
         resync_s: float = 600.0,
+        release_grace_s: float = 300.0,
         timeout_s: float = 10.0,
         on_apply: Callable[[str], None] | None = None,
     ) -> None:
@@ -119,6 +130,7 @@ class MembershipController:
         self.core = core
         self.namespace = namespace
         self.resync_s = resync_s
+        self.release_grace_s = release_grace_s
         self.timeout_s = timeout_s
         self.on_apply = on_apply or (lambda action: None)
         self._exc = ApiException
@@ -129,6 +141,11 @@ class MembershipController:
         self._dirty: set[str] = set()
         self._relist = True
         self._reported: set[str] = set()
+        #: Pool -> when it was first seen without a ConfigMap (monotonic); its nodes' releases wait.
+        self._gone: dict[str, float] = {}
+        #: Nodes whose release waits for their pool's grace to end.
+        self._held: set[str] = set()
+        self._stop = threading.Event()
 
     # --- reading -------------------------------------------------------------------------------------
 
@@ -165,6 +182,9 @@ class MembershipController:
             old = self._desired.members
             changed = {n for n in old.keys() | desired.members.keys() if old.get(n) != desired.members.get(n)}
             self._desired = desired
+            for pool in desired.pools & self._gone.keys():  # it came back: its nodes keep their labels
+                del self._gone[pool]
+                log.info("membership: pool %s has its ConfigMap again", pool)
             self._dirty.update(changed)
             self._cond.notify()
 
@@ -183,19 +203,40 @@ class MembershipController:
         return "applied" if member is not None else "released"
 
     def _work(self, names: Iterable[str]) -> list[tuple[str, Member | None]]:
+        """What to apply to `names`: (node, its member, or None to release it); releases of nodes whose
+        pool has no ConfigMap wait for release_grace_s (see the module's docstring)."""
+        now = time.monotonic()
         with self._cond:
             todo = []
             for node in names:
                 if node not in self._nodes:  # not registered (yet): applied when it is
                     continue
                 member, have = self._desired.members.get(node), self._nodes[node]
-                if (member.key if member else None) != have:
-                    todo.append((node, member))
+                if (member.key if member else None) == have:
+                    self._held.discard(node)
+                    continue
+                pool = have.split(" ", 1)[0] if have else ""
+                if member is None and pool and pool not in self._desired.pools:
+                    if pool not in self._gone:
+                        self._gone[pool] = now
+                        log.warning(
+                            "membership: pool %s has no ConfigMap; its nodes keep their labels for %.0f s, then "
+                            "they are released (recreate the ConfigMap to keep them)",
+                            pool,
+                            self.release_grace_s,
+                        )
+                    if now - self._gone[pool] < self.release_grace_s:
+                        self._held.add(node)
+                        continue
+                self._held.discard(node)
+                todo.append((node, member))
             return todo
 
     def _do(self, todo: list[tuple[str, Member | None]], stats: SyncStats) -> None:
         def one(item: tuple[str, Member | None]) -> str:
             node, member = item
+            if self._stop.is_set():  # stepped down: not one more write
+                return "held"
             try:
                 action = self._apply(node, member)
             except (self._exc, OSError) as exc:  # urllib3's errors are OSErrors: the API server did not answer
@@ -224,12 +265,14 @@ class MembershipController:
             names, self._dirty = set(self._dirty), set()
         stats = SyncStats()
         self._do(self._work(sorted(names)), stats)
+        stats.held = len(self._held)
         return stats
 
     # --- running -------------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
         """Until `stop` is set: watch, apply, and list again every resync_s (or after a watch error)."""
+        self._stop = stop
         watchers: list[threading.Thread] = []
         while not stop.is_set():
             try:
@@ -252,7 +295,7 @@ class MembershipController:
                 with self._cond:
                     if not self._dirty:
                         self._cond.wait(timeout=1.0)
-                    names, self._dirty = set(self._dirty), set()
+                    names, self._dirty = self._dirty | self._held, set()  # held releases: is the grace over?
                 if names:
                     self._do(self._work(sorted(names)), SyncStats())
             epoch.set()

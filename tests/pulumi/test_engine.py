@@ -85,7 +85,9 @@ def membership(kube: KubeControlPlane) -> Iterator[MembershipController]:
     """The remediator's membership controller, as its leader runs it (no pod runs here: no kubelet)."""
     from kubernetes import client
 
-    controller = MembershipController(client.CoreV1Api(api_client(str(kube.kubeconfig))), DEV.system_namespace)
+    core = client.CoreV1Api(api_client(str(kube.kubeconfig)))
+    # A short grace: `destroy` deletes the ConfigMaps, and the last test waits for the releases.
+    controller = MembershipController(core, DEV.system_namespace, release_grace_s=3)
     stop = threading.Event()
     thread = threading.Thread(target=controller.run, args=(stop,), daemon=True)
     thread.start()

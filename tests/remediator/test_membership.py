@@ -72,6 +72,10 @@ class Cluster:
         self.prefix = f"m{n}"
         self.core.create_namespace({"metadata": {"name": self.ns}})
 
+    def pool(self, name: str, active: list[str], standby: list[str], gpu_type: str = "h100") -> GpuPool:
+        """A pool named for this test only (the control plane is the session's)."""
+        return pool(f"{self.prefix}-{name}", active, standby, gpu_type)
+
     def nodes(self, *names: str) -> list[str]:
         return [f"{self.prefix}-{name}" for name in names]
 
@@ -126,8 +130,8 @@ def running(cluster: Cluster) -> Iterator[MembershipController]:
 
 
 def test_labels_and_taints_are_todays_and_unrelated_fields_are_kept(cluster: Cluster) -> None:
-    a = pool("a", cluster.nodes("a0", "a1", "a2"), cluster.nodes("a3", "a4"))
-    b = pool("b", cluster.nodes("b0"), cluster.nodes("b1"), gpu_type="b200")
+    a = cluster.pool("a", cluster.nodes("a0", "a1", "a2"), cluster.nodes("a3", "a4"))
+    b = cluster.pool("b", cluster.nodes("b0"), cluster.nodes("b1"), gpu_type="b200")
     other = {"example.com/rack": "r7"}
     cluster.kube.add_nodes([*a.node_names, *a.standby_node_names, *b.node_names, *b.standby_node_names], labels=other)
     cluster.put(a)
@@ -149,8 +153,8 @@ def test_add_move_remove_and_register_converge_and_a_promotion_survives(
     cluster: Cluster, running: MembershipController
 ) -> None:
     a0, a1, s0, s1, b0, b1, late = cluster.nodes("a0", "a1", "s0", "s1", "b0", "b1", "late")
-    a = pool("a", [a0, a1], [s0, s1])
-    b = pool("b", [b0], [b1], gpu_type="a100")
+    a = cluster.pool("a", [a0, a1], [s0, s1])
+    b = cluster.pool("b", [b0], [b1], gpu_type="a100")
     cluster.kube.add_nodes([a0, a1, s0, s1, b0, b1])
     cluster.put(a)
     cluster.put(b)
@@ -164,20 +168,20 @@ def test_add_move_remove_and_register_converge_and_a_promotion_survives(
     assert promoted[0][contracts.LABEL_POOL] == "active" and promoted[1] == []
 
     # A node added to a pool's list, and one that registers after it was listed.
-    a = pool("a", [a0, a1, late], [s0, s1])
+    a = cluster.pool("a", [a0, a1, late], [s0, s1])
     cluster.put(a)
     cluster.kube.add_nodes([late])
     cluster.wait("the late node's labels", lambda: cluster.has(a, late))
 
     # Moved from pool b to pool a, as a standby node.
-    a = pool("a", [a0, a1, late], [s0, s1, b1])
-    b = pool("b", [b0], [])
+    a = cluster.pool("a", [a0, a1, late], [s0, s1, b1])
+    b = cluster.pool("b", [b0], [])
     cluster.put(b)
     cluster.put(a)
     cluster.wait("b1 moved to pool a", lambda: cluster.has(a, b1))
 
     # Removed from every pool: the fields this controller owns go; the Node stays.
-    a = pool("a", [a0, late], [s0, s1, b1])
+    a = cluster.pool("a", [a0, late], [s0, s1, b1])
     cluster.put(a)
     cluster.wait("a1 released", lambda: cluster.node(a1)[:2] == ({}, []))
     assert contracts.ANNOTATION_MEMBERSHIP not in cluster.node(a1)[2]
@@ -187,16 +191,43 @@ def test_add_move_remove_and_register_converge_and_a_promotion_survives(
     assert cluster.node(s0)[:2] == promoted[:2]
 
 
+def test_a_deleted_configmap_holds_its_pool_for_the_grace_then_releases_it(cluster: Cluster) -> None:
+    # (The control plane is the session's: the counts include other tests' nodes; the labels are ours.)
+    p = cluster.pool("p", cluster.nodes("p0", "p1"), cluster.nodes("p2"))
+    nodes = [*p.node_names, *p.standby_node_names]
+    cluster.kube.add_nodes(nodes)
+    cluster.put(p)
+    controller = MembershipController(cluster.core, cluster.ns, release_grace_s=2.0)
+    controller.sync()
+    assert all(cluster.has(p, n) for n in nodes)
+    # Deleted by mistake: the labels stay (slurmd keeps running), and the ConfigMap comes back in time.
+    cluster.delete(p)
+    assert controller.sync().held >= 3
+    assert all(cluster.has(p, n) for n in nodes)
+    versions = {n: cluster.core.read_node(n).metadata.resource_version for n in nodes}
+    cluster.put(p)
+    controller.sync()
+    assert {n: cluster.core.read_node(n).metadata.resource_version for n in nodes} == versions  # not touched
+    # Gone for good: after the grace the nodes are released.
+    cluster.delete(p)
+    controller.sync()
+    assert all(cluster.has(p, n) for n in nodes)
+    time.sleep(2.1)
+    assert controller.sync().released >= 3
+    assert all(cluster.node(n)[:2] == ({}, []) for n in nodes)
+
+
 def test_a_node_in_two_pools_is_applied_to_neither(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     n0, n1, shared = cluster.nodes("n0", "n1", "shared")
     cluster.kube.add_nodes([n0, n1, shared])
-    cluster.put(pool("x", [n0, shared], [n1]))
-    cluster.put(pool("y", [shared], [n1 + "-spare"]))
+    cluster.put(cluster.pool("x", [n0, shared], [n1]))
+    cluster.put(cluster.pool("y", [shared], [n1 + "-spare"]))
     with caplog.at_level("ERROR"):
         stats = MembershipController(cluster.core, cluster.ns).sync()
     assert stats.applied == 2
     assert cluster.node(shared)[:2] == ({}, [])
-    assert f"node {shared} is listed in pools x, y; applied to neither" in caplog.text
+    pools = f"{cluster.prefix}-x, {cluster.prefix}-y"
+    assert f"node {shared} is listed in pools {pools}; applied to neither" in caplog.text
 
 
 def test_entries_that_are_not_membership_are_refused() -> None:
