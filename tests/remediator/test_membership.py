@@ -217,6 +217,33 @@ def test_a_deleted_configmap_holds_its_pool_for_the_grace_then_releases_it(clust
     assert all(cluster.node(n)[:2] == ({}, []) for n in nodes)
 
 
+def test_upgrading_from_per_node_patches_keeps_the_labels(cluster: Cluster) -> None:
+    """docs/remediator.md, "Upgrading": the old NodePatch's field manager owned the labels; once the
+    controller applied them too, deleting the patch (an empty apply by its manager) takes nothing away."""
+    p = cluster.pool("u", cluster.nodes("u0"), cluster.nodes("u1"))
+    nodes = [*p.node_names, *p.standby_node_names]
+    cluster.kube.add_nodes(nodes)
+    old_manager = "pulumi-kubernetes-0123abcd"  # what a Pulumi Patch resource applies with
+
+    def old_patch(node: str, labels: dict[str, str] | None, taints: list[dict[str, str]] | None) -> None:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
+        if labels is not None:
+            body["metadata"]["labels"] = labels
+        if taints:
+            body["spec"] = {"taints": taints}
+        cluster.core.patch_node(
+            node, body, field_manager=old_manager, force=True, _content_type="application/apply-patch+yaml"
+        )
+
+    for node, (labels, taints) in expected(p).items():
+        old_patch(node, labels, taints)
+    cluster.put(p)
+    assert MembershipController(cluster.core, cluster.ns).sync().applied >= 2
+    for node in nodes:
+        old_patch(node, None, None)  # the `up` deletes the old patches
+    assert all(cluster.has(p, n) for n in nodes)
+
+
 def test_a_node_in_two_pools_is_applied_to_neither(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     n0, n1, shared = cluster.nodes("n0", "n1", "shared")
     cluster.kube.add_nodes([n0, n1, shared])
