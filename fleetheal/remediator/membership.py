@@ -68,6 +68,13 @@ def desired_members(configmaps: Iterable[Mapping[str, Any]]) -> Desired:
         meta = cm.get("metadata") or {}
         labels = meta.get("labels") or {}
         pool, gpu_type = labels.get(contracts.LABEL_MEMBERSHIP), labels.get(contracts.LABEL_GPU_TYPE)
+        if pool and meta.get("name") != contracts.membership_configmap(pool):
+            # Only the stack's own ConfigMap speaks for a pool: another one labelled like it is refused.
+            out.problems.append(
+                f"ConfigMap {meta.get('name')}: labelled {contracts.LABEL_MEMBERSHIP}={pool}, but pool {pool}'s "
+                f"membership is ConfigMap {contracts.membership_configmap(pool)}; ignored"
+            )
+            continue
         if not pool or not gpu_type or labels.get(contracts.LABEL_GPU_POOL) != pool:
             out.problems.append(
                 f"ConfigMap {meta.get('name')}: labels {contracts.LABEL_MEMBERSHIP}, {contracts.LABEL_GPU_POOL} "
@@ -249,6 +256,8 @@ class MembershipController:
             self.on_apply(action)
             return action
 
+        if not todo:  # the usual case: a resync or a held pool's check found nothing to write
+            return
         if len(todo) > 1:
             log.info("membership: applying %d node(s)", len(todo))
         with ThreadPoolExecutor(WORKERS) as pool:
@@ -273,7 +282,6 @@ class MembershipController:
     def run(self, stop: threading.Event) -> None:
         """Until `stop` is set: watch, apply, and list again every resync_s (or after a watch error)."""
         self._stop = stop
-        watchers: list[threading.Thread] = []
         while not stop.is_set():
             try:
                 cm_rv = self._list_configmaps()
@@ -284,12 +292,10 @@ class MembershipController:
                 continue
             self._relist = False
             epoch = threading.Event()  # set: this round's watches end
-            watchers = [
-                threading.Thread(target=self._watch, args=(kind, rv, stop, epoch), daemon=True, name=f"watch-{kind}")
-                for kind, rv in (("configmaps", cm_rv), ("nodes", node_rv))
-            ]
-            for t in watchers:
-                t.start()
+            for kind, rv in (("configmaps", cm_rv), ("nodes", node_rv)):
+                threading.Thread(
+                    target=self._watch, args=(kind, rv, stop, epoch), daemon=True, name=f"watch-{kind}"
+                ).start()
             deadline = time.monotonic() + self.resync_s
             while not stop.is_set() and not self._relist and time.monotonic() < deadline:
                 with self._cond:

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.remediator.leader import api_client
 from fleetheal.remediator.membership import MembershipController
+from tests.remediator.test_membership import in_thread
 
 pytestmark = [pytest.mark.kube, pytest.mark.pulumi]
 
@@ -87,13 +87,8 @@ def membership(kube: KubeControlPlane) -> Iterator[MembershipController]:
 
     core = client.CoreV1Api(api_client(str(kube.kubeconfig)))
     # A short grace: `destroy` deletes the ConfigMaps, and the last test waits for the releases.
-    controller = MembershipController(core, DEV.system_namespace, release_grace_s=3)
-    stop = threading.Event()
-    thread = threading.Thread(target=controller.run, args=(stop,), daemon=True)
-    thread.start()
-    yield controller
-    stop.set()
-    thread.join(timeout=30)
+    with in_thread(MembershipController(core, DEV.system_namespace, release_grace_s=3)) as controller:
+        yield controller
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:

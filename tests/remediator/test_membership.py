@@ -3,6 +3,7 @@ fleetheal.infra.nodepools declares them, applied to Node objects by the remediat
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -117,16 +118,24 @@ def cluster(kube: Any) -> Cluster:
     return Cluster(kube)
 
 
-@pytest.fixture
-def running(cluster: Cluster) -> Iterator[MembershipController]:
-    controller = MembershipController(cluster.core, cluster.ns, resync_s=60)
+@contextlib.contextmanager
+def in_thread(controller: MembershipController) -> Iterator[MembershipController]:
+    """`controller.run` in a thread, as the acting remediator runs it; stopped (and checked) on exit."""
     stop = threading.Event()
     thread = threading.Thread(target=controller.run, args=(stop,), daemon=True)
     thread.start()
-    yield controller
-    stop.set()
-    thread.join(timeout=30)
+    try:
+        yield controller
+    finally:
+        stop.set()
+        thread.join(timeout=30)
     assert not thread.is_alive(), "the controller did not stop"
+
+
+@pytest.fixture
+def running(cluster: Cluster) -> Iterator[MembershipController]:
+    with in_thread(MembershipController(cluster.core, cluster.ns, resync_s=60)) as controller:
+        yield controller
 
 
 def test_labels_and_taints_are_todays_and_unrelated_fields_are_kept(cluster: Cluster) -> None:
@@ -265,3 +274,8 @@ def test_entries_that_are_not_membership_are_refused() -> None:
     got = desired_members([cm])
     assert list(got.members) == ["n3"] and len(got.problems) == 2
     assert "'spare p-fd0' is not '<active|standby> <failure domain>'" in got.problems[0]
+    # A second ConfigMap labelled for pool p (anyone who may create ConfigMaps there) claims nothing.
+    rogue = {"metadata": {**cm["metadata"], "name": "mine"}, "data": {"n9": "active p-fd0", "n3": "active p-fd0"}}
+    got = desired_members([cm, rogue])
+    assert got.members == desired_members([cm]).members and got.pools == {"p"}
+    assert "membership is ConfigMap fleetheal-pool-p; ignored" in got.problems[-1]
