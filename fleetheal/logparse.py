@@ -1,22 +1,41 @@
-"""Turn log text (kernel log, training logs) into classified fault events.
+"""Turn log text (kernel log, training logs) into classified fault events, by the rules in
+`policies/log-rules.yaml`.
 
-Formats, not strings: every matcher keys on the stable part of a message (the driver's `NVRM: Xid (...)`
-record, the AER severity words, the PyTorch/CUDA error text) and ignores whatever prefix the log pipeline
-added (syslog, `dmesg -T`, `dmesg -x`, `/dev/kmsg` records, journald). Classification comes only from the
-taxonomy. A line that merely gives context to another (a GSP buffer dump, a board serial, a stack frame)
-yields no event.
-
-A failing node floods its log, so the common case (a line that matches nothing) must be cheap: plain
-substring tests reject it before any detailed pattern runs.
+This module is only the engine: which words mean which fault lives in the rules file (read its header),
+and what a fault means lives in the taxonomy. The engine applies the rules in order: keywords pick the
+candidate rules with plain substring tests (a flooded log is mostly lines no rule wants, and they must be
+cheap), the line's whitespace is normalised, and the first candidate whose pattern matches decides.
+A line that announces trouble no rule knows is reported as the `unknown` fault, with the line.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
 
-from fleetheal.taxonomy import Fault, Taxonomy, load
+import yaml
+
+from fleetheal.taxonomy import UNKNOWN_ID, Fault, Taxonomy, TaxonomyError, load
+
+#: `fault:` values with a meaning of their own (besides a taxonomy id and a `from` mapping).
+NONE = "none"
+FROM_XID = "xid"
+RULE_KEYS = frozenset({"id", "description", "keywords", "pattern", "gpu", "fault"})
+_RULE_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_MACRO = re.compile(r"\{([a-z_]+)\}")
+_WHITESPACE = re.compile(r"\s")
+_CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
+_NVLINK5_REGS = re.compile(r"\((0x[0-9A-Fa-f]{1,8}) (0x[0-9A-Fa-f]{1,8})")
+_NVLINK5_SEV = re.compile(r"\b(Non-fatal|Nonfatal|Fatal)\b", re.IGNORECASE)
+_RECOVERY = re.compile(r"recovery action changed from \S+ \([^)]*\) to \S+ \((?P<to>[^)]*)\)", re.IGNORECASE)
+
+
+class LogRulesError(TaxonomyError):
+    """The log rules are malformed; the message names the rule and the field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +48,13 @@ class FaultEvent:
     pid: int | None = None
     process: str | None = None
     detail: str = ""
+    #: The id of the rule that decided (None for an event not read from a log line).
+    rule: str | None = None
+
+    @property
+    def known(self) -> bool:
+        """False for a line that announced trouble no rule knows (reported as the unknown fault)."""
+        return self.fault.id != UNKNOWN_ID
 
     def as_dict(self) -> dict[str, object]:
         d: dict[str, object] = self.fault.as_dict()
@@ -37,106 +63,165 @@ class FaultEvent:
         d["pid"] = self.pid
         d["process"] = self.process
         d["detail"] = self.detail
+        d["rule"] = self.rule
         return d
 
 
-_BUS = r"[0-9A-Fa-f]{2,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?"
-_XID = re.compile(
-    r"NVRM: Xid \((?:PCI:)?(?P<bus>" + _BUS + r")\): (?P<code>\d+)"
-    r"(?:, pid=(?P<pid>'<unknown>'|<unknown>|\d+), name=(?P<name>[^,]*))?"
-    r"(?:, (?P<rest>.*))?"
-)
-_SXID = re.compile(r"SXid \((?:PCI:)?(?P<bus>" + _BUS + r")\): (?P<code>\d+), (?P<sev>Non-fatal|Fatal)")
-_FM_SXID = re.compile(
-    r"detected NVSwitch (?P<sev>non-fatal|fatal) error (?P<code>\d+).*?pci bus id (?P<bus>[0-9A-Fa-f:.]+)"
-)
-_CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
-_NVLINK5_REGS = re.compile(r"\((0x[0-9A-Fa-f]{1,8}) (0x[0-9A-Fa-f]{1,8})")
-_NVLINK5_SEV = re.compile(r"\b(Non-fatal|Nonfatal|Fatal)\b", re.IGNORECASE)
-_RECOVERY = re.compile(r"recovery action changed from \S+ \([^)]*\) to \S+ \((?P<to>[^)]*)\)", re.IGNORECASE)
-_FALLEN = re.compile(r"GPU (?:at PCI:)?(?P<bus>" + _BUS + r"): GPU has fallen off the bus")
-_GSP_TIMEOUT = re.compile(r"Timeout after \d+s of waiting for RPC response from GPU\d+ GSP|rpcRecvPoll timedout")
-_NVLINK_FAIL = re.compile(
-    r"NVRM: .*(?:knvlink|nvlink|NVLink)\w*.*\b(?:failed|fatal error|training fail)", re.IGNORECASE
-)
-_NCCL_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout|collective operation timeout|NCCL timeout")
-_NCCL_EXC = re.compile(r"NCCL watchdog thread terminated with exception: (?P<exc>.*)")
-_CUDA_ECC = re.compile(r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable|CUDA_ERROR_ECC_UNCORRECTABLE")
-_CUDA_ILLEGAL = re.compile(
-    r"an illegal memory access was encountered|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"
-)
-_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation")
-_AER = re.compile(
-    r"(?:PCIe Bus Error: severity=|AER: (?:Multiple )?)"
-    r"(?P<sev>Corrected|Uncorrect(?:ed|able) \((?:Non-Fatal|Fatal)\))"
-)
-_AER_FROM = re.compile(r"received from (?P<bus>" + _BUS + r")")
-_DEV_PREFIX = re.compile(r"(?:^|\s)[\w-]+ (?P<bus>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]):")
-_EDAC_UE = re.compile(r"EDAC .*\b(?:UE|[Uu]ncorrect(?:ed|able))\b|Uncorrected hardware memory error|Memory failure: ")
-_EDAC_CE = re.compile(r"EDAC .*\b(?:CE|[Cc]orrected)\b")
-_MCE_MEM = re.compile(r"MCE MEMORY ERROR|mce: \[Hardware Error\]: .*[Mm]emory")
-_NIC_DOWN = re.compile(r"NIC Link is Down|\b(?:mlx5_core|mlx4_en|bnxt_en|ice|i40e|ixgbe|igb|ena|gve)\b.*\bLink down\b")
-_NAN_LOSS = re.compile(r"\b[Ll]oss\b[^\n]{0,24}?\b(?:nan|NaN|NAN|inf|Inf|INF)\b")
+@dataclass(frozen=True, slots=True)
+class Rule:
+    id: str
+    description: str
+    keywords: tuple[str, ...]
+    pattern: re.Pattern[str]
+    #: A taxonomy fault id, NONE, FROM_XID, or (group, ((compiled case, fault id), ...)).
+    fault: str | tuple[str, tuple[tuple[re.Pattern[str], str], ...]]
+    gpu: tuple[re.Pattern[str], ...] = ()
 
-_CUDA = (
-    (_CUDA_ECC, "cuda-ecc-uncorrectable"),
-    (_CUDA_ILLEGAL, "cuda-illegal-address"),
-    (_CUDA_OOM, "cuda-oom"),
-)
-_HOST_MEMORY = (
-    (_EDAC_UE, "host-memory-ue"),
-    (_MCE_MEM, "host-mce-memory"),
-    (_EDAC_CE, "host-memory-ce"),
-)
 
-_RECOVERY_FAULTS = {
-    "gpu reset required": "xid-154-gpu-reset",
-    "drain and reset": "xid-154-gpu-reset",
-    "node reboot required": "xid-154-node-reboot",
-    "drain p2p": "xid-154-drain-p2p",
-}
+def raw_rules(path: str | Path | None = None) -> dict[str, Any]:
+    """The rules file as parsed YAML: the shipped one, or `path`."""
+    if path is None:
+        text = resources.files(__package__).joinpath("log-rules.yaml").read_text("utf-8")
+    else:
+        try:
+            text = Path(path).read_text("utf-8")
+        except OSError as exc:
+            raise LogRulesError(f"log rules: cannot read {path}: {exc.strerror}") from exc
+    try:
+        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - a safe loader
+    except yaml.YAMLError as exc:
+        raise LogRulesError(f"log rules: not valid YAML: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise LogRulesError("log rules: the file must be a mapping with 'macros' and 'rules'")
+    return doc
+
+
+def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
+    """Validate and compile the rules; every problem raises LogRulesError naming the rule and field."""
+    macros = doc.get("macros") or {}
+    if not isinstance(macros, Mapping) or not all(isinstance(v, str) for v in macros.values()):
+        raise LogRulesError("log rules: 'macros' must map names to regular expressions")
+    entries = doc.get("rules")
+    if not isinstance(entries, list) or not entries:
+        raise LogRulesError("log rules: 'rules' must be a non-empty list")
+    rules: list[Rule] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        rid = entry.get("id") if isinstance(entry, Mapping) else None
+        where = f"log rules: rules[{i}] (id {rid!r})"
+        if not isinstance(entry, Mapping):
+            raise LogRulesError(f"{where}: a rule must be a mapping")
+        if unknown_keys := set(entry) - RULE_KEYS:
+            raise LogRulesError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown_keys)))}")
+        if not isinstance(rid, str) or not _RULE_ID.match(rid):
+            raise LogRulesError(f"{where}: 'id' must be lower-case words joined by '-'")
+        if rid in seen:
+            raise LogRulesError(f"{where}: duplicate id")
+        seen.add(rid)
+        description = entry.get("description")
+        if not isinstance(description, str) or not description.strip():
+            raise LogRulesError(f"{where}: 'description' must be a non-empty string")
+        keywords = entry.get("keywords")
+        if not isinstance(keywords, list) or not keywords or not all(isinstance(k, str) and k for k in keywords):
+            raise LogRulesError(f"{where}: 'keywords' must be a non-empty list of strings")
+        if any(_WHITESPACE.search(k) for k in keywords):
+            raise LogRulesError(f"{where}: a keyword must hold no whitespace (log pipelines change it)")
+        raw_pattern = entry.get("pattern")
+        alternatives = raw_pattern if isinstance(raw_pattern, list) else [raw_pattern]
+        if any(isinstance(a, str) and a.startswith("^") for a in alternatives):
+            raise LogRulesError(f"{where}: 'pattern' must not anchor to the line start (log prefixes vary)")
+        pattern = _compile(raw_pattern, macros, f"{where}: 'pattern'")
+        gpu = entry.get("gpu", [])
+        if not isinstance(gpu, list):
+            raise LogRulesError(f"{where}: 'gpu' must be a list of patterns")
+        gpu_patterns = tuple(_compile(g, macros, f"{where}: 'gpu'") for g in gpu)
+        for g in gpu_patterns:
+            if "gpu" not in g.groupindex:
+                raise LogRulesError(f"{where}: 'gpu' pattern {g.pattern!r} has no group named 'gpu'")
+        fault = _fault(entry.get("fault"), pattern, tx, where)
+        rules.append(Rule(rid, description.strip(), tuple(keywords), pattern, fault, gpu_patterns))
+    return tuple(rules)
+
+
+def _compile(text: object, macros: Mapping[str, str], where: str) -> re.Pattern[str]:
+    if isinstance(text, list) and text and all(isinstance(t, str) and t for t in text):
+        text = "|".join(f"(?:{t})" for t in text)  # a list is a choice of alternatives, one per line
+    if not isinstance(text, str) or not text:
+        raise LogRulesError(f"{where} must be a regular expression or a list of them (alternatives)")
+
+    def expand(m: re.Match[str]) -> str:
+        if m.group(1) not in macros:
+            raise LogRulesError(f"{where}: no macro named {m.group(1)!r}")
+        return macros[m.group(1)]
+
+    try:
+        return re.compile(_MACRO.sub(expand, text))
+    except re.error as exc:
+        raise LogRulesError(f"{where}: {exc}") from exc
+
+
+def _fault(spec: object, pattern: re.Pattern[str], tx: Taxonomy, where: str) -> Any:
+    if spec == FROM_XID:
+        if "xid" not in pattern.groupindex:
+            raise LogRulesError(f"{where}: 'fault: xid' needs a group named 'xid' in the pattern")
+        return FROM_XID
+    if isinstance(spec, str):
+        if spec != NONE and spec not in tx.faults:
+            raise LogRulesError(f"{where}: 'fault' {spec!r} is not a taxonomy fault id, 'none' or 'xid'")
+        return spec
+    if isinstance(spec, Mapping) and set(spec) == {"from", "cases"}:
+        group, cases = spec["from"], spec["cases"]
+        if group not in pattern.groupindex:
+            raise LogRulesError(f"{where}: 'fault.from' names {group!r}, which is not a group of the pattern")
+        if not isinstance(cases, list) or not cases:
+            raise LogRulesError(f"{where}: 'fault.cases' must be a non-empty list of [regex, fault id]")
+        compiled = []
+        for case in cases:
+            if not (isinstance(case, list) and len(case) == 2 and case[1] in tx.faults):
+                raise LogRulesError(f"{where}: 'fault.cases' entry {case!r} must be [regex, taxonomy fault id]")
+            try:
+                compiled.append((re.compile(case[0], re.IGNORECASE), case[1]))
+            except (re.error, TypeError) as exc:
+                raise LogRulesError(f"{where}: 'fault.cases' regex {case[0]!r}: {exc}") from exc
+        return (group, tuple(compiled))
+    raise LogRulesError(f"{where}: 'fault' must be a fault id, 'none', 'xid' or {{from: GROUP, cases: [...]}}")
 
 
 class LogParser:
-    """Parses lines against one taxonomy (the shipped one by default)."""
+    """Parses lines with one rule set (the shipped one by default) against one taxonomy."""
 
-    def __init__(self, taxonomy: Taxonomy | None = None) -> None:
+    def __init__(self, taxonomy: Taxonomy | None = None, rules: tuple[Rule, ...] | None = None) -> None:
         self.tx = taxonomy or load()
-        # A flooded log is mostly lines we must reject fast: substring tests pick the one matcher
-        # worth running. Order matters where two can match (an NCCL exception naming an ECC error).
-        self._dispatch: tuple[tuple[str, Callable[[str], FaultEvent | None]], ...] = (
-            ("fallen off the bus", self._fallen),
-            ("SXid (", self._sxid),
-            ("NVSwitch", self._fm_sxid),
-            ("atchdog", self._nccl),
-            ("NCCL timeout", self._nccl),
-            ("ECC", self._cuda),
-            ("llegal", self._cuda),
-            ("ILLEGAL", self._cuda),
-            ("emory", self._cuda_or_host),
-            ("GSP", self._gsp),
-            ("rpcRecvPoll", self._gsp),
-            ("NVRM", self._nvlink),
-            ("AER", self._aer),
-            ("PCIe Bus Error", self._aer),
-            ("EDAC", self._host_memory),
-            ("No space left on device", self._disk_full),
-            ("ink", self._nic),
-            ("oss", self._nan_loss),
-        )
+        self.rules = rules if rules is not None else compile_rules(raw_rules(), self.tx)
+        # keyword -> a bit per rule it selects; the candidates of a line are tried in file order, and the
+        # candidate list of each keyword combination is built once (few combinations occur in practice).
+        bits: dict[str, int] = {}
+        for position, rule in enumerate(self.rules):
+            for keyword in rule.keywords:
+                bits[keyword] = bits.get(keyword, 0) | 1 << position
+        self._keywords: tuple[tuple[str, int], ...] = tuple(bits.items())
+        self._candidates: dict[int, tuple[Rule, ...]] = {}
 
     def parse_line(self, line: str) -> list[FaultEvent]:
-        """Every fault in `line` (usually zero or one)."""
-        pos = line.find("NVRM: Xid (")
-        if pos >= 0:
-            m = _XID.match(line, pos)
-            if m:
-                return [self._xid_event(m)]
-        for keyword, matcher in self._dispatch:
+        """Every fault in `line` (zero or one)."""
+        mask = 0
+        for keyword, bit in self._keywords:
             if keyword in line:
-                event = matcher(line)
-                if event is not None:
-                    return [event]
+                mask |= bit
+        if not mask:
+            return []
+        candidates = self._candidates.get(mask)
+        if candidates is None:
+            if len(self._candidates) >= 4096:  # bounded, whatever the log holds
+                self._candidates.clear()
+            candidates = tuple(r for i, r in enumerate(self.rules) if mask >> i & 1)
+            self._candidates[mask] = candidates
+        text = " ".join(line.split())
+        for rule in candidates:
+            m = rule.pattern.search(text)
+            if m is not None:
+                event = self._event(rule, m, text)
+                return [] if event is None else [event]
         return []
 
     def parse_lines(self, lines: Iterable[str]) -> Iterator[tuple[int, FaultEvent]]:
@@ -145,26 +230,59 @@ class LogParser:
             for event in self.parse_line(line):
                 yield number, event
 
-    def _xid_event(self, m: re.Match[str]) -> FaultEvent:
-        bus = m.group("bus")
-        code = int(m.group("code"))
-        pid_text = m.group("pid")
-        pid = int(pid_text) if pid_text and pid_text.isdigit() else None
-        name = m.group("name")
-        process = name if name and name != "<unknown>" else None
-        rest = (m.group("rest") or "").rstrip()
+    def _event(self, rule: Rule, m: re.Match[str], text: str) -> FaultEvent | None:
+        groups = m.groupdict()
+        if rule.fault == NONE:
+            return None
+        if rule.fault == FROM_XID:
+            return self._xid_event(rule, groups)
+        if isinstance(rule.fault, tuple):
+            group, cases = rule.fault
+            value = groups.get(group) or ""
+            fault_id = next((fid for case, fid in cases if case.search(value)), UNKNOWN_ID)
+        else:
+            fault_id = rule.fault
+        gpu = groups.get("gpu")
+        for g in rule.gpu if gpu is None else ():
+            found = g.search(text)
+            if found:
+                gpu = found.group("gpu")
+                break
+        pid = groups.get("pid")
+        return FaultEvent(
+            self.tx.faults[fault_id],
+            pci_bus_id=gpu,
+            pid=int(pid) if pid and pid.isdigit() else None,
+            process=groups.get("process"),
+            detail=_tail(text),
+            rule=rule.id,
+        )
+
+    def _xid_event(self, rule: Rule, groups: dict[str, str | None]) -> FaultEvent:
+        code = int(groups["xid"] or 0)
+        pid = groups.get("pid")
+        process = groups.get("process")
+        rest = (groups.get("detail") or "").rstrip()
         fault = self.tx.for_xid(code)
         if 144 <= code <= 150:
             fault = self._nvlink5(code, rest, fault)
         elif code == 154:
             r = _RECOVERY.search(rest)
             if r:
-                fault = self.tx.faults.get(_RECOVERY_FAULTS.get(r.group("to").strip().lower(), ""), fault)
+                fault = self.tx.recovery_action_text(r.group("to")) or fault
         detail = rest
         caused = _CAUSED_BY.search(rest) if "caused by" in rest else None
         if caused:
             detail = f"{rest} (sympathetic: caused by Xid {caused.group(1)})"
-        return FaultEvent(fault, xid=code, pci_bus_id=bus, pid=pid, process=process, detail=detail)
+        return FaultEvent(
+            fault,
+            xid=code,
+            pci_bus_id=groups.get("gpu"),
+            pid=int(pid) if pid and pid.isdigit() else None,
+            process=process if process and process != "<unknown>" else None,
+            detail=detail,
+            rule=rule.id,
+        )
 
     def _nvlink5(self, code: int, rest: str, default: Fault) -> Fault:
         regs = _NVLINK5_REGS.search(rest)
@@ -180,95 +298,22 @@ class LogParser:
             return self.tx.faults.get(variant, default)
         return default
 
-    def _fallen(self, line: str) -> FaultEvent | None:
-        m = _FALLEN.search(line)
-        if m is None:
-            return None
-        return FaultEvent(self.tx.faults["gpu-lost"], pci_bus_id=m.group("bus"), detail="GPU has fallen off the bus")
-
-    def _sxid(self, line: str) -> FaultEvent | None:
-        m = _SXID.search(line)
-        if m is None:
-            return None
-        fid = "nvswitch-sxid-fatal" if m.group("sev") == "Fatal" else "nvswitch-sxid-nonfatal"
-        return FaultEvent(self.tx.faults[fid], pci_bus_id=m.group("bus"), detail=f"SXid {m.group('code')}")
-
-    def _fm_sxid(self, line: str) -> FaultEvent | None:
-        m = _FM_SXID.search(line)
-        if m is None:
-            return None
-        fid = "nvswitch-sxid-fatal" if m.group("sev") == "fatal" else "nvswitch-sxid-nonfatal"
-        return FaultEvent(self.tx.faults[fid], pci_bus_id=m.group("bus"), detail=f"SXid {m.group('code')}")
-
-    def _nccl(self, line: str) -> FaultEvent | None:
-        m = _NCCL_EXC.search(line)
-        if m:  # the watchdog died of something else: that something decides
-            exc = m.group("exc")
-            return self._cuda(exc) or FaultEvent(self.tx.faults["nccl-timeout"], detail=_tail(exc))
-        if _NCCL_TIMEOUT.search(line):
-            return FaultEvent(self.tx.faults["nccl-timeout"], detail=_tail(line))
-        return None
-
-    def _cuda(self, text: str) -> FaultEvent | None:
-        for pattern, fault_id in _CUDA:
-            if pattern.search(text):
-                return FaultEvent(self.tx.faults[fault_id], detail=_tail(text))
-        return None
-
-    def _cuda_or_host(self, line: str) -> FaultEvent | None:
-        return self._cuda(line) or self._host_memory(line)
-
-    def _gsp(self, line: str) -> FaultEvent | None:
-        if _GSP_TIMEOUT.search(line):
-            return FaultEvent(self.tx.faults["gsp-rpc-timeout"], detail=_tail(line))
-        return None
-
-    def _nvlink(self, line: str) -> FaultEvent | None:
-        if _NVLINK_FAIL.search(line):
-            return FaultEvent(self.tx.faults["nvlink-link-failure"], detail=_tail(line))
-        return None
-
-    def _aer(self, line: str) -> FaultEvent | None:
-        m = _AER.search(line)
-        if m is None:
-            return None
-        sev = m.group("sev")
-        if sev == "Corrected":
-            fid = "pcie-aer-corrected"
-        else:
-            fid = "pcie-aer-fatal" if "(Fatal)" in sev else "pcie-aer-nonfatal"
-        bus = _AER_FROM.search(line) or _DEV_PREFIX.search(line)
-        return FaultEvent(self.tx.faults[fid], pci_bus_id=bus.group("bus") if bus else None, detail=sev)
-
-    def _host_memory(self, line: str) -> FaultEvent | None:
-        for pattern, fault_id in _HOST_MEMORY:
-            if pattern.search(line):
-                return FaultEvent(self.tx.faults[fault_id], detail=_tail(line))
-        return None
-
-    def _disk_full(self, line: str) -> FaultEvent | None:
-        return FaultEvent(self.tx.faults["disk-full"], detail=_tail(line))
-
-    def _nic(self, line: str) -> FaultEvent | None:
-        if _NIC_DOWN.search(line):
-            return FaultEvent(self.tx.faults["nic-down"], detail=_tail(line))
-        return None
-
-    def _nan_loss(self, line: str) -> FaultEvent | None:
-        if _NAN_LOSS.search(line):
-            return FaultEvent(self.tx.faults["nan-loss"], detail=_tail(line))
-        return None
-
 
 def _tail(text: str) -> str:
     return text.strip()[-200:]
+
+
+def load_parser(rules_file: str | Path | None = None, taxonomy: Taxonomy | None = None) -> LogParser:
+    """A parser for the shipped rules or an operator's `rules_file`, validated now (LogRulesError)."""
+    tx = taxonomy or load()
+    return LogParser(tx, compile_rules(raw_rules(rules_file), tx))
 
 
 _default: LogParser | None = None
 
 
 def parse_line(line: str) -> list[FaultEvent]:
-    """Every fault in `line`, classified with the shipped taxonomy."""
+    """Every fault in `line`, classified with the shipped rules and taxonomy."""
     global _default  # noqa: PLW0603 - one parser per process, built on first use
     if _default is None:
         _default = LogParser()

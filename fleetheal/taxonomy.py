@@ -200,6 +200,10 @@ class Taxonomy:
             )
             for r in doc["nvlink5_decode"]
         )
+        #: Xid 154's recovery actions: NVML's field value -> fault, and the driver's words (lower case) -> fault.
+        recovery = doc["recovery_actions"]
+        self._recovery_by_value: dict[int, Fault] = {r["value"]: self.faults[r["fault"]] for r in recovery}
+        self._recovery_by_text: dict[str, Fault] = {r["text"].lower(): self.faults[r["fault"]] for r in recovery}
         self.unknown = self.faults[UNKNOWN_ID]
 
     def fault(self, fault_id: str) -> Fault:
@@ -223,6 +227,14 @@ class Taxonomy:
             if rule.xid == xid and rule.matches(intrinfo, error_status):
                 return self.faults[rule.fault]
         return None
+
+    def recovery_action(self, value: int) -> Fault | None:
+        """The fault NVML's recovery-action field `value` means (None for 0, none, or a value not known)."""
+        return self._recovery_by_value.get(value)
+
+    def recovery_action_text(self, text: str) -> Fault | None:
+        """The fault the driver's Xid 154 words mean ("Node Reboot Required"), or None."""
+        return self._recovery_by_text.get(text.strip().lower())
 
     def fastpath_actions(self) -> tuple[str, ...]:
         """Actions the node agent's fast path takes by default (`fastpath: true`), in taxonomy order."""
@@ -280,7 +292,7 @@ class Taxonomy:
 
 def _check_structure(doc: Mapping[str, Any]) -> None:
     """The checks every reader needs, without jsonschema: ids unique, enums and references closed."""
-    for key in ("actions", "node_states", "faults", "nvlink5_decode"):
+    for key in ("actions", "node_states", "faults", "recovery_actions", "nvlink5_decode"):
         if key not in doc:
             raise TaxonomyError(f"taxonomy: missing top-level key {key!r}")
     _check_node_states(doc["node_states"])
@@ -311,9 +323,13 @@ def _check_structure(doc: Mapping[str, Any]) -> None:
                 raise TaxonomyError(f"{where}: {field!r} must be a non-empty string")
     if UNKNOWN_ID not in seen:
         raise TaxonomyError(f"taxonomy: the safe default fault {UNKNOWN_ID!r} is missing")
-    for i, rule in enumerate(doc["nvlink5_decode"]):
-        if rule.get("fault") not in seen:
-            raise TaxonomyError(f"taxonomy: nvlink5_decode[{i}]: fault {rule.get('fault')!r} is not a fault id")
+    for section in ("recovery_actions", "nvlink5_decode"):
+        for i, rule in enumerate(doc[section]):
+            if rule.get("fault") not in seen:
+                raise TaxonomyError(f"taxonomy: {section}[{i}]: fault {rule.get('fault')!r} is not a fault id")
+    values = [r.get("value") for r in doc["recovery_actions"]]
+    if len(set(values)) != len(values) or not all(isinstance(v, int) and v > 0 for v in values):
+        raise TaxonomyError("taxonomy: recovery_actions: every value must be a distinct positive integer")
 
 
 def _check_node_states(states: Any) -> None:

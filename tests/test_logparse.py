@@ -186,13 +186,27 @@ def test_other_fault_formats(line: str, fault_id: str) -> None:
         "Nov 29 18:00:00 node1 systemd[1]: Started Session 42 of user root.",
         "2026-11-29T18:00:00Z step=1234 loss=2.3456 lr=3e-4",
         "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",
-        "NVRM: Xid (garbled",
         "mlx5_core 0000:5e:00.0 ibp94s0: Link up",
-        "\x00\xff binary junk NVRM: Xid (PCI:zz:yy): ab",
     ],
 )
 def test_non_faults_yield_nothing(line: str) -> None:
     assert parse_line(line) == []
+
+
+@pytest.mark.parametrize(
+    ("line", "rule"),
+    [
+        ("NVRM: Xid (garbled", "unknown-nvrm"),
+        ("\x00\xff binary junk NVRM: Xid (PCI:zz:yy): ab", "unknown-nvrm"),
+        ("NVRM: GPU 0000:3b:00.0: a message no driver has printed yet", "unknown-nvrm"),
+        ("node7:1234:1240 [3] NCCL WARN something new went wrong", "unknown-nccl"),
+        ("RuntimeError: CUDA error: a brand new error string", "unknown-cuda"),
+    ],
+)
+def test_suspicious_lines_no_rule_knows_are_reported_as_unknown(line: str, rule: str) -> None:
+    (e,) = parse_line(line)
+    assert (e.fault.id, e.known, e.rule) == ("unknown", False, rule)
+    assert e.detail.split() == line.split(), "the line itself is reported"
 
 
 def test_parse_lines_numbers_from_one() -> None:

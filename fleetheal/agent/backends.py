@@ -54,14 +54,6 @@ REASON_HW_SLOWDOWN = 0x8
 REASON_HW_THERMAL_SLOWDOWN = 0x40
 REASON_HW_POWER_BRAKE_SLOWDOWN = 0x80
 
-#: `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION` values -> taxonomy fault (the machine-readable Xid 154).
-RECOVERY_ACTION_FAULTS = {
-    1: "xid-154-gpu-reset",  # NVML_GPU_RECOVERY_ACTION_GPU_RESET
-    2: "xid-154-node-reboot",  # NODE_REBOOT
-    3: "xid-154-drain-p2p",  # DRAIN_P2P
-    4: "xid-154-gpu-reset",  # DRAIN_AND_RESET
-}
-
 
 class BackendUnavailable(RuntimeError):
     """The GPU library cannot be used at all (no NVML, no driver): reported, never fatal to the agent."""

@@ -81,6 +81,9 @@ class KernelLogConfig:
     position_file: str = "/var/lib/fleetheal-agent/kernel-log.position"  # the unit's StateDirectory
     #: A restart never reads more than this many bytes behind a file's end (what is skipped is reported).
     max_backlog_bytes: int = 8 << 20
+    #: An operator's log rules file replacing the shipped `policies/log-rules.yaml` ("" = the shipped
+    #: rules); validated when the configuration is loaded.
+    rules_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,13 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         "kernel_log.max_backlog_bytes": cfg.kernel_log.max_backlog_bytes,
         "fastpath.kubernetes.timeout_s": cfg.fastpath.kubernetes.timeout_s,
     }
+    if cfg.kernel_log.rules_file:
+        from fleetheal.logparse import LogRulesError, load_parser
+
+        try:
+            load_parser(cfg.kernel_log.rules_file)
+        except LogRulesError as exc:
+            raise bad("kernel_log.rules_file", str(exc)) from None
     for key, value in positive.items():
         if value <= 0:
             raise bad(key, f"must be > 0, got {value}")

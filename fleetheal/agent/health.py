@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from fleetheal.agent.backends import (
     REASON_HW_POWER_BRAKE_SLOWDOWN,
     REASON_HW_THERMAL_SLOWDOWN,
-    RECOVERY_ACTION_FAULTS,
     GpuSample,
 )
 from fleetheal.contracts import NODE_WIDE_GPU
-from fleetheal.taxonomy import Fault, Taxonomy
+from fleetheal.taxonomy import Fault, Taxonomy, load
 
 HEALTHY, DEGRADED, UNHEALTHY = 0, 1, 2
 HEALTH_NAMES = {HEALTHY: "healthy", DEGRADED: "degraded", UNHEALTHY: "unhealthy"}
@@ -92,9 +91,9 @@ def classify_sample(
     power, limit = v.get("power_w"), v.get("power_limit_w")
     if power is not None and limit and power >= limit * thresholds.power_cap_ratio:
         cond("power-cap-violation", f"power {power:.0f} W >= {thresholds.power_cap_ratio:g} x limit {limit:.0f} W")
-    recovery = RECOVERY_ACTION_FAULTS.get(int(v.get("recovery_action", 0)))
-    if recovery:
-        cond(recovery, f"NVML recovery action {int(v['recovery_action'])}")
+    recovery = load().recovery_action(int(v.get("recovery_action", 0)))
+    if recovery is not None:
+        cond(recovery.id, f"NVML recovery action {int(v['recovery_action'])}")
 
     if previous is not None:
         p = previous.values

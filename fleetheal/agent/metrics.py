@@ -81,6 +81,13 @@ class AgentMetrics:
             ("node", "gpu"),
             registry=r,
         )
+        self.log_lines_unknown = Counter(
+            "fleetheal_agent_log_lines_unknown",
+            "Log lines that announce trouble no log rule knows (reported as the unknown fault), by source and "
+            "the catch-all rule that caught them.",
+            ("source", "rule"),
+            registry=r,
+        )
         self.read_errors = Counter(
             "fleetheal_agent_read_errors",
             "Failed or malformed reads, by source (nvml/simulated, kernel_log, training, slurm, kubernetes).",

@@ -52,13 +52,15 @@ from fleetheal.agent.simulated import SimulatedGpuBackend
 from fleetheal.agent.training import SOURCE as TRAINING
 from fleetheal.agent.training import Report, ReportRefused, TrainingMonitor, parse_report, slurm_job_id
 from fleetheal.contracts import NODE_WIDE_GPU, drain_reason
-from fleetheal.logparse import LogParser
+from fleetheal.logparse import load_parser
 from fleetheal.taxonomy import Taxonomy, load
 
 if TYPE_CHECKING:
     from fleetheal.agent.metrics import AgentMetrics
 
 KERNEL_LOG = "kernel_log"
+#: Lines no log rule knows that the agent writes to its own log per minute (all are counted).
+UNKNOWN_LOG_PER_MINUTE = 10
 log = logging.getLogger("fleetheal.agent")
 
 
@@ -181,7 +183,8 @@ class Agent:
         self.tainter = tainter if tainter is not None else make_tainter(cfg)
         self.tx = taxonomy or load()
         self.clock = clock
-        self.parser = LogParser(self.tx)
+        self.parser = load_parser(cfg.kernel_log.rules_file or None, self.tx)
+        self._unknown_logged: tuple[float, int] = (0.0, 0)  # (window start, lines logged in it)
         h = cfg.health
         self.tracker = HealthTracker(self.tx, h.debounce_polls, h.clear_polls, h.event_hold_s, h.dedup_s)
         t = cfg.training
@@ -333,18 +336,29 @@ class Agent:
         _log(logging.WARNING, "read error", source=source, error=why)
 
     def kernel_line(self, text: str) -> None:
-        events = self.parser.parse_line(text)
-        if not events:
-            if "NVRM: Xid" in text or "SXid" in text:
-                self.read_error(KERNEL_LOG, f"unparseable Xid line: {text[:160]!r}")
-            return
-        for ev in events:
+        for ev in self.parser.parse_line(text):
+            if not ev.known:
+                self.unknown_line(KERNEL_LOG, ev.rule or "", text)
+                if ev.xid is None:  # a pattern no rule knows: counted and logged for a rule to be written
+                    continue
             gpu = NODE_WIDE_GPU
             if ev.pci_bus_id:
                 bus = normalize_pci(ev.pci_bus_id)
                 index = self._bus_to_gpu.get(bus) if bus else None
                 gpu = str(index) if index is not None else (bus or ev.pci_bus_id)
             self.detect(Detection(ev.fault.id, gpu, KERNEL_LOG, ev.detail or text[-200:]))
+
+    def unknown_line(self, source: str, rule: str, text: str) -> None:
+        """Count a line no rule knows, and log it (at most UNKNOWN_LOG_PER_MINUTE a minute: a flood of a new
+        pattern must not flood the agent's own log; the counter counts every one)."""
+        self.metrics.log_lines_unknown.labels(source, rule).inc()
+        now = time.monotonic()
+        start, logged = self._unknown_logged
+        if now - start >= 60.0:
+            start, logged = now, 0
+        if logged < UNKNOWN_LOG_PER_MINUTE:
+            _log(logging.WARNING, "log line no rule knows", source=source, rule=rule, line=text[-400:])
+        self._unknown_logged = (start, logged + 1)
 
     def training_report(self, data: bytes, uid: int | None) -> None:
         """One datagram from the training socket, sent by a process of `uid` (None: unknown, refused)."""

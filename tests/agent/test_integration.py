@@ -148,7 +148,8 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
     assert _series(m, "fleetheal_agent_health_state", gpu="node") == 2
     assert (tmp / "health").read_text().strip() in ("xid-79", "gpu-lost")
 
-    # A garbled kernel line and a malformed training report are counted; the agent keeps going.
+    # A garbled kernel line (no rule knows it) and a malformed training report are counted; the agent keeps
+    # going.
     with open(tmp / "kern.log", "ab") as fh:
         fh.write(b"\xff\xfe\x00 NVRM: Xid (PCI:0000:1a:00): ##garbled##\n")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -156,7 +157,7 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
     cluster.wait_for(
         "read errors counted",
         lambda: (
-            (_series(_metrics(port), "fleetheal_agent_read_errors_total", source="kernel_log") or 0) >= 1
+            (_series(_metrics(port), "fleetheal_agent_log_lines_unknown_total", source="kernel_log") or 0) >= 1
             and (_series(_metrics(port), "fleetheal_agent_read_errors_total", source="training") or 0) >= 1
         ),
         timeout=10,

@@ -144,7 +144,7 @@ def test_faults_clear_and_the_gauge_goes_to_zero(setup):
     assert _value(agent, "fleetheal_agent_health_state", node="n1", gpu="2") == 0
 
 
-def test_kernel_lines_map_to_gpus_and_garbage_is_counted(setup):
+def test_kernel_lines_map_to_gpus_and_unknown_lines_are_counted(setup):
     agent, _fake, _ = setup()
     bus = pci_bus_id(5).removeprefix("0000")  # the kernel writes 0000:1D:00, NVML 00000000:1D:00.0
     agent.kernel_line(
@@ -153,7 +153,13 @@ def test_kernel_lines_map_to_gpus_and_garbage_is_counted(setup):
     assert ("5", "xid-79") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
     agent.kernel_line("NVRM: Xid (PCI:0000:1d:00): garbage, not a code")
     agent.kernel_line("systemd[1]: Started Session 4.")
-    assert _value(agent, "fleetheal_agent_read_errors_total", source="kernel_log") == 1
+    agent.kernel_line("NVRM: GPU 0000:1d:00.0: a message no rule knows")
+    unknown = {"source": "kernel_log", "rule": "unknown-nvrm"}
+    assert _value(agent, "fleetheal_agent_log_lines_unknown_total", **unknown) == 2
+    assert "unknown" not in {a.fault.id for a in agent.tracker.active()}, "counted and logged, never an alert"
+    agent.kernel_line("NVRM: Xid (PCI:0000:1d:00): 201, pid=1, name=x, a code from a future driver")
+    assert _value(agent, "fleetheal_agent_log_lines_unknown_total", source="kernel_log", rule="nvrm-xid") == 1
+    assert ("5", "unknown") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}, "an Xid is always raised"
     agent.kernel_line("NVRM: Xid (PCI:0000:99:00): 48, pid=1, name=x, DBE")  # a bus no GPU has
     assert ("00000000:99:00.0", "xid-48") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
 
