@@ -24,19 +24,25 @@ def register(sub: Any) -> None:
     src.add_argument("--xid", type=int, metavar="CODE", help="an NVIDIA Xid code")
     src.add_argument("--file", metavar="LOG", help="a log file ('-' for standard input)")
     p.add_argument("--json", action="store_true", help="print a JSON list of events")
+    p.add_argument(
+        "--rules", metavar="FILE", help="log rules to use instead of the shipped policies/log-rules.yaml (validated)"
+    )
     p.set_defaults(func=run)
 
 
 def events(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from fleetheal import taxonomy
-    from fleetheal.logparse import FaultEvent, LogParser
+    from fleetheal.logparse import FaultEvent, LogRulesError, load_parser
 
     if args.xid is not None:
         if args.xid < 1:
             raise UsageError(f"--xid must be a positive Xid code, got {args.xid}")
         yield FaultEvent(taxonomy.load().for_xid(args.xid), xid=args.xid).as_dict()
         return
-    parser = LogParser()
+    try:
+        parser = load_parser(args.rules)
+    except LogRulesError as exc:
+        raise UsageError(str(exc)) from exc
     if args.line is not None:
         for event in parser.parse_line(args.line):
             yield event.as_dict()
@@ -78,6 +84,7 @@ def _table(found: list[dict[str, Any]]) -> str:
         ("class", "CLASS"),
         ("action", "ACTION"),
         ("severity", "SEVERITY"),
+        ("rule", "RULE"),
     ]
     cols = [(k, h) for k, h in cols if any(k in e for e in found)]
     rows = [[h for _, h in cols]] + [["-" if e.get(k) is None else str(e[k]) for k, _ in cols] for e in found]
@@ -86,6 +93,11 @@ def _table(found: list[dict[str, Any]]) -> str:
     if len(found) <= 20:
         out.append("")
         out.extend(f"{e['fault_id']}: {e['explanation']}" for e in _unique(found))
+    unknown = [e for e in found if e["fault_id"] == "unknown" and e.get("xid") is None]
+    if unknown:
+        out.append("")
+        out.append(f"{len(unknown)} line(s) no rule knows (write a rule: docs/log-rules.md):")
+        out.extend(f"  {e.get('line', '-')}: {e['detail']}" for e in unknown[:20])
     return "\n".join(out)
 
 

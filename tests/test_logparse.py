@@ -198,7 +198,7 @@ def test_non_faults_yield_nothing(line: str) -> None:
     [
         ("NVRM: Xid (garbled", "unknown-nvrm"),
         ("\x00\xff binary junk NVRM: Xid (PCI:zz:yy): ab", "unknown-nvrm"),
-        ("NVRM: GPU 0000:3b:00.0: a message no driver has printed yet", "unknown-nvrm"),
+        ("NVRM: GPU 0000:3b:00.0: _kfooBar_GB300: a new engine failed in a way no rule knows", "unknown-nvrm"),
         ("node7:1234:1240 [3] NCCL WARN something new went wrong", "unknown-nccl"),
         ("RuntimeError: CUDA error: a brand new error string", "unknown-cuda"),
     ],

@@ -153,7 +153,7 @@ def test_kernel_lines_map_to_gpus_and_unknown_lines_are_counted(setup):
     assert ("5", "xid-79") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
     agent.kernel_line("NVRM: Xid (PCI:0000:1d:00): garbage, not a code")
     agent.kernel_line("systemd[1]: Started Session 4.")
-    agent.kernel_line("NVRM: GPU 0000:1d:00.0: a message no rule knows")
+    agent.kernel_line("NVRM: GPU 0000:1d:00.0: _kfoo: an engine failed in a way no rule knows")
     unknown = {"source": "kernel_log", "rule": "unknown-nvrm"}
     assert _value(agent, "fleetheal_agent_log_lines_unknown_total", **unknown) == 2
     assert "unknown" not in {a.fault.id for a in agent.tracker.active()}, "counted and logged, never an alert"
