@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import reduce
 from importlib import resources
+from operator import itemgetter, or_
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,6 +31,7 @@ RULE_KEYS = frozenset({"id", "description", "keywords", "pattern", "gpu", "fault
 _RULE_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _MACRO = re.compile(r"\{([a-z_]+)\}")
 _WHITESPACE = re.compile(r"\s")
+_VALUE = itemgetter(1)  # of the (end, value) pairs the automaton yields
 _CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
 _NVLINK5_REGS = re.compile(r"\((0x[0-9A-Fa-f]{1,8}) (0x[0-9A-Fa-f]{1,8})")
 _NVLINK5_SEV = re.compile(r"\b(Non-fatal|Nonfatal|Fatal)\b", re.IGNORECASE)
@@ -209,9 +212,7 @@ class LogParser:
 
     def parse_line(self, line: str) -> list[FaultEvent]:
         """Every fault in `line` (zero or one)."""
-        mask = 0
-        for _end, bits in self._automaton.iter(line):
-            mask |= bits
+        mask = reduce(or_, map(_VALUE, self._automaton.iter(line)), 0)  # C all the way: no Python loop
         if not mask:
             return []
         candidates = self._candidates.get(mask)
@@ -220,7 +221,9 @@ class LogParser:
                 self._candidates.clear()
             candidates = tuple(r for i, r in enumerate(self.rules) if mask >> i & 1)
             self._candidates[mask] = candidates
-        text = " ".join(line.split())
+        text = line.strip()
+        if "  " in text or "\t" in text or "\r" in text:  # cheaper to test than to normalise every line
+            text = " ".join(text.split())
         for rule in candidates:
             m = rule.pattern.search(text)
             if m is not None:
