@@ -25,6 +25,11 @@ def register(sub: Any) -> None:
     src.add_argument("--file", metavar="LOG", help="a log file ('-' for standard input)")
     p.add_argument("--json", action="store_true", help="print a JSON list of events")
     p.add_argument(
+        "--log",
+        choices=("kernel", "application"),
+        help="apply only the rules for this log (the agent applies the kernel rules); default: every rule",
+    )
+    p.add_argument(
         "--rules", metavar="FILE", help="log rules to use instead of the shipped policies/log-rules.yaml (validated)"
     )
     p.set_defaults(func=run)
@@ -40,7 +45,7 @@ def events(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield FaultEvent(taxonomy.load().for_xid(args.xid), xid=args.xid).as_dict()
         return
     try:
-        parser = load_parser(args.rules)
+        parser = load_parser(args.rules, log=args.log)
     except LogRulesError as exc:
         raise UsageError(str(exc)) from exc
     if args.line is not None:

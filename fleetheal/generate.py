@@ -207,13 +207,17 @@ def rules_docs(tx: taxonomy.Taxonomy | None = None) -> str:
         "lines are reported as the `unknown` fault and counted in `fleetheal_agent_log_lines_unknown_total`.",
         "The file's header says how to add a rule.",
         "",
-        "| # | rule | keywords | fault | what it reads |",
-        "|---|---|---|---|---|",
+        "`log` says which log a rule reads: the agent, which follows the kernel log, applies only the `kernel` and",
+        "`any` rules, so an application's words that reach the kernel log through a process name a user chose",
+        "(a segfault line) raise nothing.",
+        "",
+        "| # | rule | log | keywords | fault | what it reads |",
+        "|---|---|---|---|---|---|",
     ]
     for i, rule in enumerate(doc["rules"], start=1):
         keywords = ", ".join(f"`{k}`" for k in rule["keywords"])
         what = cell(rule["description"])
-        lines.append(f"| {i} | `{rule['id']}` | {keywords} | {cell(fault(rule['fault']))} | {what} |")
+        lines.append(f"| {i} | `{rule['id']}` | {rule['log']} | {keywords} | {cell(fault(rule['fault']))} | {what} |")
     lines += [
         "",
         "## Xid 154: recovery actions",

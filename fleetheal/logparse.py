@@ -27,7 +27,12 @@ from fleetheal.taxonomy import UNKNOWN_ID, Fault, Taxonomy, TaxonomyError, load
 #: `fault:` values with a meaning of their own (besides a taxonomy id and a `from` mapping).
 NONE = "none"
 FROM_XID = "xid"
-RULE_KEYS = frozenset({"id", "description", "keywords", "pattern", "gpu", "fault"})
+RULE_KEYS = frozenset({"id", "log", "description", "keywords", "pattern", "gpu", "fault"})
+#: Which log a rule reads: the kernel's (what the agent follows), an application's (training jobs, NCCL,
+#: nvidia-smi, daemons), or any. The agent applies only kernel rules: an application's words in the kernel
+#: log can come only from text a user controls (a process name in a segfault line), never from the device.
+KERNEL, APPLICATION, ANY = "kernel", "application", "any"
+LOGS = (KERNEL, APPLICATION, ANY)
 _RULE_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _MACRO = re.compile(r"\{([a-z_]+)\}")
 _WHITESPACE = re.compile(r"\s")
@@ -73,6 +78,7 @@ class FaultEvent(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class Rule:
     id: str
+    log: str
     description: str
     keywords: tuple[str, ...]
     pattern: re.Pattern[str]
@@ -121,6 +127,9 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
         if rid in seen:
             raise LogRulesError(f"{where}: duplicate id")
         seen.add(rid)
+        log = entry.get("log")
+        if log not in LOGS:
+            raise LogRulesError(f"{where}: 'log' must be one of {', '.join(LOGS)} (which log the rule reads)")
         description = entry.get("description")
         if not isinstance(description, str) or not description.strip():
             raise LogRulesError(f"{where}: 'description' must be a non-empty string")
@@ -142,7 +151,7 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
             if "gpu" not in g.groupindex:
                 raise LogRulesError(f"{where}: 'gpu' pattern {g.pattern!r} has no group named 'gpu'")
         fault = _fault(entry.get("fault"), pattern, tx, where)
-        rules.append(Rule(rid, description.strip(), tuple(keywords), pattern, fault, gpu_patterns))
+        rules.append(Rule(rid, log, description.strip(), tuple(keywords), pattern, fault, gpu_patterns))
     return tuple(rules)
 
 
@@ -191,11 +200,15 @@ def _fault(spec: object, pattern: re.Pattern[str], tx: Taxonomy, where: str) -> 
 
 
 class LogParser:
-    """Parses lines with one rule set (the shipped one by default) against one taxonomy."""
+    """Parses lines with one rule set (the shipped one by default) against one taxonomy. `log` keeps only the
+    rules for that log (KERNEL: rules marked kernel or any); None applies every rule."""
 
-    def __init__(self, taxonomy: Taxonomy | None = None, rules: tuple[Rule, ...] | None = None) -> None:
+    def __init__(
+        self, taxonomy: Taxonomy | None = None, rules: tuple[Rule, ...] | None = None, log: str | None = None
+    ) -> None:
         self.tx = taxonomy or load()
-        self.rules = rules if rules is not None else compile_rules(raw_rules(), self.tx)
+        rules = rules if rules is not None else compile_rules(raw_rules(), self.tx)
+        self.rules = tuple(r for r in rules if log is None or r.log in (log, ANY))
         # Every keyword, found in one pass over the line (Aho-Corasick, in C): a flooded log costs about a
         # microsecond a line, however many rules there are. Each keyword maps to a bit per rule it selects;
         # the candidates of a line are tried in file order, and the candidate list of each keyword
@@ -310,10 +323,13 @@ def _tail(text: str) -> str:
     return text.strip()[-200:]
 
 
-def load_parser(rules_file: str | Path | None = None, taxonomy: Taxonomy | None = None) -> LogParser:
-    """A parser for the shipped rules or an operator's `rules_file`, validated now (LogRulesError)."""
+def load_parser(
+    rules_file: str | Path | None = None, taxonomy: Taxonomy | None = None, log: str | None = None
+) -> LogParser:
+    """A parser for the shipped rules or an operator's `rules_file`, validated now (LogRulesError), keeping
+    the rules of `log` (None: every rule)."""
     tx = taxonomy or load()
-    return LogParser(tx, compile_rules(raw_rules(rules_file), tx))
+    return LogParser(tx, compile_rules(raw_rules(rules_file), tx), log)
 
 
 _default: LogParser | None = None

@@ -99,3 +99,54 @@ def test_a_truncated_line_is_read_as_less_never_as_another_fault() -> None:
                 wrong.append(f"{line[:cut]!r} -> {got}, the whole line -> {full}")
                 break
     assert wrong == [], "\n".join(wrong[:10])
+
+
+#: Kernel messages that print the command name of a user's process: any local user picks it (prctl
+#: PR_SET_NAME, or the name of the binary), up to 15 characters (TASK_COMM_LEN - 1).
+COMM_LINES = [
+    "traps: {comm}[4242] general protection fault ip:7f00deadbeef sp:7ffc00000000 error:0 in libc.so.6[7f00+1c0000]",
+    "{comm}[4242]: segfault at 0 ip 00007f00deadbeef sp 00007ffc00000000 error 4 in libc.so.6[7f00+1c0000]",
+    "Out of memory: Killed process 4242 ({comm}) total-vm:1024kB, anon-rss:512kB, file-rss:0kB, shmem-rss:0kB",
+    "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,global_oom,task={comm},pid=4242,uid=1000",
+    'audit: type=1326 audit(1764410400.000:42): auid=1000 uid=1000 ses=1 pid=4242 comm="{comm}" exe="/tmp/x" sig=31',
+    "INFO: task {comm}:4242 blocked for more than 120 seconds.",
+    "NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name={comm}, Ch 00000010",
+]
+COMM_LEN = 15
+
+
+def _harmful(event: FaultEvent) -> bool:
+    action = PARSER.tx.actions[event.fault.action]
+    return action.destructive or action.requeues_job
+
+
+def test_a_process_name_in_a_kernel_message_cannot_drain_a_node_or_requeue_a_job() -> None:
+    """The attack: a local user names a process after the words of a fault ("NCCL timeout", "EDAC MC0: 1 UE",
+    "* GSP Timeout *") and crashes it; the kernel prints the name. Every 15-character piece of every corpus
+    line that the agent's kernel rules turn into a draining or requeuing fault, and the phrases themselves,
+    as a process name in every such kernel message, must raise nothing harmful from the agent's rules (an
+    Xid record keeps its own code: the name cannot change it)."""
+    kernel = LogParser(log="kernel")
+    pieces: set[str] = set()
+    for line in lines():
+        events = PARSER.parse_line(line)
+        if events and _harmful(events[0]):
+            text = " ".join(line.split())
+            pieces.update(text[i : i + COMM_LEN] for i in range(max(1, len(text) - COMM_LEN + 1)))
+    pieces |= {
+        "NCCL timeout",
+        "loss nan",
+        "Link is Down",
+        "EDAC MC0: 1 UE",
+        "* GSP Timeout *",
+        "XID 79 A",
+        "GPU is lost",
+    }
+    harmful = []
+    for comm in sorted(pieces):
+        for template in COMM_LINES:
+            line = template.format(comm=comm)
+            got = [e for e in kernel.parse_line(line) if _harmful(e) and e.xid != 13]
+            if got:
+                harmful.append(f"{comm!r}: {line[:120]!r} -> {got[0].fault.id} (rule {got[0].rule})")
+    assert harmful == [], f"{len(harmful)} process names raise a harmful fault:\n" + "\n".join(harmful[:15])

@@ -52,6 +52,7 @@ from fleetheal.agent.simulated import SimulatedGpuBackend
 from fleetheal.agent.training import SOURCE as TRAINING
 from fleetheal.agent.training import Report, ReportRefused, TrainingMonitor, parse_report, slurm_job_id
 from fleetheal.contracts import NODE_WIDE_GPU, drain_reason
+from fleetheal.logparse import KERNEL as KERNEL_RULES
 from fleetheal.logparse import load_parser
 from fleetheal.taxonomy import Taxonomy, load
 
@@ -183,7 +184,7 @@ class Agent:
         self.tainter = tainter if tainter is not None else make_tainter(cfg)
         self.tx = taxonomy or load()
         self.clock = clock
-        self.parser = load_parser(cfg.kernel_log.rules_file or None, self.tx)
+        self.parser = load_parser(cfg.kernel_log.rules_file or None, self.tx, log=KERNEL_RULES)
         self._unknown_logged: tuple[float, int] = (0.0, 0)  # (window start, lines logged in it)
         h = cfg.health
         self.tracker = HealthTracker(self.tx, h.debounce_polls, h.clear_polls, h.event_hold_s, h.dedup_s)

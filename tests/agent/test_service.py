@@ -164,6 +164,15 @@ def test_kernel_lines_map_to_gpus_and_unknown_lines_are_counted(setup):
     assert ("00000000:99:00.0", "xid-48") in {(a.gpu, a.fault.id) for a in agent.tracker.active()}
 
 
+def test_a_process_named_after_a_fault_cannot_make_the_agent_drain(setup):
+    """A local user names a process "NCCL timeout" or "EDAC MC0: 1 UE" and crashes it: the kernel prints the
+    name, and the agent (kernel rules only) raises nothing."""
+    agent, _fake, _ = setup()
+    for comm in ("NCCL timeout", "EDAC MC0: 1 UE", "Link is Down", "loss nan", "XID 79 A"):
+        agent.kernel_line(f"[ 12.3] {comm}[4242]: segfault at 0 ip 00007f00deadbeef sp 00007ffc00000000 error 4")
+    assert agent.tracker.active() == []
+
+
 def test_training_reports_hang_suspect_and_malformed(setup):
     agent, fake, clock = setup()
     agent.training_report(b"{broken", 0)
