@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetheal.logparse import LogParser, parse_line
+from fleetheal.logparse import LogParser, LogRulesError, compile_rules, parse_line
+from fleetheal.taxonomy import load
 
 
 def fixture_lines(path: Path) -> list[str]:
@@ -212,3 +213,46 @@ def test_suspicious_lines_no_rule_knows_are_reported_as_unknown(line: str, rule:
 def test_parse_lines_numbers_from_one() -> None:
     lines = ["boot", "NVRM: Xid (PCI:0000:b1:00): 79, GPU has fallen off the bus.", "done"]
     assert [(n, e.fault.id) for n, e in LogParser().parse_lines(lines)] == [(2, "xid-79")]
+
+
+GOOD_RULE = {
+    "id": "my-rule",
+    "log": "kernel",
+    "description": "d",
+    "keywords": ["Xid"],
+    "pattern": r"NVRM: Xid \((?P<gpu>{bus})\): (?P<xid>\d+)",
+    "fault": "xid",
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"id": "My Rule"}, "'id' must be lower-case words"),
+        ({"log": "dmesg"}, "'log' must be one of kernel, application, any"),
+        ({"keywords": ["fallen off"]}, "a keyword must hold no whitespace"),
+        ({"keywords": [79]}, "'keywords' must be a non-empty list of strings"),
+        ({"pattern": "^NVRM: Xid"}, "must not anchor to the line start"),
+        ({"pattern": "NVRM: Xid ("}, "'pattern': missing \\)"),
+        ({"pattern": "NVRM {nosuch}"}, "no macro named 'nosuch'"),
+        ({"fault": "xid-9999"}, "'fault' 'xid-9999' is not a taxonomy fault id"),
+        ({"pattern": "NVRM: Xid", "fault": "xid"}, "needs a group named 'xid'"),
+        ({"fault": {"from": "sev", "cases": [["x", "gpu-lost"]]}}, "'fault.from' names 'sev'"),
+        ({"gpu": ["no group here"]}, "has no group named 'gpu'"),
+        ({"severity": "high"}, "unknown field"),
+    ],
+)
+def test_a_bad_rule_is_refused_with_its_id_and_field(change: dict[str, object], message: str) -> None:
+    doc = {"macros": {"bus": "[0-9a-f:.]+"}, "rules": [GOOD_RULE, {**GOOD_RULE, "id": "other", **change}]}
+    with pytest.raises(LogRulesError, match=r"rules\[1\] .*" + message if "id" not in change else message):
+        compile_rules(doc, load())
+
+
+def test_the_shipped_rules_load_and_every_rule_is_reached_by_a_corpus_line() -> None:
+    """No dead rule: every fault rule decides at least one real line of the corpus (catch-alls included)."""
+    from tests.test_log_corpus import corpus
+
+    parser = LogParser()
+    used = {e.rule for entry in corpus() for e in parser.parse_line(entry["line"])}
+    context = {r.id for r in parser.rules if r.fault == "none"}
+    assert {r.id for r in parser.rules} - used - context == set()

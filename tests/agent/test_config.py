@@ -95,3 +95,18 @@ def test_env_errors_name_the_variable(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read the config file"):
         load_config(tmp_path / "nope.yaml", env={})
+
+
+def test_an_operators_log_rules_are_validated_when_the_config_loads(tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n- id: my-rule\n  log: kernel\n  description: d\n  keywords: [Xid]\n"
+        "  pattern: 'NVRM: Xid (unclosed'\n  fault: xid-79\n"
+    )
+    with pytest.raises(ConfigError, match=r"kernel_log.rules_file: .*my-rule.*'pattern'"):
+        load_config(None, env={"FLEETHEAL_AGENT_KERNEL_LOG__RULES_FILE": str(rules)})
+    rules.write_text(rules.read_text().replace("(unclosed", "\\(PCI:"))
+    cfg = load_config(None, env={"FLEETHEAL_AGENT_KERNEL_LOG__RULES_FILE": str(rules)})
+    assert cfg.kernel_log.rules_file == str(rules)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(None, env={"FLEETHEAL_AGENT_KERNEL_LOG__RULES_FILE": str(tmp_path / "missing.yaml")})
