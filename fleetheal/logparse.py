@@ -2,9 +2,9 @@
 `policies/log-rules.yaml`.
 
 This module is only the engine: which words mean which fault lives in the rules file (read its header),
-and what a fault means lives in the taxonomy. The engine applies the rules in order: keywords pick the
-candidate rules with plain substring tests (a flooded log is mostly lines no rule wants, and they must be
-cheap), the line's whitespace is normalised, and the first candidate whose pattern matches decides.
+and what a fault means lives in the taxonomy. The engine applies the rules in order: the rules' keywords,
+found in one pass over the line, pick the candidates (a flooded log is mostly lines no rule wants, and they
+must be cheap), the line's whitespace is normalised, and the first candidate whose pattern matches decides.
 A line that announces trouble no rule knows is reported as the `unknown` fault, with the line.
 """
 
