@@ -69,6 +69,8 @@ KUBELET = "kubelet-stand-in"
 CRD_DIRS = ("slinky/crds", "kueue", "prometheus-operator")
 SERVICE_CIDR = "10.96.0.0/24"
 _META_FILE = "controlplane.json"
+#: How long a request keeps retrying the API server's 429 (Too Many Requests) before it fails.
+TOO_MANY_REQUESTS_S = 30.0
 
 
 class ControlPlaneError(RuntimeError):
@@ -478,7 +480,9 @@ class KubeControlPlane:
         token: str | None = None,
     ) -> Any:
         """One request to the API server, as admin or with a bearer `token`; the decoded JSON answer.
-        Raises KubeApiError on a 4xx/5xx."""
+        Raises KubeApiError on a 4xx/5xx. A 429 is retried after its Retry-After, as client-go does, for up to
+        TOO_MANY_REQUESTS_S: the API server answers 429 ("storage is (re)initializing") for a moment after a
+        CRD is Established, and under load that moment was long enough to fail a test."""
         ctx = self._admin_context() if token is None else ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)  # noqa: S310 - our https URL
@@ -486,11 +490,16 @@ class KubeControlPlane:
         req.add_header("Accept", "application/json")
         if token is not None:
             req.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:  # noqa: S310
-                return json.load(resp)
-        except urllib.error.HTTPError as e:
-            raise KubeApiError(e.code, e.read().decode(errors="replace")) from e
+        deadline = time.monotonic() + TOO_MANY_REQUESTS_S
+        while True:
+            try:
+                with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:  # noqa: S310
+                    return json.load(resp)
+            except urllib.error.HTTPError as e:
+                if e.code == 429 and time.monotonic() < deadline:
+                    time.sleep(_retry_after(e.headers.get("Retry-After")))
+                    continue
+                raise KubeApiError(e.code, e.read().decode(errors="replace")) from e
 
     def install_crds(self, files: Iterable[Path], timeout: float = 60.0) -> list[str]:
         """Create the CRDs in `files` (existing ones are kept) and wait until each is Established; their names."""
@@ -589,6 +598,14 @@ class KubeControlPlane:
 
 
 _MERGE = "application/merge-patch+json"
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds to wait for a 429's Retry-After (delta-seconds; a date or nothing: 1 s), between 0.1 and 2."""
+    try:
+        return min(2.0, max(0.1, float(value or 1)))
+    except ValueError:
+        return 1.0
 
 
 class _CrdLoader(yaml.SafeLoader):

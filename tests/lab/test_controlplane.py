@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import http.server
+import json
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import ControlPlaneError, KubeApiError, KubeControlPlane, default_crds, tools_built
 from fleetheal.procs import alive
 
@@ -256,3 +260,39 @@ def test_stop_leaves_no_daemon_behind(tmp_path: Path) -> None:
 def test_missing_binaries_name_the_command_that_builds_them(tmp_path: Path) -> None:
     with pytest.raises(ControlPlaneError, match="make tools"):
         KubeControlPlane(tmp_path / "kube", bin_dir=tmp_path / "nothing").start()
+
+
+def test_a_429_is_retried_after_its_retry_after_as_client_go_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API server answers 429 "storage is (re)initializing" for a moment after a CRD is Established (a CI
+    run under load failed on it): `request` waits Retry-After and tries again; a 429 that lasts fails."""
+    answers = [429, 429, 200]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            code = answers.pop(0) if answers else 429
+            body = json.dumps({"items": []} if code == 200 else {"reason": "TooManyRequests"}).encode()
+            self.send_response(code)
+            self.send_header("Retry-After", "0")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cp = KubeControlPlane(tmp_path)
+        cp.url = f"http://127.0.0.1:{server.server_address[1]}"
+        cp._admin_context = lambda: None  # type: ignore[method-assign]  # plain HTTP: no client certificate
+        assert cp.request("GET", "/apis/kueue.x-k8s.io/v1beta1/clusterqueues") == {"items": []}
+        monkeypatch.setattr(controlplane, "TOO_MANY_REQUESTS_S", 0.5)
+        with pytest.raises(KubeApiError) as err:
+            cp.request("GET", "/api")
+        assert err.value.status == 429
+    finally:
+        server.shutdown()
+        server.server_close()
