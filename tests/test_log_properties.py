@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetheal.logparse import FaultEvent, LogParser
-from tests.test_log_corpus import corpus, gpu_id
+from tests.test_log_corpus import corpus, verdict
 
 PARSER = LogParser()
 
@@ -33,13 +33,6 @@ PREFIXES = {
     "torchrun": "[rank13]:",
     "Loki/promtail": 'level=error ts=2026-11-29T18:00:00Z msg="',
 }
-
-
-def verdict(events: list[FaultEvent]) -> tuple[str, int | None, str | None] | None:
-    if not events:
-        return None
-    (e,) = events
-    return (e.fault.id, e.xid, gpu_id(e.pci_bus_id))
 
 
 def lines() -> list[str]:
@@ -90,13 +83,13 @@ def test_a_truncated_line_is_read_as_less_never_as_another_fault() -> None:
     reported it.)"""
     wrong = []
     for line in lines():
-        full = verdict(PARSER.parse_line(line))
+        full_fault, _, full_xid, _ = verdict(PARSER.parse_line(line))
         for cut in range(len(line)):
-            got = verdict(PARSER.parse_line(line[:cut]))
-            if got is None or got[0] == "unknown" or (full is not None and got[:2] == full[:2]):
+            fault, _, xid, _ = verdict(PARSER.parse_line(line[:cut]))
+            if fault in ("none", "unknown") or (fault, xid) == (full_fault, full_xid):
                 continue
-            if full is None or got[:2] != (f"xid-{full[1]}", full[1]):
-                wrong.append(f"{line[:cut]!r} -> {got}, the whole line -> {full}")
+            if full_xid is None or (fault, xid) != (f"xid-{full_xid}", full_xid):
+                wrong.append(f"{line[:cut]!r} -> {fault} (Xid {xid}), the whole line -> {full_fault}")
                 break
     assert wrong == [], "\n".join(wrong[:10])
 
@@ -110,8 +103,9 @@ COMM_LINES = [
     "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,global_oom,task={comm},pid=4242,uid=1000",
     'audit: type=1326 audit(1764410400.000:42): auid=1000 uid=1000 ses=1 pid=4242 comm="{comm}" exe="/tmp/x" sig=31',
     "INFO: task {comm}:4242 blocked for more than 120 seconds.",
-    "NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name={comm}, Ch 00000010",
 ]
+#: The driver's own record names the process too; the name must not change the code it reports.
+XID_WITH_COMM = "NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name={comm}, Ch 00000010"
 COMM_LEN = 15
 
 
@@ -124,8 +118,8 @@ def test_a_process_name_in_a_kernel_message_cannot_drain_a_node_or_requeue_a_job
     """The attack: a local user names a process after the words of a fault ("NCCL timeout", "EDAC MC0: 1 UE",
     "* GSP Timeout *") and crashes it; the kernel prints the name. Every 15-character piece of every corpus
     line that the agent's kernel rules turn into a draining or requeuing fault, and the phrases themselves,
-    as a process name in every such kernel message, must raise nothing harmful from the agent's rules (an
-    Xid record keeps its own code: the name cannot change it)."""
+    as a process name in every such kernel message, must raise nothing harmful from the agent's rules, and an
+    Xid record that names the process keeps its own code."""
     kernel = LogParser(log="kernel")
     pieces: set[str] = set()
     for line in lines():
@@ -146,7 +140,9 @@ def test_a_process_name_in_a_kernel_message_cannot_drain_a_node_or_requeue_a_job
     for comm in sorted(pieces):
         for template in COMM_LINES:
             line = template.format(comm=comm)
-            got = [e for e in kernel.parse_line(line) if _harmful(e) and e.xid != 13]
+            got = [e for e in kernel.parse_line(line) if _harmful(e)]
             if got:
                 harmful.append(f"{comm!r}: {line[:120]!r} -> {got[0].fault.id} (rule {got[0].rule})")
+        if [(e.fault.id, e.xid) for e in kernel.parse_line(XID_WITH_COMM.format(comm=comm))] != [("xid-13", 13)]:
+            harmful.append(f"{comm!r} changed the Xid 13 record that names it")
     assert harmful == [], f"{len(harmful)} process names raise a harmful fault:\n" + "\n".join(harmful[:15])

@@ -310,10 +310,11 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         "fastpath.kubernetes.timeout_s": cfg.fastpath.kubernetes.timeout_s,
     }
     if cfg.kernel_log.rules_file:
-        from fleetheal.logparse import LogRulesError, load_parser
+        from fleetheal.logparse import LogRulesError, compile_rules, raw_rules  # lazily, as the taxonomy
+        from fleetheal.taxonomy import load
 
-        try:
-            load_parser(cfg.kernel_log.rules_file)
+        try:  # validate only: the agent builds its parser from the same file when it starts
+            compile_rules(raw_rules(cfg.kernel_log.rules_file), load())
         except LogRulesError as exc:
             raise bad("kernel_log.rules_file", str(exc)) from None
     for key, value in positive.items():
