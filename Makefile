@@ -6,12 +6,14 @@ PY := $(VENV)/bin/python
 SHARED ?= ../shared
 PYTEST_ARGS ?=
 
-.PHONY: help setup tools demo demo-classify test lint unit molecule-prep generate bench clean
+.PHONY: help setup tools demo demo-classify test lint unit integration molecule-prep generate bench clean
 
 help:
 	@echo "make demo      the local lab heals a GPU failure live (real Slurm, Prometheus, Alertmanager)"
 	@echo "make demo-classify   classify the real log lines in $(SHARED)/fixtures"
-	@echo "make test      lint + every test (what CI runs)"
+	@echo "make test      lint + every test (what CI runs): lint, unit, integration"
+	@echo "make unit      the tests that need neither the Go-built tools, Molecule's image nor the lab"
+	@echo "make integration   the rest: real control plane and Pulumi engine (make tools), Molecule, tests/lab"
 	@echo "make lint      ruff, mypy --strict, yamllint, ansible-lint, generated files up to date"
 	@echo "make bench     benchmarks -> benchmarks/results/latest.{json,md}"
 	@echo "make tools     build etcd, kube-apiserver, the Pulumi CLI and its Kubernetes provider from Go modules"
@@ -53,10 +55,20 @@ molecule-prep: setup
 	molecule/image/build.sh
 	molecule/image/wheelhouse.sh
 
-unit: setup molecule-prep tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+# `unit` leaves out the tests marked kube or pulumi (the Go-built tools; tests/conftest.py marks every
+# user of the `kube` fixture), molecule (Molecule's image) and the lab's own tests; `integration` runs
+# exactly those. pytest collects tests/ in alphabetical order, so tests/infra runs before tests/remediator
+# in the same process, as it must: the remediator tests first leave the Pulumi mocks broken.
+INTEGRATION := kube or pulumi or molecule
 
-test: lint unit
+unit: setup
+	$(PY) -m pytest -m "not ($(INTEGRATION))" --ignore=tests/lab $(PYTEST_ARGS)
+
+integration: setup molecule-prep tools
+	$(PY) -m pytest -m "$(INTEGRATION)" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not ($(INTEGRATION))" tests/lab $(PYTEST_ARGS)
+
+test: lint unit integration
 
 generate: setup
 	$(PY) -m fleetheal generate

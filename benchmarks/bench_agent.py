@@ -5,7 +5,7 @@
    on a GPU and times until `scontrol show node` reports the node DRAIN, then clears the fault and
    resumes the node. Goal: p99 < 2 s.
 2. CPU and RSS: the agent with 8 and 64 simulated GPUs, 1 s polling, every source enabled and no faults,
-   for WINDOWS windows of WINDOW_S seconds each: CPU share of one core (utime+stime from /proc), CPU time
+   for WINDOWS windows of WINDOW_S seconds each: CPU share of one core (user+system time), CPU time
    per polling cycle, and resident memory at the end. Goals at 8 GPUs: < 1% of a core, RSS < 60 MB.
 3. `fleetheal agent check` wall time with the simulated backend (a fresh process each time). Goal < 1 s.
 """
@@ -25,18 +25,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from fleetheal.agent.simulated import clear, inject
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.procs import free_ports
+from fleetheal.wait import WaitTimeout, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 INJECTIONS = 60
 WINDOWS = 3
 WINDOW_S = 10.0
 CHECKS = 20
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -50,17 +51,12 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
 
 
 def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
 
 
 def _config(tmp: Path, gpus: int, port: int, slurm_conf: str | None) -> Path:
@@ -92,16 +88,18 @@ class _Agent:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                _scrape(port)
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"agent did not start; see {log}") from None
-                time.sleep(0.05)
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError("the agent exited")
+            _scrape(port)
+            return True
+
+        try:
+            wait_until(up, 20, f"the agent's metrics on port {port}", interval=0.05, ignore=(OSError,))
+        except (WaitTimeout, RuntimeError):
+            self.stop()
+            raise RuntimeError(f"agent did not start; see {log}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -56,7 +56,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,11 +65,13 @@ from typing import Any
 from fleetheal.agent.client import TrainingReporter
 from fleetheal.agent.simulated import clear
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, owns_reason
-from fleetheal.ettr import measure
+from fleetheal.lab.controlplane import KubeApiError
 from fleetheal.lab.demo import _expand
 from fleetheal.lab.lab import LAB_SITE_VARS, PLACEHOLDER_IMAGE, STANDBY_REASON, Lab
+from fleetheal.lab.measure import measure
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.lab.train import read_events
+from fleetheal.wait import WaitTimeout, wait_until
 
 BUDGET_S = float(os.environ.get("FLEETHEAL_BENCH_LAB_S", "900"))
 ROUNDS = int(os.environ.get("FLEETHEAL_BENCH_LAB_ROUNDS", "20"))
@@ -90,15 +91,10 @@ PEER_HC_PRODUCTION_S = 300
 
 
 def _poll(check: Callable[[], Any], timeout: float, interval: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(Exception):
-            value = check()
-            if value:
-                return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval)
+    """`check()`'s first true value within `timeout` (an error counts as "not yet"); None after it."""
+    with contextlib.suppress(WaitTimeout):
+        return wait_until(check, timeout, "a condition", interval=interval, ignore=(Exception,))
+    return None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -327,13 +323,13 @@ class Bench:
         PodDisruptionBudget (maxUnavailable 1) counts the missing pod, and the next Xid round's eviction is
         refused: its playbook fails after two attempts of a minute each."""
         name = f"slurm-worker-{node}"
-        with contextlib.suppress(urllib.error.HTTPError):
+        with contextlib.suppress(KubeApiError):
             self.lab.kube_request("GET", f"/api/v1/namespaces/slurm/pods/{name}")
             return
         try:
             owner = self.lab.kube_request("GET", "/apis/apps/v1/namespaces/slurm/statefulsets/slurm-worker")
             uid = owner["metadata"]["uid"]
-        except urllib.error.HTTPError:  # the API double holds no workloads: an owner in name only
+        except KubeApiError:  # the API double holds no workloads: an owner in name only
             uid = str(uuid.uuid5(uuid.NAMESPACE_DNS, "slurm-worker"))
         pod = {
             "metadata": {
@@ -347,8 +343,8 @@ class Bench:
         }  # fmt: skip
         try:
             self.lab.kube_request("POST", "/api/v1/namespaces/slurm/pods", pod)
-        except urllib.error.HTTPError as exc:
-            if exc.code != 409:  # 409: still terminating; the next repair of this node tries again
+        except KubeApiError as exc:
+            if exc.status != 409:  # 409: still terminating; the next repair of this node tries again
                 raise
 
     # ---- NCCL timeout: restart in place ------------------------------------------------------------
@@ -745,7 +741,7 @@ def _ettr_figure(measured: list[Any], rounds: int, lab_s: float) -> list[dict[st
             "goal": "-",
             "peer": None,
             "ratio_to_peer": None,
-            "notes": "fleetheal.ettr.measure per job: a fault (Xid 79 or NCCL timeout) every ~"
+            "notes": "fleetheal.lab.measure per job: a fault (Xid 79 or NCCL timeout) every ~"
             f"{lab_s / max(1, rounds):.0f} s on a 0.1 s-step job; lost work "
             f"{sum(m.lost_work_s for m in measured):.1f} s of {sum(m.allocated_s for m in measured):.0f} s; "
             "p99 column = worst run",

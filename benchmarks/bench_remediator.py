@@ -22,6 +22,7 @@ Both run the real service as its own process (`python -m fleetheal remediator se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -37,7 +38,9 @@ from typing import Any
 
 import yaml
 
+from fleetheal.httpjson import request_json
 from fleetheal.procs import free_ports
+from fleetheal.wait import WaitTimeout, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 ALERTS = 2000
@@ -165,18 +168,15 @@ class Service:
             cwd=REPO,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            role = self.role()
-            if role is not None and wait_for in ("any", role):
-                return
-            time.sleep(0.02)
-        raise RuntimeError("remediator did not start: " + (workdir / "serve.log").read_text()[-2000:])
+        try:
+            wait_until(lambda: (role := self.role()) is not None and wait_for in ("any", role), 30,
+                       f"the remediator to serve as {wait_for}", interval=0.02)  # fmt: skip
+        except WaitTimeout:
+            raise RuntimeError("remediator did not start: " + (workdir / "serve.log").read_text()[-2000:]) from None
 
     def role(self) -> str | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as r:
-                return str(json.loads(r.read()).get("role") or "leader")
+            return str(request_json("GET", f"http://127.0.0.1:{self.port}/healthz", timeout=1).get("role") or "leader")
         except OSError:
             return None
 
@@ -402,13 +402,7 @@ def _failover_round(env: HAEnv, tmp: Path, r: int) -> tuple[float, float]:
 
 
 def _until(predicate: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise RuntimeError("timed out")
+    return wait_until(predicate, timeout, "a condition", interval=0.02)
 
 
 class HAEnv:
@@ -457,12 +451,9 @@ def bench_playbook_start() -> list[dict[str, Any]]:
                 with urllib.request.urlopen(req, timeout=10) as resp:
                     ref = json.loads(resp.read())["created"][0]
                 iid = int(ref.removeprefix("inc-"))
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline:
-                    inc = store.get(iid)
-                    if inc is not None and inc.state in ("done", "failed"):
-                        break
-                    time.sleep(0.05)
+                with contextlib.suppress(WaitTimeout):  # the assertion below says what it was
+                    wait_until(lambda iid=iid: getattr(store.get(iid), "state", None) in ("done", "failed"), 120,
+                               f"incident {iid} to end", interval=0.05)  # fmt: skip
                 start = next(e.ts for e in store.events(iid) if e.kind == "playbook_start")
                 inc = store.get(iid)
                 assert inc is not None and inc.state == "done", inc

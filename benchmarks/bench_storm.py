@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from fleetheal import taxonomy
@@ -70,10 +71,11 @@ from fleetheal.contracts import LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_UNHEALTH
 from fleetheal.lab.controlplane import KubeControlPlane, tools_built
 from fleetheal.lab.monitoring import ALERTMANAGER_BIN, Monitoring, find_binary
 from fleetheal.lab.slurm import SlurmCluster
-from fleetheal.procs import free_ports
+from fleetheal.procs import free_ports, pids_mentioning, wait_gone
 from fleetheal.remediator.config import BreakerConfig, BudgetConfig
 from fleetheal.remediator.store import Store
 from fleetheal.scontrol import parse_kv_line
+from fleetheal.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 _env = os.environ.get
@@ -107,15 +109,7 @@ PEER_NOTE = (
 
 
 def _wait(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(Exception):
-            v = check()
-            if v:
-                return v
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(check, timeout, what, interval=interval, ignore=(Exception,))
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -145,38 +139,19 @@ def _cpu_s(pid: int | None) -> float:
     if pid is None:
         return 0.0
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return 0.0
-
-
-def _pids_matching(pattern: str) -> dict[int, str]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if re.search(pattern, cmd):
-            out[int(entry)] = cmd
-    return out
+    return float(t.user + t.system)
 
 
 def _kill_leftovers(tmp: Path) -> list[str]:
     """Kill (by PID) every process whose command line names this storm's private directory."""
-    found = _pids_matching(re.escape(str(tmp)))
+    found = pids_mentioning(str(tmp))
     for pid in found:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in found):
-        time.sleep(0.1)
-    for pid in found:
+    for pid in wait_gone(found, 5):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return [cmd[:80] for cmd in found.values()]

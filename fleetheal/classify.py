@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from fleetheal.cli import UsageError
+from fleetheal.errors import UsageError
 
 
 def register(sub: Any) -> None:

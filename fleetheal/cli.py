@@ -3,6 +3,9 @@
 Each subsystem module listed in COMMANDS defines `register(subparsers)`, which adds its
 subcommand(s) and sets `func` (taking the parsed args, returning an exit code). Registration must
 stay cheap: heavy imports (aiohttp, ansible_runner, pulumi) happen inside the handlers.
+
+This module and the lab are the top layer (tests/test_layering.py): a part's command never imports the lab.
+Where a part's command has a subcommand that needs the lab, the lab adds it here (SUBCOMMANDS).
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import sys
 from collections.abc import Sequence
 
 from fleetheal import __version__
+from fleetheal.errors import UsageError
+
+__all__ = ["UsageError", "build_parser", "main"]
 
 COMMANDS = (
     "fleetheal.classify",
@@ -21,13 +27,13 @@ COMMANDS = (
     "fleetheal.lab.cli",
     "fleetheal.infra.cli",
     "fleetheal.remediator.cli",
-    "fleetheal.ettr",
+    "fleetheal.ettr.cli",
     "fleetheal.launch",
 )
-
-
-class UsageError(Exception):
-    """Bad command-line usage: printed as `fleetheal: error: ...`, exit 2."""
+#: command module -> modules whose `register` takes the subparsers that command's `register` returns.
+SUBCOMMANDS = {
+    "fleetheal.ettr.cli": ("fleetheal.lab.measure",),  # `fleetheal ettr measure`: ETTR of a lab run
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fleetheal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(name).register(sub)
+        added = importlib.import_module(name).register(sub)
+        for extra in SUBCOMMANDS.get(name, ()):
+            importlib.import_module(extra).register(added)
     return parser
 
 

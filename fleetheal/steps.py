@@ -8,8 +8,9 @@ changed, and a step that finds it there reports `done` without acting again), re
 the shape of the playbooks' report (`{"step", "outcome", "detail"}`, outcome done | would | skipped |
 failed), and honours a dry run ("would ...", nothing changed).
 
-Slurm is driven through its own commands (`scontrol`, `scancel`, `squeue --json`, `sinfo -O`), with
-the retries, delay and timeout of `playbooks/vars/remediation.yml`. Kubernetes through the official client.
+Slurm is driven through its own commands (`scontrol`, `scancel`, `squeue --json`, `sinfo` read by
+`fleetheal.slurm_nodes`), with the retries, delay and timeout of `playbooks/vars/remediation.yml`.
+Kubernetes through the official client.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from fleetheal import contracts, launch
+from fleetheal import contracts, launch, slurm_nodes
 
 _ACTIVE_JOB_STATES = ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
 #: Slurm's highest settable priority minus the values it reserves.
@@ -120,8 +121,8 @@ class Settings:
 
 
 # --- Slurm's JSON -------------------------------------------------------------------------------------
-# Debian's Slurm 22.05 (openapi v0.0.38): `squeue --json` and `sinfo --json` ignore their filter options
-# and print everything, so selection happens here, by exact node name and job id.
+# Debian's Slurm 22.05 (openapi v0.0.38): `squeue --json` ignores its filter options and prints every job,
+# so selection happens here, by exact job id and node name. Nodes are read by `fleetheal.slurm_nodes`.
 
 
 def _doc(value: Any) -> dict[str, Any]:
@@ -131,7 +132,7 @@ def _doc(value: Any) -> dict[str, Any]:
         parsed = json.loads(value)
         if isinstance(parsed, dict):
             return parsed
-    raise ValueError("expected the JSON document printed by `squeue --json` or `sinfo --json`")
+    raise ValueError("expected the JSON document printed by `squeue --json`")
 
 
 _MEMO = "_fleetheal_index"
@@ -145,110 +146,6 @@ def _memo(doc: dict[str, Any], key: str, build: Callable[[dict[str, Any]], Any])
     if key not in memo:
         memo[key] = build(doc)
     return memo[key]
-
-
-def _flags(node: Mapping[str, Any]) -> list[str]:
-    return [str(f).upper() for f in node.get("state_flags") or []]
-
-
-def _nodes_by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    by_name: dict[str, dict[str, Any]] = {}
-    for node in doc.get("nodes", []):
-        by_name.setdefault(str(node.get("name")), node)
-    return by_name
-
-
-def slurm_node(sinfo: Any, name: str, owned_prefix: str = contracts.DRAIN_REASON_PREFIX) -> dict[str, Any]:
-    """One node of `sinfo --json`: name, state (upper case), flags, drained, reason, reason_owned.
-
-    Returns {"found": False, ...} when Slurm does not know the node.
-    """
-    node = _memo(_doc(sinfo), "by_name", _nodes_by_name).get(name)
-    if node is not None:
-        flags = _flags(node)
-        reason = str(node.get("reason") or "")
-        return {
-            "found": True,
-            "name": name,
-            "state": str(node.get("state", "unknown")).upper(),
-            "flags": flags,
-            "drained": "DRAIN" in flags,
-            "responding": "NOT_RESPONDING" not in flags and str(node.get("state", "")).upper() != "DOWN",
-            "reason": reason,
-            "reason_owned": reason.startswith(owned_prefix),
-            "comment": str(node.get("comment") or ""),
-        }
-    return {
-        "found": False,
-        "name": name,
-        "state": "",
-        "flags": [],
-        "drained": False,
-        "responding": False,
-        "reason": "",
-        "reason_owned": False,
-        "comment": "",
-    }
-
-
-#: `sinfo -N -h -O` fields of a node read, each ended by the unit separator (a character no name, state or
-#: reason of ours holds; the free-text fields come last, so a stray one in a comment cannot shift the rest).
-_SINFO_FIELDS = ("NodeList", "StateComplete", "Reason", "Comment")
-_SEP = "\x1f"
-SINFO_NODES_ARGS = ("-N", "-h", "-O", ",".join(f"{f}:{_SEP}" for f in _SINFO_FIELDS))
-
-
-def parse_sinfo_nodes(text: str) -> dict[str, Any]:
-    """`sinfo SINFO_NODES_ARGS` as `sinfo --json` shapes its nodes (name, state, state_flags, reason,
-    comment), for `slurm_node` and the helpers below.
-
-    The text read costs a fraction of the JSON one (1,500 nodes: 44 kB instead of 1.8 MB, and Slurm 22.05's
-    JSON printer is slow), and a storm's first responses read the whole fleet. `StateComplete` is
-    `state[*][+flag...]` in lower case (`*`: not responding); an empty reason prints `none`, an empty
-    comment `(null)`. `-N` lists a node once per partition: the first line counts."""
-    nodes: dict[str, dict[str, Any]] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(_SEP)
-        state, _, rest = rest.partition(_SEP)
-        reason, _, rest = rest.partition(_SEP)
-        comment = rest[:-1] if rest.endswith(_SEP) else rest
-        if not name or not state or name in nodes:
-            continue
-        base, *flags = state.upper().split("+")
-        if base.endswith("*"):
-            flags.append("NOT_RESPONDING")
-        nodes[name] = {
-            "name": name,
-            "state": base.rstrip("*~#%$@^-!").lower(),
-            "state_flags": flags,
-            "reason": "" if reason == "none" else reason,
-            "comment": "" if comment == "(null)" else comment,
-        }
-    return {"nodes": list(nodes.values())}
-
-
-def slurm_nodes_with_reason(sinfo: Any, prefix: str) -> list[str]:
-    """Names of drained nodes whose reason starts with `prefix` (e.g. the standby pool), sorted."""
-    drained = _memo(
-        _doc(sinfo),
-        "drained",
-        lambda doc: sorted(
-            (str(n["name"]), str(n.get("reason") or "")) for n in doc.get("nodes", []) if "DRAIN" in _flags(n)
-        ),
-    )
-    return [name for name, reason in drained if reason.startswith(prefix)]
-
-
-def slurm_nodes_with_comment(sinfo: Any, text: str) -> list[str]:
-    """Names of nodes whose comment has the word `text` (how a promotion is tied to its incident), sorted."""
-    commented = _memo(
-        _doc(sinfo),
-        "commented",
-        lambda doc: sorted(
-            (str(n["name"]), frozenset(str(n.get("comment")).split())) for n in doc.get("nodes", []) if n.get("comment")
-        ),
-    )
-    return [name for name, words in commented if text in words]
 
 
 def _stdout_path(job: dict[str, Any]) -> str:
@@ -466,7 +363,7 @@ class Slurm:
         self.settings = settings
         self.env = {**os.environ, **settings.slurm_env}
         self.prefix = (settings.slurm_bin_dir.rstrip("/") + "/") if settings.slurm_bin_dir else ""
-        self._sinfo = _Shared(lambda: parse_sinfo_nodes(self.run("sinfo", *SINFO_NODES_ARGS)))
+        self._sinfo = _Shared(lambda: slurm_nodes.parse_text(self.run("sinfo", *slurm_nodes.NODES_ARGS)))
         self._squeue = _Shared(lambda: _doc(self.run("squeue", "--json")))
         self._scontrol = _Batched(self._scontrol_batch)
         self._scancel = _Batched(self._scancel_batch)
@@ -498,11 +395,11 @@ class Slurm:
                 time.sleep(s.slurm_retry_delay_s)
         raise StepError(last)
 
-    def sinfo(self) -> dict[str, Any]:
+    def sinfo(self) -> slurm_nodes.Nodes:
         return self.sinfo_at()[1]
 
-    def sinfo_at(self, since: float | None = None) -> tuple[float, dict[str, Any]]:
-        """Every node (`parse_sinfo_nodes`) and when (monotonic) the read started; `since`: see `_Shared`."""
+    def sinfo_at(self, since: float | None = None) -> tuple[float, slurm_nodes.Nodes]:
+        """Every node (`fleetheal.slurm_nodes`) and when (monotonic) the read started; `since`: see `_Shared`."""
         return self._sinfo.get(since)
 
     def squeue(self, since: float | None = None) -> dict[str, Any]:
@@ -592,17 +489,17 @@ def _error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Exception | 
 def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False, sinfo: Any = None) -> StepResult:
     """Drain `node` with an owned reason; never over a reason fleetheal does not own. `sinfo`: a node read
     taken after the caller was asked to act (default: a new one)."""
-    info = slurm_node(slurm.sinfo() if sinfo is None else sinfo, node)
-    if not info["found"]:
+    info = slurm_nodes.read(slurm.sinfo() if sinfo is None else sinfo).get(node)
+    if info is None:
         raise StepError(f"Slurm does not know node {node}")
-    if info["drained"] and not info["reason_owned"]:
+    if info.drained and not info.reason_owned():
         return StepResult(
             "slurm_drain",
             "skipped",
-            f"{node} is already drained with reason '{info['reason']}', which fleetheal does not own: left as it is",
+            f"{node} is already drained with reason '{info.reason}', which fleetheal does not own: left as it is",
         )
-    if info["drained"]:
-        return StepResult("slurm_drain", "done", f"{node} is already drained by fleetheal: '{info['reason']}'")
+    if info.drained:
+        return StepResult("slurm_drain", "done", f"{node} is already drained by fleetheal: '{info.reason}'")
     if dry_run:
         return StepResult("slurm_drain", "would", f"would drain {node} with reason '{reason}'")
     slurm.scontrol("update", f"nodename={node}", "state=DRAIN", f"reason={reason}")
@@ -916,15 +813,16 @@ def promote_standby(
     incident (the promoted node's comment names it). `read`: `Slurm.sinfo_at()` taken after the caller was
     asked to act (default: a new one); promotions claimed since it was taken are not picked again."""
     s = slurm.settings
-    taken, doc = slurm.sinfo_at() if read is None else read
+    taken, read_nodes = slurm.sinfo_at() if read is None else read
+    nodes = slurm_nodes.read(read_nodes)
     with _PROMOTE_LOCK:
-        done = slurm_nodes_with_comment(doc, f"incident={incident}")
+        done = nodes.with_comment(f"incident={incident}")
         if done:
             detail = f"{', '.join(done)} already promoted for incident {incident}"
             return StepResult("standby_promote", "done", detail, node=done[0])
         for name in [n for n, ended in _CLAIMED.items() if ended < taken]:
             del _CLAIMED[name]  # this read shows what its resume did
-        free = [n for n in slurm_nodes_with_reason(doc, s.standby_reason) if n != node and n not in _CLAIMED]
+        free = [n for n in nodes.with_reason(s.standby_reason) if n != node and n not in _CLAIMED]
         if not free:
             return StepResult(
                 "standby_promote", "skipped", f"no standby node (drained with reason '{s.standby_reason}') to promote"

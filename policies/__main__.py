@@ -1,15 +1,15 @@
-"""fleetheal's CrossGuard policy pack: only assembles the rules from fleetheal.infra.policy.
+"""fleetheal's CrossGuard policy pack: only assembles the rules of rules.py (beside this file).
 
-Constructing PolicyPack starts the analyzer server and blocks, so nothing imports this module;
-tests call the validators in fleetheal.infra.policy directly.
+The pack stands alone: it needs its requirements.txt, never the fleetheal package. Constructing
+PolicyPack starts the analyzer server and blocks, so nothing imports this module; tests call the
+validators in rules.py (as fleetheal.infra.policy) directly.
 """
 
+import rules
 from pulumi_policy import EnforcementLevel, PolicyPack
-
-from fleetheal.infra import policy
 
 PolicyPack(
     name="fleetheal",
     enforcement_level=EnforcementLevel.MANDATORY,
-    policies=policy.policies(),
+    policies=rules.policies(),
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import tempfile
@@ -24,6 +25,16 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 REPO = Path(__file__).resolve().parent.parent
 #: The project's shared folder (schemas, reference data, fixtures) sits beside the clone.
 SHARED = Path(os.environ.get("FLEETHEAL_SHARED", REPO.parent / "shared"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes the real control plane (`kube`, built by `make tools`) carries the `kube` marker,
+    so `make unit` (-m "not (kube or ...)") leaves it to `make integration` whether or not it is marked."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.get("kube", ()) if info is not None else ()
+        if defs and Path(inspect.getfile(defs[-1].func)) == Path(__file__):  # not a test's own fake `kube`
+            item.add_marker(pytest.mark.kube)
 
 
 @pytest.fixture(scope="session")

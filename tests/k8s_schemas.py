@@ -4,7 +4,7 @@
 NodeSet/LoginSet/Controller fields the CRD leaves open (`x-kubernetes-preserve-unknown-fields`) are
 checked as the core types they are (PodSpec, Container).
 
-Used by tests/pulumi and tests/policies through the session-scoped `k8s_schemas` fixture.
+Used by tests/infra and tests/policies through the session-scoped `k8s_schemas` fixture.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from fleetheal.agent.cli import register
-from fleetheal.cli import UsageError
+from fleetheal.errors import UsageError
 
 
 def main(argv: list[str] | None = None) -> int:

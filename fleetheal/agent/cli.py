@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from fleetheal.cli import UsageError
+from fleetheal.errors import UsageError
 
 
 def register(sub: Any) -> None:
@@ -77,7 +77,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     if cfg is None:
         return 2
-    from fleetheal.agent.service import Agent, setup_logging
+    from fleetheal.agent.service import Agent
+    from fleetheal.logs import setup_logging
 
     setup_logging(cfg.log_level)
     agent = Agent(cfg)
@@ -95,8 +96,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     if cfg is None:
         return 2
-    from fleetheal.agent.service import run_check
+    from fleetheal.agent.check import run_check
+    from fleetheal.logs import setup_logging
 
+    setup_logging("warning")  # the report is on stdout; stderr logs only what went wrong, as JSON
     return run_check(cfg)
 
 

@@ -1,29 +1,26 @@
 """Agent configuration: one YAML file plus environment overrides, parsed once into frozen dataclasses.
 
-Every key, its type and its default is declared once, in the dataclasses below (agent/README.md has the
-reference with explanations; `agent/agent.example.yaml` sets each one). An environment variable
-`FLEETHEAL_AGENT_<KEY>` overrides a top-level key and `FLEETHEAL_AGENT_<SECTION>__<KEY>` a nested one,
-e.g. `FLEETHEAL_AGENT_MODE=observe` or `FLEETHEAL_AGENT_BACKEND__KIND=simulated`; values are read as YAML
-scalars or flow lists (`[ISOLATE_AND_RELOCATE]`). Errors name the file or variable, the key and what was
-expected, and an unknown key suggests the closest known one.
+Every key, its type and its default is declared once, in the dataclasses below and in the ones they take
+from the classes they configure (`health.HealthConfig`, `health.Thresholds`, `training.MonitorConfig`);
+agent/README.md has the reference with explanations and `agent/agent.example.yaml` sets each one. Files,
+environment variables (`FLEETHEAL_AGENT_<KEY>`, `FLEETHEAL_AGENT_<SECTION>__<KEY>`, e.g.
+`FLEETHEAL_AGENT_BACKEND__KIND=simulated`), values and errors follow fleetheal.settings, as every
+fleetheal service does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import socket
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import yaml
-
+from fleetheal import settings
+from fleetheal.agent.health import HealthConfig, Thresholds
+from fleetheal.agent.training import MonitorConfig
 from fleetheal.contracts import FLEET_BUDGET_NODES, FLEET_BUDGET_SHARE
+from fleetheal.settings import ConfigError as ConfigError  # noqa: PLC0414 - re-exported: callers catch it here
 
 ENV_PREFIX = "FLEETHEAL_AGENT_"
 MODES = ("act", "observe")
@@ -36,10 +33,6 @@ def _fastpath_actions() -> tuple[str, ...]:
     from fleetheal.taxonomy import load  # lazily, as load_config does
 
     return load().fastpath_actions()
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message says where and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -87,51 +80,15 @@ class KernelLogConfig:
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
+class TrainingConfig(MonitorConfig):
+    """The training section: the judgements (MonitorConfig) and where reports come from."""
+
     enabled: bool = True
     #: Unix datagram socket the training client (fleetheal.agent.client) reports to.
     socket: str = "/run/fleetheal/training.sock"
-    #: No step progress on every rank of a job for this long is a hang.
-    hang_timeout_s: float = 300.0
-    #: A rank whose step time exceeds this multiple of its peers' median is a straggler.
-    straggler_factor: float = 1.5
-    #: Straggler detection needs at least this many ranks of the job on the node.
-    straggler_min_ranks: int = 3
-    #: A loss above this multiple of its running mean is a spike.
-    loss_spike_factor: float = 3.0
-    #: Reports per rank before loss spikes are judged.
-    loss_spike_warmup: int = 20
-    #: A job not heard from for this long is forgotten (its faults clear).
-    job_expiry_s: float = 3600.0
-    #: Jobs tracked at once on this node; reports for more are refused (a flood of invented names).
-    max_jobs: int = 64
     #: Besides root, uids whose reports are believed for any job name (for example a launcher outside
     #: Slurm). Anyone else may report only for a Slurm job it owns that runs on this node.
     trusted_uids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class HealthConfig:
-    #: Consecutive polls a condition must hold before its fault is raised.
-    debounce_polls: int = 2
-    #: Consecutive clean polls before a polled fault clears.
-    clear_polls: int = 3
-    #: An event fault (Xid, log line, NaN loss) stays active this long after its last occurrence.
-    event_hold_s: float = 600.0
-    #: Repeats of the same event fault on the same GPU within this window count once.
-    dedup_s: float = 30.0
-
-
-@dataclass(frozen=True)
-class ThresholdsConfig:
-    #: NVLink CRC (flit + data) errors per poll above which nvlink-crc-errors is raised.
-    nvlink_crc_errors_per_poll: float = 100.0
-    nvlink_replay_errors_per_poll: float = 1.0
-    nvlink_recovery_errors_per_poll: float = 1.0
-    #: PCIe replays per minute (DCGM expects < 31/min for a Gen5 x16 link at BER 1e-12).
-    pcie_replays_per_minute: float = 60.0
-    #: Power draw at or above this share of the enforced limit is a power-cap violation.
-    power_cap_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -185,103 +142,12 @@ class AgentConfig:
     kernel_log: KernelLogConfig = field(default_factory=KernelLogConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
-    thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
+    thresholds: Thresholds = field(default_factory=Thresholds)
     fastpath: FastPathConfig = field(default_factory=FastPathConfig)
 
     @property
     def observe_only(self) -> bool:
         return self.mode == "observe"
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    """Check/convert one YAML value against a field type; ConfigError names `where`."""
-    if dataclasses.is_dataclass(hint):
-        if value is None:
-            value = {}
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping of settings, got {type(value).__name__}")
-        return _build(hint, value, where)  # type: ignore[arg-type]
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, where)
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str | int | float) or isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    raise ConfigError(f"{where}: unsupported setting type {hint}")  # pragma: no cover - a bug here
-
-
-def _build(cls: type, doc: Mapping[str, Any], where: str) -> Any:
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in doc:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
-            raise ConfigError(f"{where}.{key}: unknown key{hint}".lstrip("."))
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}".lstrip(".")) for k, v in doc.items()}
-    return cls(**kwargs)
-
-
-def _set_path(doc: dict[str, Any], path: list[str], value: Any) -> None:
-    for part in path[:-1]:
-        child = doc.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(path)}: {part} is not a section")
-        doc = child
-    doc[path[-1]] = value
-
-
-def _env_overrides(doc: dict[str, Any], env: Mapping[str, str]) -> None:
-    for name, raw in sorted(env.items()):
-        if not name.startswith(ENV_PREFIX):
-            continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{name}: not a YAML value: {exc}") from exc
-        _check_path(AgentConfig, path, name)
-        _set_path(doc, path, value)
-
-
-def _check_path(cls: type, path: list[str], env_name: str) -> None:
-    hints = _hints(cls)
-    key = path[0]
-    if key not in hints:
-        close = difflib.get_close_matches(key, list(hints), n=1)
-        hint = f" (did you mean {ENV_PREFIX}{'__'.join([*path[:-1], close[0]]).upper()}?)" if close else ""
-        raise ConfigError(f"{env_name}: no setting {key!r}{hint}")
-    if len(path) > 1:
-        if not dataclasses.is_dataclass(hints[key]):
-            raise ConfigError(f"{env_name}: {key!r} is not a section")
-        _check_path(hints[key], path[1:], env_name)
 
 
 def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
@@ -318,7 +184,7 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         except LogRulesError as exc:
             raise bad("kernel_log.rules_file", str(exc)) from None
     for key, value in positive.items():
-        if value <= 0:
+        if not value > 0:  # NaN too
             raise bad(key, f"must be > 0, got {value}")
     non_negative = {
         "backend.expected_gpus": cfg.backend.expected_gpus,
@@ -328,7 +194,7 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         "training.loss_spike_warmup": cfg.training.loss_spike_warmup,
     }
     for key, value in non_negative.items():
-        if value < 0:
+        if not value >= 0:
             raise bad(key, f"must be >= 0, got {value}")
     if cfg.training.straggler_min_ranks < 2:
         raise bad(
@@ -357,26 +223,10 @@ def default_node(env: Mapping[str, str]) -> str:
 def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> AgentConfig:
     """Read `path` (None: defaults only), apply FLEETHEAL_AGENT_* overrides from `env`, validate."""
     env = os.environ if env is None else env
-    doc: dict[str, Any] = {}
-    where = "defaults"
-    if path is not None:
-        where = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of settings")
-        doc = loaded
+    where = "defaults" if path is None else str(path)
+    doc = {} if path is None else settings.read_yaml(path)
     try:
-        _env_overrides(doc, env)
-        cfg: AgentConfig = _build(AgentConfig, doc, "")
+        cfg = settings.build(AgentConfig, doc, env, ENV_PREFIX)
         if not cfg.node:
             cfg = dataclasses.replace(cfg, node=default_node(env))
         from fleetheal.taxonomy import load

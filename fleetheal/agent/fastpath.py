@@ -1,6 +1,7 @@
 """The fast path: isolate this node before any alert has travelled.
 
-`SlurmDrainer` drains this node with the real `scontrol` and an owned reason
+`SlurmDrainer` reads the nodes with `sinfo` (`fleetheal.slurm_nodes`) and drains this node with the real
+`scontrol` and an owned reason
 (`fleetheal.contracts.drain_reason`). It never touches a node drained for a reason fleetheal does not
 own (an operator's drain keeps its reason), and it never undrains: returning a node to service is the
 remediator's REJOIN, after revalidation.
@@ -8,7 +9,7 @@ remediator's REJOIN, after revalidation.
 `KubeNodeTainter` taints (`fleetheal.io/unhealthy=<fault>:NoSchedule`) and labels
 (`fleetheal.io/fault=<fault>`) this node's own Node object through the API server, with a node-scoped
 credential: a service-account token bound to this node (or to the agent's pod on it), which the
-ValidatingAdmissionPolicy `fleetheal-agent-own-node` (`fleetheal.infra.agent.own_node_policy`) lets
+ValidatingAdmissionPolicy `fleetheal-agent-own-node` (`fleetheal.contracts.own_node_policy`) lets
 it add its taint and label to this one Node and change nothing else. Standard library only.
 
 The drain obeys a fleet-wide budget: when the fleet already has as many fleetheal-owned fault drains
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -40,7 +40,7 @@ from fleetheal.contracts import (
     budget_limit,
     owns_reason,
 )
-from fleetheal.scontrol import NodeInfo, parse_node_line
+from fleetheal.slurm_nodes import Node, read, sinfo_argv
 
 if TYPE_CHECKING:
     import ssl
@@ -60,7 +60,7 @@ class FastPathError(RuntimeError):
 
 
 class SlurmDrainer:
-    """Drain one Slurm node through `scontrol`."""
+    """Drain one Slurm node through `scontrol`; read the nodes with `sinfo` (default: the one beside `scontrol`)."""
 
     def __init__(
         self,
@@ -75,12 +75,14 @@ class SlurmDrainer:
         budget_nodes: int = FLEET_BUDGET_NODES,
         budget_share: float = FLEET_BUDGET_SHARE,
         sleep: Callable[[float], None] = time.sleep,
+        sinfo: str | None = None,
     ) -> None:
         self.node = node
         self._sleep = sleep
         self.budget_nodes = budget_nodes
         self.budget_share = budget_share
         self.scontrol = scontrol
+        self.sinfo = sinfo or (os.path.join(os.path.dirname(scontrol), "sinfo") if os.sep in scontrol else "sinfo")
         self.timeout_s = timeout_s
         self.dry_run = dry_run
         self._run = run
@@ -89,9 +91,13 @@ class SlurmDrainer:
             self.env["SLURM_CONF"] = slurm_conf
 
     def _scontrol(self, *args: str) -> str:
+        return self._command(self.scontrol, *args)
+
+    def _command(self, tool: str, *args: str) -> str:
+        name = os.path.basename(tool)
         try:
             proc = self._run(
-                [self.scontrol, *args],
+                [tool, *args],
                 capture_output=True,
                 text=True,
                 timeout=self.timeout_s,
@@ -99,32 +105,30 @@ class SlurmDrainer:
                 check=False,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise FastPathError(f"scontrol {' '.join(args)}: {exc}") from exc
+            raise FastPathError(f"{name} {' '.join(args)}: {exc}") from exc
         if proc.returncode != 0:
             raise FastPathError(
-                f"scontrol {' '.join(args)} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}"
+                f"{name} {' '.join(args)} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}"
             )
         return proc.stdout
 
-    def node_info(self) -> NodeInfo:
-        out = self._scontrol("show", "node", "-o", self.node)
-        lines = [ln for ln in out.splitlines() if ln.startswith("NodeName=")]
-        if not lines:
-            raise FastPathError(f"scontrol show node {self.node}: no such node")
-        return parse_node_line(lines[0])
+    def node_info(self) -> Node:
+        info = read(self._command(*sinfo_argv(self.sinfo, self.node))).get(self.node)
+        if info is None:
+            raise FastPathError(f"sinfo -n {self.node}: no such node")
+        return info
 
-    def fleet(self) -> list[NodeInfo]:
-        """Every node of the cluster (one `scontrol show node -o`)."""
-        out = self._scontrol("show", "node", "-o")
-        return [parse_node_line(ln) for ln in out.splitlines() if ln.startswith("NodeName=")]
+    def fleet(self) -> list[Node]:
+        """Every node of the cluster (one `sinfo`)."""
+        return list(read(self._command(*sinfo_argv(self.sinfo))).values())
 
-    def budget(self, nodes: list[NodeInfo], before: Callable[[NodeInfo], bool] | None = None) -> tuple[int, int]:
+    def budget(self, nodes: list[Node], before: Callable[[Node], bool] | None = None) -> tuple[int, int]:
         """(fault drains fleetheal owns on other nodes, the most the budget allows). Pool drains (standby,
         quarantine) are not faults; the pool is every node outside the standby pool. With `before`, only
         the drains it accepts count."""
         standby, quarantine = POOL_REASONS
 
-        def pool_reason(n: NodeInfo) -> bool:
+        def pool_reason(n: Node) -> bool:
             return bool(n.reason) and str(n.reason).startswith((standby, quarantine))
 
         pool = [n for n in nodes if not (n.drained and str(n.reason or "").startswith(standby))]
@@ -132,7 +136,7 @@ class SlurmDrainer:
         others = [n for n in faults if n.name != self.node and (before is None or before(n))]
         return len(others), budget_limit(self.budget_nodes, self.budget_share, len(pool))
 
-    def _me(self, reason: str) -> tuple[NodeInfo | None, list[NodeInfo]]:
+    def _me(self, reason: str) -> tuple[Node | None, list[Node]]:
         """This node (None unless it is still drained with `reason`) and the whole fleet, read once."""
         nodes = self.fleet()
         me = next((n for n in nodes if n.name == self.node), None)
@@ -145,7 +149,7 @@ class SlurmDrainer:
         nodes = self.fleet()
         info = next((n for n in nodes if n.name == self.node), None)
         if info is None:
-            raise FastPathError(f"scontrol show node: no node {self.node}")
+            raise FastPathError(f"sinfo: no node {self.node}")
         if info.drained:
             if owns_reason(info.reason):
                 return ALREADY, f"{self.node} already drained by fleetheal: {info.reason}"
@@ -174,8 +178,8 @@ class SlurmDrainer:
         me, nodes = self._me(reason)
         if me is None:
             return DONE, f"drained {self.node}: {reason}"  # someone changed it since: theirs now
-        mine = (drain_time(me), self.node)
-        ahead, limit = self.budget(nodes, lambda n: (drain_time(n), n.name) < mine)
+        mine = (me.reason_time, self.node)
+        ahead, limit = self.budget(nodes, lambda n: (n.reason_time, n.name) < mine)
         if ahead < limit:
             return DONE, f"drained {self.node}: {reason}"
         self._scontrol("update", f"nodename={self.node}", "state=resume")
@@ -276,16 +280,6 @@ class JobOwners:
         return int(out[0]), ""
 
 
-_DRAIN_TIME = re.compile(r"\[[^\]@]*@([^\]]*)\]\s*$")
-
-
-def drain_time(node: NodeInfo) -> str:
-    """When slurmctld recorded `node`'s reason (`Reason=... [user@2026-12-02T05:04:10]`, ISO, to the
-    second), or "" when it printed none (which sorts first: counted as earlier than any drain)."""
-    m = _DRAIN_TIME.search(node.fields.get("Reason", ""))
-    return m.group(1) if m else ""
-
-
 def _status_message(exc: urllib.error.HTTPError) -> str:
     """': <message>' of the API server's Status body (why a request was refused, e.g. by an admission
     policy), at most 300 characters; '' when the body has none."""
@@ -321,23 +315,20 @@ class KubeNodeTainter:
             self._ctx = ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
 
     def _request(self, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        import urllib.request
+        from fleetheal.httpjson import request_json
 
         with open(self.token_file) as fh:  # re-read: projected tokens rotate
             token = fh.read().strip()
-        req = urllib.request.Request(  # noqa: S310 - the URL is the configured API server
+        doc: dict[str, Any] = request_json(
+            method,
             f"{self.api_url}/api/v1/nodes/{self.node}",
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={
-                "Authorization": f"Bearer {token}",
-                "Accept": "application/json",
-                "Content-Type": "application/merge-patch+json",
-            },
+            body,
+            token=token,
+            content_type="application/merge-patch+json",
+            timeout=self.timeout_s,
+            context=self._ctx,
         )
-        with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ctx) as resp:  # noqa: S310
-            doc: dict[str, Any] = json.loads(resp.read())
-            return doc
+        return doc
 
     def taint(self, fault_id: str) -> tuple[str, str]:
         import urllib.error

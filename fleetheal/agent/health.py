@@ -45,10 +45,15 @@ class Detection:
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
+    """The agent's `thresholds` settings (fleetheal.agent.config)."""
+
+    #: NVLink CRC (flit + data) errors per poll above which nvlink-crc-errors is raised.
     nvlink_crc_errors_per_poll: float = 100.0
     nvlink_replay_errors_per_poll: float = 1.0
     nvlink_recovery_errors_per_poll: float = 1.0
+    #: PCIe replays per minute (DCGM expects < 31/min for a Gen5 x16 link at BER 1e-12).
     pcie_replays_per_minute: float = 60.0
+    #: Power draw at or above this share of the enforced limit is a power-cap violation.
     power_cap_ratio: float = 1.0
 
 
@@ -152,15 +157,26 @@ class _Streak:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class HealthConfig:
+    """The agent's `health` settings (fleetheal.agent.config): debounce and hold times."""
+
+    #: Consecutive polls a condition must hold before its fault is raised.
+    debounce_polls: int = 2
+    #: Consecutive clean polls before a polled fault clears.
+    clear_polls: int = 3
+    #: An event fault (Xid, log line, NaN loss) stays active this long after its last occurrence.
+    event_hold_s: float = 600.0
+    #: Repeats of the same event fault on the same GPU within this window count once.
+    dedup_s: float = 30.0
+
+
 @dataclass
 class HealthTracker:
     """Active faults per GPU and node, with debounce. Callers serialise access (one lock in the service)."""
 
     taxonomy: Taxonomy
-    debounce_polls: int = 2
-    clear_polls: int = 3
-    event_hold_s: float = 600.0
-    dedup_s: float = 30.0
+    config: HealthConfig = field(default_factory=HealthConfig)
     _active: dict[tuple[str, str], ActiveFault] = field(default_factory=dict)
     #: (source, gpu, fault id) -> streak of polls for condition faults.
     _streaks: dict[tuple[str, str, str], _Streak] = field(default_factory=dict)
@@ -174,7 +190,7 @@ class HealthTracker:
             af = ActiveFault(fault, det.gpu, det.source, det.detail, False, now, now, job=det.job)
             self._active[key] = af
             return [Change("raised", af)]
-        repeated = now - current.last_seen >= self.dedup_s
+        repeated = now - current.last_seen >= self.config.dedup_s
         current.last_seen = now
         if repeated:
             current.occurrences += 1
@@ -187,7 +203,7 @@ class HealthTracker:
     ) -> list[Change]:
         """One poll's condition detections from `source`; conditions of that source not seen again count
         toward clearing. `debounce` overrides debounce_polls (the one-shot check uses 1)."""
-        need = self.debounce_polls if debounce is None else debounce
+        need = self.config.debounce_polls if debounce is None else debounce
         changes: list[Change] = []
         seen: set[tuple[str, str, str]] = set()
         for det in detections:
@@ -224,7 +240,7 @@ class HealthTracker:
                 if current is None:
                     del self._streaks[skey]
                 continue
-            if streak.misses >= self.clear_polls:
+            if streak.misses >= self.config.clear_polls:
                 del self._streaks[skey]
                 del self._active[key]
                 changes.append(Change("cleared", current))
@@ -234,7 +250,7 @@ class HealthTracker:
         """Clear event faults whose last occurrence is older than event_hold_s."""
         changes = []
         for key, af in list(self._active.items()):
-            if not af.condition and now - af.last_seen >= self.event_hold_s:
+            if not af.condition and now - af.last_seen >= self.config.event_hold_s:
                 del self._active[key]
                 changes.append(Change("cleared", af))
         return changes

@@ -141,19 +141,33 @@ class _Rank:
     loss_n: int = 0
 
 
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The judgement settings of the agent's `training` section (fleetheal.agent.config.TrainingConfig)."""
+
+    #: No step progress on every rank of a job for this long is a hang.
+    hang_timeout_s: float = 300.0
+    #: A rank whose step time exceeds this multiple of its peers' median is a straggler.
+    straggler_factor: float = 1.5
+    #: Straggler detection needs at least this many ranks of the job on the node.
+    straggler_min_ranks: int = 3
+    #: A loss above this multiple of its running mean is a spike.
+    loss_spike_factor: float = 3.0
+    #: Reports per rank before loss spikes are judged.
+    loss_spike_warmup: int = 20
+    #: A job not heard from for this long is forgotten (its faults clear).
+    job_expiry_s: float = 3600.0
+    #: Jobs tracked at once on this node; reports for more are refused (a flood of invented names).
+    max_jobs: int = 64
+
+
 @dataclass
 class TrainingMonitor:
     """Per-job state of the ranks that report on this node."""
 
-    hang_timeout_s: float = 300.0
-    straggler_factor: float = 1.5
-    straggler_min_ranks: int = 3
-    loss_spike_factor: float = 3.0
-    loss_spike_warmup: int = 20
-    job_expiry_s: float = 3600.0
-    #: Jobs and ranks per job tracked at once: reports beyond them are refused, so a flood of invented
-    #: names cannot grow memory or the metrics without bound.
-    max_jobs: int = 64
+    config: MonitorConfig = field(default_factory=MonitorConfig)
+    #: Ranks per job tracked at once (as max_jobs for jobs): reports beyond them are refused, so a flood of
+    #: invented names cannot grow memory or the metrics without bound.
     max_ranks: int = 1024
     #: Smoothing of the running loss mean (exponential moving average weight of a new value).
     loss_alpha: float = 0.1
@@ -162,8 +176,10 @@ class TrainingMonitor:
     def ingest(self, report: Report, now: float) -> list[Detection]:
         """Record one report; returns the event detections it causes (NaN loss, loss spike).
         ReportRefused when it would track more than max_jobs jobs or max_ranks ranks of one job."""
-        if report.job not in self.jobs and not report.end and len(self.jobs) >= self.max_jobs:
-            raise ReportRefused(f"already tracking {self.max_jobs} jobs (training.max_jobs); job {report.job} ignored")
+        if report.job not in self.jobs and not report.end and len(self.jobs) >= self.config.max_jobs:
+            raise ReportRefused(
+                f"already tracking {self.config.max_jobs} jobs (training.max_jobs); job {report.job} ignored"
+            )
         ranks = self.jobs.get(report.job, {})
         if report.rank not in ranks and not report.end and len(ranks) >= self.max_ranks:
             raise ReportRefused(f"job {report.job} already has {self.max_ranks} ranks here; rank {report.rank} ignored")
@@ -193,9 +209,9 @@ class TrainingMonitor:
                 out.append(Detection("nan-loss", gpu, SOURCE, f"{where}: loss {report.loss}", job=job))
             elif (
                 r.loss_mean is not None
-                and r.loss_n >= self.loss_spike_warmup
+                and r.loss_n >= self.config.loss_spike_warmup
                 and r.loss_mean > 0
-                and report.loss > self.loss_spike_factor * r.loss_mean
+                and report.loss > self.config.loss_spike_factor * r.loss_mean
             ):
                 out.append(
                     Detection(
@@ -226,13 +242,15 @@ class TrainingMonitor:
         Jobs not heard from for job_expiry_s are forgotten first.
         """
         for job in [
-            j for j, ranks in self.jobs.items() if all(now - r.last_report >= self.job_expiry_s for r in ranks.values())
+            j
+            for j, ranks in self.jobs.items()
+            if all(now - r.last_report >= self.config.job_expiry_s for r in ranks.values())
         ]:
             del self.jobs[job]
         out: list[Detection] = []
         suspects: dict[str, RankProgress] = {}
         for job, ranks in self.jobs.items():
-            suspect = hang_suspect(self.progress(job), now, self.hang_timeout_s)
+            suspect = hang_suspect(self.progress(job), now, self.config.hang_timeout_s)
             if suspect is not None:
                 suspects[job] = suspect
                 out.append(
@@ -248,11 +266,11 @@ class TrainingMonitor:
                 )
                 continue  # a hung job has no meaningful step times
             times = {rank: r.step_time for rank, r in ranks.items() if r.step_time is not None}
-            if len(times) >= self.straggler_min_ranks:
+            if len(times) >= self.config.straggler_min_ranks:
                 for rank, t in times.items():
                     peers = [v for k, v in times.items() if k != rank]
                     median = statistics.median(peers)
-                    if median > 0 and t > self.straggler_factor * median:
+                    if median > 0 and t > self.config.straggler_factor * median:
                         out.append(
                             Detection(
                                 "straggler",

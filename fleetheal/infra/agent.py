@@ -17,19 +17,11 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from fleetheal import contracts
+from fleetheal.contracts import AGENT_RBAC_RULES, own_node_policy
 from fleetheal.infra import common
 
 COMPONENT = "HealthAgent"
-NAME = "fleetheal-agent"
-#: The agent's ClusterRole (also the lab's): the fast path taints and labels its own node before any alert
-#: travels. RBAC cannot restrict this to the agent's own node: `own_node_policy` does.
-AGENT_RBAC_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
-#: The user-info extra in which the API server names the Node a service-account token is bound to: a token
-#: bound to a Node, or to a Pod (the kubelet's projected token: the API server records the pod's node in it,
-#: feature ServiceAccountTokenPodNodeInfo, GA in Kubernetes 1.32).
-NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
-#: Name of the ValidatingAdmissionPolicy (and of its binding) that keeps each agent to its own Node.
-OWN_NODE_POLICY = "fleetheal-agent-own-node"
+NAME = contracts.AGENT_NAME
 #: Taints the agent tolerates: it must keep watching standby, isolated and GPU-tainted nodes.
 TOLERATED_TAINTS = (contracts.TAINT_STANDBY, contracts.TAINT_UNHEALTHY, "nvidia.com/gpu")
 
@@ -50,86 +42,6 @@ class HealthAgentArgs(TypedDict):
 
 
 CONFIG_MOUNT = "/etc/fleetheal"
-
-
-def own_node_policy(namespace: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ValidatingAdmissionPolicy and its binding that make the agent's token node-scoped (the stack
-    declares them beside the agent's RBAC; the lab installs these same objects on its API server).
-
-    For an update (PATCH or PUT) of a Node by the agent's ServiceAccount (`namespace`/fleetheal-agent):
-    - the Node must be the one named in the token (`NODE_NAME_EXTRA`); a token bound to no node may change
-      no Node at all;
-    - on its own Node the agent may only add the `fleetheal.io/unhealthy` taint and set the
-      `fleetheal.io/fault` label: it removes or changes no taint (an isolation taint put there by the
-      remediator stays), changes no other label (not its pool) nor annotation, and does not uncordon.
-    Reading Nodes stays open to the agent, as it is to every kubelet.
-    """
-    user = f"system:serviceaccount:{namespace}:{NAME}"
-    unhealthy, fault = contracts.TAINT_UNHEALTHY, contracts.LABEL_FAULT
-    policy = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": OWN_NODE_POLICY},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}
-                ]
-            },
-            "matchConditions": [
-                {"name": "is-the-fleetheal-agent", "expression": f"request.userInfo.username == '{user}'"}
-            ],
-            "variables": [
-                {
-                    "name": "boundNode",
-                    "expression": f"'{NODE_NAME_EXTRA}' in request.userInfo.extra"
-                    f" ? request.userInfo.extra['{NODE_NAME_EXTRA}'] : []",
-                },
-                {"name": "oldTaints", "expression": "has(oldObject.spec.taints) ? oldObject.spec.taints : []"},
-                {"name": "newTaints", "expression": "has(object.spec.taints) ? object.spec.taints : []"},
-                {"name": "oldLabels", "expression": "has(oldObject.metadata.labels) ? oldObject.metadata.labels : {}"},
-                {"name": "newLabels", "expression": "has(object.metadata.labels) ? object.metadata.labels : {}"},
-            ],
-            "validations": [
-                {
-                    "expression": "variables.boundNode == [object.metadata.name]",
-                    "messageExpression": (
-                        "size(variables.boundNode) == 0"
-                        " ? 'the fleetheal agent token is bound to no node: it may change no Node'"
-                        " : 'the fleetheal agent of node ' + variables.boundNode[0]"
-                        " + ' may change only its own Node, not ' + object.metadata.name"
-                    ),
-                    "reason": "Forbidden",
-                },
-                {
-                    "expression": "variables.oldTaints.all(t, t in variables.newTaints)"
-                    f" && variables.newTaints.all(t, t in variables.oldTaints || t.key == '{unhealthy}')",
-                    "message": f"the fleetheal agent may only add the {unhealthy} taint; it removes or changes none",
-                    "reason": "Forbidden",
-                },
-                {
-                    "expression": f"variables.newLabels.all(k, k == '{fault}'"
-                    " || (k in variables.oldLabels && variables.oldLabels[k] == variables.newLabels[k]))"
-                    f" && variables.oldLabels.all(k, k == '{fault}' || k in variables.newLabels)"
-                    " && (has(object.metadata.annotations) ? object.metadata.annotations : {})"
-                    " == (has(oldObject.metadata.annotations) ? oldObject.metadata.annotations : {})"
-                    " && (has(object.spec.unschedulable) && object.spec.unschedulable)"
-                    " == (has(oldObject.spec.unschedulable) && oldObject.spec.unschedulable)",
-                    "message": f"the fleetheal agent may only set the {fault} label; it changes no other label,"
-                    " annotation or cordon",
-                    "reason": "Forbidden",
-                },
-            ],
-        },
-    }
-    binding = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": OWN_NODE_POLICY},
-        "spec": {"policyName": OWN_NODE_POLICY, "validationActions": ["Deny"]},
-    }
-    return policy, binding
 
 
 def agent_config(port: int) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from fleetheal.cli import UsageError
+from fleetheal.errors import UsageError
+from fleetheal.tools import tools_dir
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -112,7 +113,6 @@ def run_engine(args: argparse.Namespace) -> int:
     from pulumi import automation as auto
 
     from fleetheal.infra import engine
-    from fleetheal.lab.controlplane import tools_dir
 
     kubeconfig = args.kubeconfig or (Path(os.environ["KUBECONFIG"]) if os.environ.get("KUBECONFIG") else None)
     if kubeconfig is None:

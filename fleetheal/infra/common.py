@@ -6,12 +6,12 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+# The policy pack's rules (policies/rules.py) define what "pinned" and the environment label mean; the
+# components refuse at construction what the pack would refuse at preview.
+from fleetheal.infra.policy import image_is_pinned
+
 #: Labels every object fleetheal creates carries (Kubernetes recommended labels).
 MANAGED_BY = {"app.kubernetes.io/managed-by": "fleetheal", "app.kubernetes.io/part-of": "fleetheal"}
-#: The stack's environment (fleetheal:environment) on its Namespaces; the policy pack holds a stack whose
-#: remediator's Namespace says PRODUCTION to the production rules.
-LABEL_ENVIRONMENT = "fleetheal.io/environment"
-PRODUCTION = "production"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
@@ -62,14 +62,6 @@ def quantity(component: str, field: str, value: Any) -> str:
             f"{component}.{field}: {value!r} is not accepted; use a Kubernetes quantity such as 10Gi"
         )
     return value
-
-
-def image_is_pinned(image: str) -> bool:
-    """True for REPO@sha256:DIGEST or REPO:TAG with a tag other than `latest`."""
-    if "@sha256:" in image:
-        return True
-    name, sep, tag = image.rpartition(":")
-    return bool(sep and name and tag and "/" not in tag and tag != "latest")
 
 
 def pinned_image(component: str, field: str, value: Any) -> str:

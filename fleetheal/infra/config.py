@@ -19,7 +19,20 @@ from typing import Any
 import yaml
 
 PROJECT = "fleetheal"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _project_root() -> Path:
+    """The Pulumi project: the checkout this package sits in, or for an installed wheel the nearest
+    directory holding Pulumi.yaml from the working directory up (as the Pulumi CLI looks), else the
+    working directory (`fleetheal render --root` names another)."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "Pulumi.yaml").is_file():
+        return checkout
+    cwd = Path.cwd()
+    return next((d for d in (cwd, *cwd.parents) if (d / "Pulumi.yaml").is_file()), cwd)
+
+
+REPO_ROOT = _project_root()
 PROJECT_FILE = REPO_ROOT / "Pulumi.yaml"
 
 SLINKY_MODES = ("manifests", "helm")

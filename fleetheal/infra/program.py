@@ -11,7 +11,7 @@ import pulumi_kubernetes as k8s
 from pulumi.runtime import rpc
 
 from fleetheal import generate
-from fleetheal.infra import common
+from fleetheal.infra import common, policy
 from fleetheal.infra.accounting_db import AccountingDatabase
 from fleetheal.infra.agent import HealthAgent
 from fleetheal.infra.alerting import AlertRouting
@@ -109,7 +109,7 @@ def skip_await(args: pulumi.ResourceTransformArgs) -> pulumi.ResourceTransformRe
 def build(cfg: StackConfig) -> Fleet:
     if not cfg.await_readiness:
         pulumi.runtime.register_resource_transform(skip_await)
-    environment = {common.LABEL_ENVIRONMENT: cfg.environment}
+    environment = {policy.LABEL_ENVIRONMENT: cfg.environment}
     ns_slurm = k8s.core.v1.Namespace(
         "ns-slurm",
         metadata={"name": cfg.slurm_namespace, "labels": common.labels("namespace", cfg.slurm_namespace, environment)},

@@ -17,7 +17,7 @@ import shutil
 import sys
 from typing import Any
 
-from fleetheal.cli import UsageError
+from fleetheal.errors import UsageError
 
 
 def _dir_arg(p: argparse.ArgumentParser) -> None:

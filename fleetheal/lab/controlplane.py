@@ -35,9 +35,7 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -48,9 +46,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fleetheal.httpjson import request_json
 from fleetheal.procs import alive, free_ports, stop_pid
+from fleetheal.tools import tools_dir
+from fleetheal.wait import WaitTimeout, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 #: etcd, kube-apiserver and kube-controller-manager, in start order.
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 #: Controllers of kube-controller-manager that run. Not node-lifecycle (there is no kubelet to send
@@ -84,10 +84,6 @@ class KubeApiError(RuntimeError):
         super().__init__(f"HTTP {status}: {body[:500]}")
         self.status = status
         self.body = body
-
-
-def tools_dir() -> Path:
-    return Path(os.environ.get("FLEETHEAL_TOOLS", REPO / ".tools")) / "bin"
 
 
 def tools_built() -> bool:
@@ -235,6 +231,7 @@ class KubeControlPlane:
         self.pids: dict[str, int] = {}
         self.url = ""
         self._admin_ssl: ssl.SSLContext | None = None
+        self._admin_api: Any = None
 
     # paths
     @property
@@ -260,7 +257,7 @@ class KubeControlPlane:
             KubeControlPlane.attach(self.state_dir).stop()
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         pki = _Pki(self.pki)
-        self._admin_ssl = None  # new certificates
+        self._admin_ssl = self._admin_api = None  # new certificates
         pki.issue("etcd", "etcd", server=True, client=True)
         pki.issue("apiserver", "kube-apiserver", server=True)
         pki.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
@@ -332,17 +329,10 @@ class KubeControlPlane:
     def _wait_etcd(self, port: int, deadline: float) -> None:
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         ctx.load_cert_chain(self.pki / "apiserver-etcd-client.crt", self.pki / "apiserver-etcd-client.key")
-        while True:
-            self._check_alive("etcd")
-            try:
-                url = f"https://127.0.0.1:{port}/health"
-                with urllib.request.urlopen(url, context=ctx, timeout=2) as r:
-                    if json.load(r).get("health") == "true":
-                        return
-            except OSError:
-                pass
-            self._check_deadline("etcd", deadline)
-            time.sleep(0.2)
+        url = f"https://127.0.0.1:{port}/health"
+        self._wait_up(
+            "etcd", lambda: request_json("GET", url, timeout=2, context=ctx).get("health") == "true", deadline
+        )
 
     def _start_apiserver(self, etcd_port: int, port: int) -> None:
         p = self.pki
@@ -374,17 +364,23 @@ class KubeControlPlane:
         )
 
     def _wait_ready(self, deadline: float) -> None:
-        ctx = self._admin_context()
-        while True:
-            self._check_alive("kube-apiserver")
-            try:
-                with urllib.request.urlopen(f"{self.url}/readyz", context=ctx, timeout=5) as r:  # noqa: S310
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            self._check_deadline("kube-apiserver", deadline)
-            time.sleep(0.3)
+        self._wait_up("kube-apiserver", lambda: api_request(self._api(None), "GET", "/readyz", timeout=5), deadline)
+
+    def _wait_up(self, name: str, check: Callable[[], object], deadline: float) -> None:
+        """Until `check()` is true; ControlPlaneError with the log's tail if `name` exits or `deadline` passes."""
+
+        def up() -> object:
+            self._check_alive(name)
+            return check()
+
+        try:
+            wait_until(
+                up, deadline - time.monotonic(), f"{name} to answer", interval=0.2, ignore=(OSError, KubeApiError)
+            )
+        except WaitTimeout as e:
+            raise ControlPlaneError(
+                f"{name} not ready in time; last lines of {self.log(name)}:\n{self._tail(name)}"
+            ) from e
 
     def _start_controller_manager(self) -> None:
         p = self.pki
@@ -419,10 +415,6 @@ class KubeControlPlane:
             raise ControlPlaneError(
                 f"{name} exited during start-up; last lines of {self.log(name)}:\n{self._tail(name)}"
             )
-
-    def _check_deadline(self, name: str, deadline: float) -> None:
-        if time.monotonic() > deadline:
-            raise ControlPlaneError(f"{name} not ready in time; last lines of {self.log(name)}:\n{self._tail(name)}")
 
     def _tail(self, name: str, lines: int = 20) -> str:
         try:
@@ -464,11 +456,19 @@ class KubeControlPlane:
         return config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
 
     def _admin_context(self) -> ssl.SSLContext:
-        """TLS context with the admin client certificate, made once (the stand-in kubelet polls with it)."""
+        """TLS context with the admin client certificate (to wait for etcd and the API server), made once."""
         if self._admin_ssl is None:
             self._admin_ssl = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
             self._admin_ssl.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
         return self._admin_ssl
+
+    def _api(self, token: str | None) -> Any:
+        """The admin ApiClient (made once: the stand-in kubelet polls with it), or one with a bearer `token`."""
+        if token is not None:
+            return token_client(self.url, token, str(self.pki / "ca.crt"))
+        if self._admin_api is None:
+            self._admin_api = self.client()
+        return self._admin_api
 
     def request(
         self,
@@ -479,27 +479,9 @@ class KubeControlPlane:
         *,
         token: str | None = None,
     ) -> Any:
-        """One request to the API server, as admin or with a bearer `token`; the decoded JSON answer.
-        Raises KubeApiError on a 4xx/5xx. A 429 is retried after its Retry-After, as client-go does, for up to
-        TOO_MANY_REQUESTS_S: the API server answers 429 ("storage is (re)initializing") for a moment after a
-        CRD is Established, and under load that moment was long enough to fail a test."""
-        ctx = self._admin_context() if token is None else ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)  # noqa: S310 - our https URL
-        req.add_header("Content-Type", content_type)
-        req.add_header("Accept", "application/json")
-        if token is not None:
-            req.add_header("Authorization", f"Bearer {token}")
-        deadline = time.monotonic() + TOO_MANY_REQUESTS_S
-        while True:
-            try:
-                with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:  # noqa: S310
-                    return json.load(resp)
-            except urllib.error.HTTPError as e:
-                if e.code == 429 and time.monotonic() < deadline:
-                    time.sleep(_retry_after(e.headers.get("Retry-After")))
-                    continue
-                raise KubeApiError(e.code, e.read().decode(errors="replace")) from e
+        """One request to the API server through the `kubernetes` client, as admin or with a bearer `token`;
+        the decoded JSON answer. Raises KubeApiError on a 4xx/5xx (see `api_request` for the 429 retry)."""
+        return api_request(self._api(token), method, path, body, content_type)
 
     def install_crds(self, files: Iterable[Path], timeout: float = 60.0) -> list[str]:
         """Create the CRDs in `files` (existing ones are kept) and wait until each is Established; their names."""
@@ -515,17 +497,19 @@ class KubeControlPlane:
                     if e.status != 409:
                         raise ControlPlaneError(f"CRD {doc['metadata']['name']} from {file}: {e}") from e
                 names.append(doc["metadata"]["name"])
-        deadline = time.monotonic() + timeout
         pending = set(names)
-        while pending:
+
+        def established() -> bool:
             for name in sorted(pending):
                 conds = self.request("GET", f"{path}/{name}").get("status", {}).get("conditions") or []
                 if any(c["type"] == "Established" and c["status"] == "True" for c in conds):
                     pending.discard(name)
-            if pending and time.monotonic() > deadline:
-                raise ControlPlaneError(f"CRDs not established in {timeout:.0f} s: {', '.join(sorted(pending))}")
-            if pending:
-                time.sleep(0.2)
+            return not pending
+
+        try:
+            wait_until(established, timeout, "CRDs to be established", interval=0.2)
+        except WaitTimeout as e:
+            raise ControlPlaneError(f"CRDs not established in {timeout:.0f} s: {', '.join(sorted(pending))}") from e
         return names
 
     def add_nodes(
@@ -598,6 +582,46 @@ class KubeControlPlane:
 
 
 _MERGE = "application/merge-patch+json"
+
+
+def token_client(url: str, token: str, ca_file: str | None = None) -> Any:
+    """A `kubernetes.client.ApiClient` for the API server at `url` with a bearer `token`."""
+    from kubernetes import client
+
+    cfg = client.Configuration(host=url, api_key={"authorization": token}, api_key_prefix={"authorization": "Bearer"})
+    cfg.ssl_ca_cert = ca_file
+    return client.ApiClient(cfg)
+
+
+def api_request(
+    api: Any, method: str, path: str, body: Any = None, content_type: str = "application/json", *, timeout: float = 30.0
+) -> Any:
+    """One request through the `kubernetes` client's ApiClient `api` (its credentials): `path` may carry a query
+    string; the decoded JSON answer. Raises KubeApiError on a 4xx/5xx. A 429 is retried after its Retry-After,
+    as client-go does, for up to TOO_MANY_REQUESTS_S: the API server answers 429 ("storage is (re)initializing")
+    for a moment after a CRD is Established, and under load that moment was long enough to fail a test."""
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+
+    headers = {"Accept": "application/json", "Content-Type": content_type}
+    deadline = time.monotonic() + TOO_MANY_REQUESTS_S
+    while True:
+        _, url, header_params, data, _ = api.param_serialize(
+            method, path, header_params=dict(headers), body=body, auth_settings=["BearerToken"]
+        )
+        try:
+            resp = api.call_api(method, url, header_params=header_params, body=data, _request_timeout=timeout)
+            resp.read()
+            return api.response_deserialize(resp, {"2XX": "object"}).data
+        except urllib3.exceptions.HTTPError as e:  # no connection: an OSError, as from urllib
+            raise ConnectionError(f"{method} {url}: {e}") from e
+        except ApiException as e:
+            if not e.status:  # the client's own failure (TLS): no answer either
+                raise ConnectionError(f"{method} {url}: {e.reason}") from e
+            if e.status == 429 and time.monotonic() < deadline:
+                time.sleep(_retry_after((e.headers or {}).get("Retry-After")))
+                continue
+            raise KubeApiError(int(e.status), e.body or str(e.reason or "")) from e
 
 
 def _retry_after(value: str | None) -> float:

@@ -1,8 +1,9 @@
 """`FakeKubeApiServer`: a TEST DOUBLE of the Kubernetes API server, for the lab and tests.
 
-A real kube-apiserver is not available on these machines yet (a later issue builds one from Go); until
-then this double stands in. It is not Kubernetes: it holds a few resource types in memory, has no
-kubelet, scheduler or controllers, and deletes pods at once (no graceful termination). What it does
+The lab runs it when `make tools` has not built the real control plane (`fleetheal.lab.controlplane`):
+`make demo` does not build it, and `fleetheal lab up` says which one it started. It is not Kubernetes: it
+holds a few resource types in memory, has no kubelet, scheduler or controllers, and deletes pods at once
+(no graceful termination). What it does
 follow is the API's wire semantics, closely enough that the official `kubernetes` Python client and
 Ansible's `kubernetes.core` modules (k8s, k8s_info, k8s_drain, k8s_taint, which discover resources
 through /api, /apis and the group-version resource lists) work against it over HTTP:
@@ -40,7 +41,7 @@ import re
 import signal
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1335,17 +1336,6 @@ def pod_object(name: str, node: str, labels: dict[str, str], owner_kind: str, ow
         "spec": {"nodeName": node, "containers": [{"name": "main", "image": "fleetheal-lab/placeholder:0"}]},
         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     }
-
-
-def iter_nodes(url: str, token: str | None = None, timeout: float = 5.0) -> Iterator[Obj]:
-    """Nodes read over HTTP with the standard library (for `fleetheal lab status`, without the client)."""
-    import urllib.request
-
-    req = urllib.request.Request(f"{url}/api/v1/nodes")  # noqa: S310 - loopback URL the lab wrote
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
-        yield from json.loads(resp.read())["items"]
 
 
 def main(argv: list[str] | None = None) -> int:

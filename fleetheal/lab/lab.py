@@ -10,7 +10,7 @@
   with a Node per Slurm node, labelled `fleetheal.io/pool=active|standby` (standby nodes also carry the
   standby taint), a Slinky-like slurmd pod per node (owned by a StatefulSet) under a PodDisruptionBudget
   and an agent pod per node (owned by a DaemonSet); an admin kubeconfig; each agent's bearer token is
-  bound to its own Node, and the stack's admission policy (`fleetheal.infra.agent.own_node_policy`)
+  bound to its own Node, and the stack's admission policy (`fleetheal.contracts.own_node_policy`)
   keeps it to that Node (the test double checks only that a token is present);
 - one agent per node (`fleetheal agent run`) on the simulated GPU backend, with its own metrics port,
   training socket and fault-injection file, draining its own Slurm node and tainting its own Node;
@@ -38,8 +38,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,11 +46,22 @@ from typing import Any
 
 import yaml
 
-from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_STANDBY
-from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, tools_built
+from fleetheal import procs
+from fleetheal.contracts import (
+    AGENT_NAME,
+    AGENT_RBAC_RULES,
+    DRAIN_REASON_PREFIX,
+    LABEL_FAILURE_DOMAIN,
+    LABEL_POOL,
+    OWN_NODE_POLICY,
+    TAINT_STANDBY,
+    own_node_policy,
+)
+from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, api_request, token_client, tools_built
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
-from fleetheal.procs import alive, free_ports, stop_pid
+from fleetheal.procs import free_ports
+from fleetheal.wait import WaitTimeout, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
@@ -84,74 +93,35 @@ def lab_dir_default() -> Path:
     return Path(os.environ.get("FLEETHEAL_LAB_DIR", DEFAULT_LAB_DIR))
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """Every process below `pid` (through /proc's children lists), with its command line."""
-    out: dict[int, str] = {}
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except FileNotFoundError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as fh:
-                    kids = [int(k) for k in fh.read().split()]
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            for kid in kids:
-                if kid not in out:
-                    out[kid] = _cmdline(kid)
-                    todo.append(kid)
-    return out
-
-
 def stop_process(pid: int, marker: str, timeout: float = 10.0) -> bool:
     """Stop the process `pid` (if its command line still contains `marker`) and everything below it.
 
     SIGTERM to its process group, SIGKILL after `timeout`; then SIGKILL for any descendant that had
     moved to a session of its own (ansible-runner starts ansible-playbook on a pseudo-terminal).
     """
-    if not alive(pid) or marker not in _cmdline(pid):
+    if not procs.alive(pid) or marker not in procs.cmdline(pid):
         return False
-    below = _descendants(pid)
-    stop_pid(pid, timeout)
+    below = procs.descendants(pid)
+    procs.stop_pid(pid, timeout)
     for kid, cmd in below.items():
-        if alive(kid) and _cmdline(kid) == cmd:
+        if procs.alive(kid) and procs.cmdline(kid) == cmd:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(kid, signal.SIGKILL)
     return True
 
 
-def _http(method: str, url: str, body: Any = None, token: str | None = None, ctype: str = "application/json") -> Any:
-    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode())  # noqa: S310
-    req.add_header("Content-Type", ctype)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback URLs the lab started
-        return json.loads(resp.read() or b"null")
-
-
 def _wait(what: str, check: Callable[[], object], timeout: float, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-            if check():
-                return
-        time.sleep(0.1)
-    tail = ""
-    if log is not None and log.exists():
-        tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    raise LabError(f"timed out after {timeout:g}s waiting for {what}{tail}")
+    """`wait_until` for the lab: LabError with the last lines of `log` when `what` does not come in time."""
+
+    def tail() -> str:
+        if log is None or not log.exists():
+            return ""
+        return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+
+    try:
+        wait_until(check, timeout, what, ignore=(OSError, ValueError), detail=tail)
+    except WaitTimeout as e:
+        raise LabError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -167,26 +137,24 @@ class NodeStatus:
 
 def install_agent_access(cp: KubeControlPlane, nodes: list[str], seconds: int = 7 * 24 * 3600) -> dict[str, str]:
     """On the real API server, what the stack gives the agents: their ServiceAccount (`AGENT_NAMESPACE`)
-    with the stack's ClusterRole and own-node admission policy (`fleetheal.infra.agent`), and for each
+    with the stack's ClusterRole and own-node admission policy (`fleetheal.contracts`), and for each
     of `nodes` a token bound to that Node. Returns {node: token} once the API server enforces the policy."""
-    from fleetheal.infra.agent import AGENT_RBAC_RULES, NAME, OWN_NODE_POLICY, own_node_policy
-
     rbac = "/apis/rbac.authorization.k8s.io/v1"
-    cp.request("POST", f"{rbac}/clusterroles", {"metadata": {"name": NAME}, "rules": AGENT_RBAC_RULES})
+    cp.request("POST", f"{rbac}/clusterroles", {"metadata": {"name": AGENT_NAME}, "rules": AGENT_RBAC_RULES})
     binding = {
-        "metadata": {"name": NAME},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
-        "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": AGENT_NAMESPACE}],
+        "metadata": {"name": AGENT_NAME},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_NAME},
+        "subjects": [{"kind": "ServiceAccount", "name": AGENT_NAME, "namespace": AGENT_NAMESPACE}],
     }
     cp.request("POST", f"{rbac}/clusterrolebindings", binding)
     policy, policy_binding = own_node_policy(AGENT_NAMESPACE)
     admission = "/apis/admissionregistration.k8s.io/v1"
     cp.request("POST", f"{admission}/validatingadmissionpolicies", policy)
     cp.request("POST", f"{admission}/validatingadmissionpolicybindings", policy_binding)
-    tokens = {n: cp.service_account_token(AGENT_NAMESPACE, NAME, seconds, node=n) for n in nodes}
+    tokens = {n: cp.service_account_token(AGENT_NAMESPACE, AGENT_NAME, seconds, node=n) for n in nodes}
 
     # The API server applies a new policy a moment later: wait until a token bound to no node is refused.
-    unbound = cp.service_account_token(AGENT_NAMESPACE, NAME, 600)
+    unbound = cp.service_account_token(AGENT_NAMESPACE, AGENT_NAME, 600)
 
     def enforced() -> bool:
         try:  # a dry run changes nothing, even before the policy holds
@@ -211,6 +179,7 @@ class Lab:
         self.meta: dict[str, Any] = {}
         #: True once this object's `up` has brought a lab up (so it is this process's to take down).
         self.started = False
+        self._kube_api: Any = None  # a `kubernetes.client.ApiClient`, made at the first kube_request
         if self.meta_path.exists():
             self.meta = json.loads(self.meta_path.read_text())
 
@@ -276,8 +245,8 @@ class Lab:
         return proc.pid
 
     def running(self) -> bool:
-        procs = self.meta.get("processes", {})
-        return any(alive(p["pid"]) and str(self.dir) in _cmdline(p["pid"]) for p in procs.values()) or (
+        started = self.meta.get("processes", {}).values()
+        return any(procs.alive(p["pid"]) and str(self.dir) in procs.cmdline(p["pid"]) for p in started) or (
             (self.dir / "slurm" / "cluster.json").exists()
         )
 
@@ -456,23 +425,26 @@ class Lab:
     def _create_pod(self, namespace: str, pod: dict[str, Any]) -> None:
         # The service-account controller creates each namespace's `default` account a moment after
         # the namespace; until then pod admission refuses.
-        deadline = time.monotonic() + 30
-        while True:
+        def created() -> bool:
             try:
                 self.kube_request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
-                return
-            except urllib.error.HTTPError as e:
-                if e.code != 403 or time.monotonic() > deadline:
+            except KubeApiError as e:
+                if e.status != 403:
                     raise
+                return False
+            return True
+
+        _wait(f"pod {namespace}/{pod['metadata']['name']} to be admitted", created, 30)
 
     def kube_request(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
-        """An admin request to the lab's Kubernetes API (the real one, or the double)."""
-        if self.meta["kube"].get("real"):
-            try:
-                return KubeControlPlane.attach(self.dir / "kube").request(method, path, body, ctype)
-            except KubeApiError as e:
-                raise urllib.error.HTTPError(path, e.status, e.body, {}, None) from e  # type: ignore[arg-type]
-        return _http(method, self.kube_url + path, body, self.kube_token, ctype)
+        """An admin request to the lab's Kubernetes API (the real one, or the double) through the `kubernetes`
+        client; the decoded JSON answer. Raises KubeApiError on a 4xx/5xx."""
+        if self._kube_api is None:
+            if self.meta["kube"].get("real"):
+                self._kube_api = KubeControlPlane.attach(self.dir / "kube").client()
+            else:
+                self._kube_api = token_client(self.kube_url, self.kube_token)
+        return api_request(self._kube_api, method, path, body, ctype)
 
     def _agent_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -646,11 +618,11 @@ class Lab:
     def down(self, quiet: bool = False) -> list[str]:
         """Stop everything this lab started, by PID. Returns what was stopped."""
         stopped: list[str] = []
-        procs = self.meta.get("processes", {})
+        started = self.meta.get("processes", {})
         # The remediator first (no new playbooks), Prometheus/Alertmanager, agents, the API double.
-        order = sorted(procs, key=lambda n: (n != "remediator", n.startswith("kube")))
+        order = sorted(started, key=lambda n: (n != "remediator", n.startswith("kube")))
         for name in order:
-            if stop_process(int(procs[name]["pid"]), str(self.dir)):
+            if stop_process(int(started[name]["pid"]), str(self.dir)):
                 stopped.append(name)
         mon_dir = self.dir / "monitoring"
         if mon_dir.exists():

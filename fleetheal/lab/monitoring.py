@@ -29,7 +29,6 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -42,6 +41,7 @@ from typing import Any
 import yaml
 
 from fleetheal.procs import stop_pid
+from fleetheal.wait import WaitTimeout, wait_until
 
 PROMETHEUS_BIN = "prometheus"
 ALERTMANAGER_BIN = "prometheus-alertmanager"  # Debian's name for alertmanager
@@ -209,16 +209,18 @@ class Monitoring:
         return Daemon(name, proc.pid, url, log, proc)
 
     def _wait_ready(self, daemon: Daemon, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if daemon.process is not None and daemon.process.poll() is not None:
-                break
-            with contextlib.suppress(OSError):
-                if _get(daemon.url + "/-/ready", timeout=1.0)[0] == 200:
-                    return
-            time.sleep(0.05)
-        tail = daemon.log.read_text(errors="replace")[-2000:] if daemon.log.exists() else ""
-        raise MonitoringError(f"{daemon.name} did not become ready at {daemon.url} within {timeout:g} s:\n{tail}")
+                raise MonitoringError(f"{daemon.name} exited")
+            return _get(daemon.url + "/-/ready", timeout=1.0)[0] == 200
+
+        try:
+            wait_until(ready, timeout, f"{daemon.name} at {daemon.url}", interval=0.05, ignore=(OSError,))
+        except (WaitTimeout, MonitoringError) as e:
+            tail = daemon.log.read_text(errors="replace")[-2000:] if daemon.log.exists() else ""
+            raise MonitoringError(
+                f"{daemon.name} did not become ready at {daemon.url} within {timeout:g} s:\n{tail}"
+            ) from e
 
     def start(self, timeout: float = 20.0) -> Monitoring:
         if not self.prometheus_bin or not self.alertmanager_bin:
@@ -311,10 +313,18 @@ class Monitoring:
 
     def wait_for_alert(self, alertname: str, timeout: float = 30.0, state: str = "firing") -> dict[str, Any]:
         """The first Prometheus alert named `alertname` in `state`; MonitoringError after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for alert in self.prometheus_alerts():
-                if alert["labels"].get("alertname") == alertname and alert.get("state") == state:
-                    return alert
-            time.sleep(0.1)
-        raise MonitoringError(f"alert {alertname} not {state} within {timeout:g} s")
+
+        def found() -> dict[str, Any] | None:
+            return next(
+                (
+                    a
+                    for a in self.prometheus_alerts()
+                    if a["labels"].get("alertname") == alertname and a.get("state") == state
+                ),
+                None,
+            )
+
+        try:
+            return wait_until(found, timeout, f"alert {alertname} {state}")
+        except WaitTimeout as e:
+            raise MonitoringError(f"alert {alertname} not {state} within {timeout:g} s") from e

@@ -14,10 +14,10 @@ import pwd
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from fleetheal.lab.monitoring import free_port
+from fleetheal.wait import WaitTimeout, wait_until
 
 USER = "fleetheal"
 PASSWORD = "fleetheal-test-password"  # noqa: S105 - a loopback test database
@@ -90,22 +90,20 @@ class Postgres:
     def _wait_ready(self, timeout: float) -> None:
         import psycopg
 
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
-                break
-            try:
-                with psycopg.connect(self.url(database="postgres"), connect_timeout=2, autocommit=True) as conn:
-                    if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone() is None:
-                        conn.execute(f"CREATE DATABASE {DATABASE}")
-                return
-            except psycopg.Error as exc:
-                last = str(exc)
-                time.sleep(0.1)
-        tail = (self.base / "postgres.log").read_text(errors="replace")[-2000:]
-        self.stop()
-        raise PostgresError(f"PostgreSQL did not start on 127.0.0.1:{self.port}: {last}\n{tail}")
+                raise PostgresError("the server exited")
+            with psycopg.connect(self.url(database="postgres"), connect_timeout=2, autocommit=True) as conn:
+                if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone() is None:
+                    conn.execute(f"CREATE DATABASE {DATABASE}")
+            return True
+
+        try:
+            wait_until(ready, timeout, f"PostgreSQL on 127.0.0.1:{self.port}", ignore=(psycopg.Error,))
+        except (WaitTimeout, PostgresError) as exc:
+            tail = (self.base / "postgres.log").read_text(errors="replace")[-2000:]
+            self.stop()
+            raise PostgresError(f"PostgreSQL did not start on 127.0.0.1:{self.port}: {exc}\n{tail}") from exc
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> None:
         """Stop the server (SIGINT: PostgreSQL's fast shutdown; SIGKILL: a crash)."""

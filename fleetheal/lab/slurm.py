@@ -41,12 +41,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from fleetheal.procs import alive, free_ports
-from fleetheal.scontrol import NodeInfo, parse_kv_line, parse_node_line
+import psutil
 
-__all__ = ["IDLE", "NodeInfo", "SlurmCluster", "SlurmError", "parse_kv_line", "parse_node_line"]
+from fleetheal import procs
+from fleetheal.procs import free_ports
+from fleetheal.scontrol import parse_kv_line
+from fleetheal.slurm_nodes import Node, read, sinfo_argv
+from fleetheal.wait import WaitTimeout, wait_until
 
-#: Base states Slurm reports (`scontrol show node`), before any `+FLAG`.
+__all__ = ["IDLE", "Node", "SlurmCluster", "SlurmError", "parse_kv_line"]
+
+#: A base state Slurm reports (`fleetheal.slurm_nodes.BASE_STATES`).
 IDLE = "IDLE"
 
 _META_FILE = "cluster.json"
@@ -56,23 +61,14 @@ class SlurmError(RuntimeError):
     """A Slurm command failed, or the cluster did not reach the expected state in time."""
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(p) for p in fh.read().split()]
-    except FileNotFoundError:
-        return []
-
-
 def _recorded_holder(state_dir: Path) -> int | None:
     """The holder PID recorded in state_dir, if that process is alive and still our `unshare`."""
     try:
         pid = int(json.loads((state_dir / _META_FILE).read_text())["holder_pid"])
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmdline = fh.read()
     except (FileNotFoundError, ValueError, KeyError):
         return None
-    return pid if alive(pid) and b"unshare" in cmdline and str(state_dir).encode() in cmdline else None
+    cmd = procs.cmdline(pid)
+    return pid if procs.alive(pid) and "unshare" in cmd and str(state_dir) in cmd else None
 
 
 class SlurmCluster:
@@ -308,36 +304,22 @@ while :; do wait; sleep 1; done
 
     def running(self) -> bool:
         """True while the namespace holder process is alive."""
-        return self.holder_pid is not None and alive(self.holder_pid)
+        return self.holder_pid is not None and procs.alive(self.holder_pid)
 
     def _ns_init_pid(self) -> int | None:
         """PID 1 of the cluster's namespace, as this namespace sees it."""
         if self.holder_pid is None:
             return None
-        kids = _children(self.holder_pid)
-        return kids[0] if kids else None
+        try:
+            kids = psutil.Process(self.holder_pid).children()
+        except psutil.Error:
+            return None
+        return min(k.pid for k in kids) if kids else None
 
     def processes(self) -> dict[int, str]:
         """Every process in the cluster's PID namespace: {pid (as we see it): command line}."""
         init = self._ns_init_pid()
-        if init is None:
-            return {}
-        try:
-            ns = os.readlink(f"/proc/{init}/ns/pid")
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                if os.readlink(f"/proc/{entry}/ns/pid") != ns:
-                    continue
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    out[int(entry)] = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-        return out
+        return {} if init is None else procs.namespace_processes(init)
 
     def stop(self, graceful: bool = True, timeout: float = 10.0) -> None:
         """Stop every daemon; nothing of the cluster survives this call.
@@ -351,17 +333,13 @@ while :; do wait; sleep 1; done
         if graceful and init is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(init, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while alive(init) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            procs.wait_gone([init], timeout)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.holder_pid, signal.SIGKILL)
         if self._holder is not None:
             self._holder.wait()
-        deadline = time.monotonic() + timeout
-        while (alive(self.holder_pid) or (init is not None and alive(init))) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if init is not None and alive(init):
+        procs.wait_gone([self.holder_pid] if init is None else [self.holder_pid, init], timeout)
+        if init is not None and procs.alive(init):
             raise SlurmError(f"cluster in {self.state_dir} did not stop (namespace init pid {init})")
         self._holder = None
         self.holder_pid = None
@@ -387,9 +365,7 @@ while :; do wait; sleep 1; done
         for pid in pids:
             os.kill(pid, sig)
         # A signal is delivered asynchronously: return once the daemon is gone, so callers see it gone.
-        deadline = time.monotonic() + 5.0
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        procs.wait_gone(pids, 5.0)
 
     def start_slurmd(self, node: str) -> None:
         """Start one node's slurmd again inside the cluster's namespace."""
@@ -436,15 +412,15 @@ while :; do wait; sleep 1; done
         out = self.run("sbatch", "--parsable", f"--chdir={jobs_dir}", *args, str(path)).stdout.strip()
         return out.split(";", 1)[0]
 
-    def nodes(self) -> dict[str, NodeInfo]:
-        """Every node's state and reason, from `scontrol show node -o`."""
-        out = self.scontrol("show", "node", "-o")
-        infos = [parse_node_line(line) for line in out.splitlines() if line.startswith("NodeName=")]
-        return {n.name: n for n in infos}
+    def nodes(self) -> dict[str, Node]:
+        """Every node's state and reason (`fleetheal.slurm_nodes`)."""
+        return read(self.run(*sinfo_argv()).stdout)
 
-    def node(self, name: str) -> NodeInfo:
-        out = self.scontrol("show", "node", "-o", name)
-        return parse_node_line(out.strip().splitlines()[0])
+    def node(self, name: str) -> Node:
+        node = read(self.run(*sinfo_argv("sinfo", name)).stdout).get(name)
+        if node is None:
+            raise SlurmError(f"sinfo: no node {name}")
+        return node
 
     def job(self, job_id: str) -> dict[str, str]:
         """One job's fields from `scontrol show job -o` (JobState, NodeList, Reason, Restarts...)."""
@@ -455,48 +431,53 @@ while :; do wait; sleep 1; done
 
         A node drained in an earlier run of the same state dir stays drained: that is Slurm's saved state.
         """
-        deadline = time.monotonic() + timeout
-        seen: dict[str, NodeInfo] = {}
-        while True:
-            if self.holder_pid is not None and not self.running():
-                raise SlurmError(f"cluster daemons exited; see {self.log_dir}")
+        seen: dict[str, Node] = {}
+
+        def registered() -> bool:
+            nonlocal seen
+            self._check_running()
             with contextlib.suppress(SlurmError, subprocess.TimeoutExpired):
                 seen = self.nodes()
-                if all(n in seen and seen[n].state != "UNKNOWN" and seen[n].responding for n in self.node_names):
-                    return
-            if time.monotonic() >= deadline:
-                states = {n: f"{i.state}+{'+'.join(sorted(i.flags))}" for n, i in seen.items()}
-                raise SlurmError(f"slurmd not registered after {timeout}s: {states}; logs in {self.log_dir}")
-            time.sleep(0.05)
+            return all(n in seen and seen[n].state != "UNKNOWN" and seen[n].responding for n in self.node_names)
+
+        try:
+            wait_until(registered, timeout, "slurmd to register", interval=0.05)
+        except WaitTimeout as e:
+            states = {n: f"{i.state}+{'+'.join(sorted(i.flags))}" for n, i in seen.items()}
+            raise SlurmError(f"slurmd not registered after {timeout}s: {states}; logs in {self.log_dir}") from e
+
+    def _check_running(self) -> None:
+        """SlurmError (which no wait ignores) once the cluster's daemons are gone."""
+        if self.holder_pid is not None and not self.running():
+            raise SlurmError(f"cluster daemons exited; see {self.log_dir}")
 
     def wait_nodes(self, state: str = IDLE, nodes: Sequence[str] | None = None, timeout: float = 30.0) -> None:
         """Wait until every node (or `nodes`) has base state `state` and no flags but DRAIN-less
         steady ones; raises SlurmError with the last states seen."""
         want = list(nodes or self.node_names)
-        deadline = time.monotonic() + timeout
-        seen: dict[str, NodeInfo] = {}
+        seen: dict[str, Node] = {}
         last_err = ""
-        while True:
-            if self.holder_pid is not None and not self.running():
-                raise SlurmError(f"cluster daemons exited; see {self.log_dir}")
+
+        def reached() -> bool:
+            nonlocal seen, last_err
+            self._check_running()
             try:
                 seen = self.nodes()
-                if all(n in seen and seen[n].state == state and not (seen[n].flags - {"DYNAMIC_NORM"}) for n in want):
-                    return
             except (SlurmError, subprocess.TimeoutExpired) as exc:
                 last_err = str(exc)
-            if time.monotonic() >= deadline:
-                states = {n: f"{i.state}+{'+'.join(sorted(i.flags))}" for n, i in seen.items()}
-                raise SlurmError(f"nodes not {state} after {timeout}s: {states or last_err}; logs in {self.log_dir}")
-            time.sleep(0.05)
+                return False
+            return all(n in seen and seen[n].state == state and not (seen[n].flags - {"DYNAMIC_NORM"}) for n in want)
+
+        try:
+            wait_until(reached, timeout, f"nodes {state}", interval=0.05)
+        except WaitTimeout as e:
+            states = {n: f"{i.state}+{'+'.join(sorted(i.flags))}" for n, i in seen.items()}
+            raise SlurmError(f"nodes not {state} after {timeout}s: {states or last_err}; logs in {self.log_dir}") from e
 
     @staticmethod
     def wait_for(what: str, check: Callable[[], object], timeout: float = 30.0, interval: float = 0.05) -> None:
         """Poll `check()` until it returns something true; `what` names the condition in the error."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if check():
-                return
-            if time.monotonic() >= deadline:
-                raise SlurmError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(interval)
+        try:
+            wait_until(check, timeout, what, interval=interval)
+        except WaitTimeout as e:
+            raise SlurmError(str(e)) from e

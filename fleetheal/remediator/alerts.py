@@ -48,11 +48,16 @@ class PayloadError(ValueError):
     """The body is not an Alertmanager webhook payload; str() is the reason given to the sender."""
 
 
-@dataclass(frozen=True, slots=True)
-class Alert:
-    """One validated alert: every field here is safe to store, log and pass to a playbook."""
+#: The field of AlertFacts that holds each label whose name is not the field's.
+_LABEL_FIELDS = {"class": "fault_class"}
 
-    status: str
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlertFacts:
+    """What a validated alert says about its fault: the part of an `Alert` that its incident keeps
+    (store.Incident). Every field is safe to store, log and pass to a playbook. Keyword arguments only:
+    the subclasses add fields of their own, and a positional list would silently mean other fields."""
+
     fingerprint: str
     starts_at: str  # RFC 3339, UTC, microseconds: the dedupe key with the fingerprint
     starts_at_ts: float
@@ -66,6 +71,17 @@ class Alert:
     severity: str
     job_id: str  # "" when the alert names no job
     alertname: str  # "" when absent or not a plain name
+
+    def labels(self) -> dict[str, str]:
+        """The alert's labels under their own names (contracts.ALERT_LABELS, then job_id)."""
+        return {name: getattr(self, _LABEL_FIELDS.get(name, name)) for name in (*ALERT_LABELS, "job_id")}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alert(AlertFacts):
+    """One validated alert: firing or resolved."""
+
+    status: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,10 @@ import asyncio
 import contextlib
 import fcntl
 import hmac
-import json
 import logging
 import os
 import signal
 import ssl
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -31,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fleetheal import steps
+from fleetheal import logs, steps
 from fleetheal import taxonomy as taxmod
 from fleetheal.remediator import alerts
 from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
@@ -52,32 +50,9 @@ NODE_REPAIRED_PATH = "/api/v1/nodes/{node}/repaired"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and any `extra` fields."""
-
-    _SKIP = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        for key, value in vars(record).items():
-            if key not in self._SKIP:
-                doc[key] = value
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
 def setup_logging(level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    """fleetheal's JSON log lines (fleetheal.logs) on stderr; aiohttp's access log only from warnings up."""
+    logs.setup_logging(level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 

@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any
 
-from fleetheal.cli import UsageError
+from fleetheal.errors import UsageError
 
 PHASES = (
     ("detect", "alert start (startsAt) -> received"),
@@ -111,23 +111,27 @@ def _load(args: argparse.Namespace) -> Any:
 
 def _store(args: argparse.Namespace) -> Any:
     from fleetheal.remediator.config import ConfigError
-    from fleetheal.remediator.store import Store, StoreError
+    from fleetheal.remediator.store import SchemaError, Store, StoreError
 
     cfg = _load(args)
     try:
         url = cfg.store.url()
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
-    if url is not None:  # the replicas' shared PostgreSQL: an operator's command writes there too
-        try:
+    try:
+        if url is not None:  # the replicas' shared PostgreSQL: an operator's command writes there too
             return Store.postgres(url)
-        except StoreError as exc:
+        if not os.path.exists(cfg.store.path):
+            raise UsageError(f"no remediator database at {cfg.store.path} (store.path in {args.config})")
+        return Store(cfg.store.path, cfg.store.synchronous)
+    except SchemaError as exc:
+        raise UsageError(str(exc)) from None
+    except StoreError as exc:
+        if url is not None:
             raise UsageError(
                 f"cannot reach the remediator's PostgreSQL (store.url_file in {args.config}): {exc}"
             ) from None
-    if not os.path.exists(cfg.store.path):
-        raise UsageError(f"no remediator database at {cfg.store.path} (store.path in {args.config})")
-    return Store(cfg.store.path, cfg.store.synchronous)
+        raise UsageError(f"cannot open the remediator's database {cfg.store.path}: {exc}") from None
 
 
 def _iso(ts: float | None) -> str:
@@ -390,7 +394,6 @@ def show_node(args: argparse.Namespace) -> int:
 
 def repaired(args: argparse.Namespace) -> int:
     import urllib.error
-    import urllib.request
 
     cfg = _load(args)
     path = args.token_file or cfg.auth.operator_token_file
@@ -405,15 +408,11 @@ def repaired(args: argparse.Namespace) -> int:
     base = args.url or f"{scheme}://{cfg.listen.host}:{cfg.listen.port}"
     from urllib.parse import quote
 
-    request = urllib.request.Request(  # noqa: S310 - the operator's own remediator URL
-        f"{base.rstrip('/')}/api/v1/nodes/{quote(args.node, safe='')}/repaired",
-        data=json.dumps({"by": args.by}).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        method="POST",
-    )
+    from fleetheal.httpjson import request_json
+
+    url = f"{base.rstrip('/')}/api/v1/nodes/{quote(args.node, safe='')}/repaired"
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - see above
-            doc = json.loads(response.read())
+        doc = request_json("POST", url, {"by": args.by}, token=token, timeout=30)
     except urllib.error.HTTPError as exc:
         try:
             why = json.loads(exc.read()).get("error", exc.reason)

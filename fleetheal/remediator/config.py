@@ -1,9 +1,9 @@
 """The remediator's configuration: one YAML file plus environment overrides, parsed once.
 
 Every key has a documented default (docs/remediator.md lists them all; `example.yaml` next to this
-module is a complete file). An environment variable `FLEETHEAL_REMEDIATOR_<SECTION>_<KEY>` overrides a
-scalar key, e.g. `FLEETHEAL_REMEDIATOR_GATE_DRY_RUN=true` or
-`FLEETHEAL_REMEDIATOR_GATE_BUDGET_MAX_ISOLATED=4`.
+module is a complete file). Files, environment variables (`FLEETHEAL_REMEDIATOR_<SECTION>__<KEY>`, e.g.
+`FLEETHEAL_REMEDIATOR_GATE__DRY_RUN=true` or `FLEETHEAL_REMEDIATOR_GATE__BUDGET__MAX_ISOLATED=4`), values
+and errors follow fleetheal.settings, as every fleetheal service does.
 
 The bearer token comes from `FLEETHEAL_REMEDIATOR_TOKEN` or from the file `auth.token_file`; it is kept
 out of `repr()` and is never logged.
@@ -21,10 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_type_hints
 
-import yaml
-
-from fleetheal import contracts, steps
+from fleetheal import contracts, settings, steps
 from fleetheal.contracts import PLAYBOOK_VARS
+from fleetheal.settings import ConfigError as ConfigError  # noqa: PLC0414 - re-exported: callers catch it here
 
 ENV_PREFIX = "FLEETHEAL_REMEDIATOR_"
 TOKEN_ENV = ENV_PREFIX + "TOKEN"
@@ -41,12 +40,13 @@ _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _SITE_VAR = re.compile(r"fleetheal_[a-z0-9_]+")
 
 
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key and what it accepts."""
-
-
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    """The directory holding the default `playbooks/`: the fleetheal package. In a checkout
+    fleetheal/playbooks links to the top-level playbooks/; a wheel carries them as package data (with
+    the roles inside, playbooks/roles)."""
+    from importlib import resources
+
+    return Path(str(resources.files("fleetheal")))
 
 
 def is_node_name(name: str) -> bool:
@@ -302,12 +302,12 @@ class Config:
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
     leader_election: LeaderElectionConfig = dataclasses.field(default_factory=LeaderElectionConfig)
     membership: MembershipConfig = dataclasses.field(default_factory=MembershipConfig)
-    #: The bearer token (never printed: repr=False).
-    token: str = dataclasses.field(default="", repr=False, compare=False)
+    #: The bearer token (never printed: repr=False), from FLEETHEAL_REMEDIATOR_TOKEN or auth.token_file.
+    token: str = dataclasses.field(default="", repr=False, compare=False, metadata=settings.NOT_A_SETTING)
     #: Why the token could not be read (reported when the service starts).
-    token_problem: str = ""
+    token_problem: str = dataclasses.field(default="", metadata=settings.NOT_A_SETTING)
     #: Where the file came from (for messages).
-    source: str = "<defaults>"
+    source: str = dataclasses.field(default="<defaults>", metadata=settings.NOT_A_SETTING)
 
     def paused(self) -> bool:
         """True while the pause switch is on (config key or the pause file)."""
@@ -316,92 +316,10 @@ class Config:
 
 # --- parsing -------------------------------------------------------------------------------------------
 
+#: Section name -> its dataclass: the fields of Config that are settings.
 _SECTIONS: dict[str, type] = {
-    "cluster": ClusterConfig,
-    "listen": ListenConfig,
-    "auth": AuthConfig,
-    "webhook": WebhookConfig,
-    "store": StoreConfig,
-    "runner": RunnerConfig,
-    "gate": GateConfig,
-    "lifecycle": LifecycleConfig,
-    "leader_election": LeaderElectionConfig,
-    "membership": MembershipConfig,
+    f.name: get_type_hints(Config)[f.name] for f in dataclasses.fields(Config) if not f.metadata
 }
-
-
-def _convert(where: str, hint: Any, value: Any) -> Any:
-    """`value` as the type `hint` names, or ConfigError naming `where`."""
-    text = str(hint)
-    optional = "None" in text
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{where}: must not be empty")
-    if hint is bool or text.startswith("bool"):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if hint is int or text.startswith("int"):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-    if hint is float or text.startswith("float"):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if hint is str or text.startswith("str"):
-        if isinstance(value, str | int | float) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    if text.startswith("tuple"):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-        return tuple(value)
-    if text.startswith("collections.abc.Mapping[str, typing.Any]"):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-        return types.MappingProxyType(dict(value))
-    if text.startswith("collections.abc.Mapping") or text.startswith("Mapping"):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-        return types.MappingProxyType({str(k): "" if v is None else str(v) for k, v in value.items()})
-    raise ConfigError(f"{where}: unsupported type {hint}")  # pragma: no cover - a bug in this module
-
-
-def _build(cls: type, where: str, raw: Any, env: Mapping[str, str]) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(fields))})")
-    kwargs: dict[str, Any] = {}
-    for name in fields:
-        key = f"{where}.{name}"
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, key, raw.get(name), env)  # type: ignore[arg-type]
-            continue
-        env_name = ENV_PREFIX + key.upper().replace(".", "_")
-        if env_name in env:
-            kwargs[name] = _convert(f"{key} (from {env_name})", hint, env[env_name])
-        elif name in raw:
-            kwargs[name] = _convert(key, hint, raw[name])
-    return cls(**kwargs)
 
 
 def _read_token(auth: AuthConfig, env: Mapping[str, str]) -> tuple[str, str]:
@@ -509,30 +427,19 @@ def _check(cfg: Config) -> None:
 def from_mapping(doc: Any, env: Mapping[str, str] | None = None, source: str = "<mapping>") -> Config:
     """A Config from a parsed YAML document and environment overrides (os.environ by default)."""
     env = os.environ if env is None else env
-    if doc is None:
-        doc = {}
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping")
-    unknown = sorted(set(doc) - set(_SECTIONS))
-    if unknown:
-        raise ConfigError(f"{source}: unknown section {unknown[0]!r} (known: {', '.join(_SECTIONS)})")
-    sections = {name: _build(cls, name, doc.get(name), env) for name, cls in _SECTIONS.items()}
-    token, problem = _read_token(sections["auth"], env)
-    cfg = Config(**sections, token=token, token_problem=problem, source=source)
-    _check(cfg)
+    try:
+        cfg = settings.build(Config, doc, env, ENV_PREFIX, reserved=(TOKEN_ENV, CONFIG_ENV))
+        token, problem = _read_token(cfg.auth, env)
+        cfg = dataclasses.replace(cfg, token=token, token_problem=problem, source=source)
+        _check(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     return cfg
 
 
 def load(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
     """Read and check a configuration file; raises ConfigError with the key at fault."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return from_mapping(doc, env, source=str(path))
+    return from_mapping(settings.read_yaml(path), env, source=str(path))
 
 
 def require_token(cfg: Config) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 from fleetheal import steps
 from fleetheal import taxonomy as taxmod
 from fleetheal.remediator.config import Config
-from fleetheal.remediator.gate import Gate, Verdict
+from fleetheal.remediator.gate import Gate, Verdict, hold_changed
 from fleetheal.remediator.lifecycle import Lifecycle
 from fleetheal.remediator.metrics import Metrics
 from fleetheal.remediator.responder import FirstResponder
@@ -485,47 +485,23 @@ class Engine:
         self._observe_step("classify", inc.action, "ok", self.clock() - t0)
 
     def _gate(self, inc: Incident) -> bool:
-        """Ask the gate; False when the incident is held (stays classified)."""
-        steps = [s for s in self.store.steps(inc.id) if s.name == "gate"]
-        open_step = next((s for s in reversed(steps) if s.ended_at is None), None)
-        first = not steps
-        step_id = open_step.id if open_step else self.store.start_step(inc.id, "gate")
-        verdict = self.gate.evaluate(inc, first=first)
-        facts = self.gate.facts(inc)
+        """Ask the gate; False when the incident is held (stays classified). The gate step, the decision and
+        its record are one transaction: no other writer (a playbook thread, the lifecycle, an operator's
+        release) changes the ledger between them, and a look that fails leaves nothing (the next one is
+        the first again, counted once by the storm detector)."""
+        with self.store.tx():
+            steps = [s for s in self.store.steps(inc.id) if s.name == "gate"]
+            open_step = next((s for s in reversed(steps) if s.ended_at is None), None)
+            step_id = open_step.id if open_step else self.store.start_step(inc.id, "gate")
+            verdict = self.gate.evaluate(inc, first=not steps)
+            self.gate.record(inc, verdict, step_id)
+        if verdict.kind != "hold" or hold_changed(inc, verdict):
+            self._count_decision(verdict)
         if verdict.kind == "hold":
-            previous = (inc.hold_reason or "").split(":", 1)[0]
-            if previous != verdict.reason_kind:
-                self._count_decision(verdict)
-                self.store.audit("hold", verdict.reason, inc.id, node=inc.node, action=inc.action, facts=facts)
-                self.store.add_event(inc.id, "held", verdict.reason, step_id)
-            self.store.set_hold(inc.id, f"{verdict.reason_kind}: {verdict.reason}")
             return False
-        self._count_decision(verdict)
-        if verdict.kind == "deny":
-            self.store.record_decision(
-                inc, "done", verdict.decision, verdict.reason, facts, outcome=verdict.reason, step_id=step_id
-            )
-            self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
-            self._finished(inc, "done")
-            return True
-        domain = self.cfg.cluster.domain_of(inc.node) if verdict.isolate else None
-        self.store.record_decision(
-            inc,
-            "gated",
-            verdict.decision,
-            verdict.reason,
-            facts,
-            isolate_domain=domain,
-            count_isolation=verdict.isolate,
-            take_over_isolation=verdict.take_over,
-            quarantine=verdict.quarantine,
-            requeue_job=verdict.run_job_id or None,
-            run_job_id=verdict.run_job_id,
-            dry_run=verdict.dry_run,
-            budget_remaining=verdict.budget_remaining,
-            step_id=step_id,
-        )
         self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
+        if verdict.kind == "deny":
+            self._finished(inc, "done")
         return True
 
     async def _respond_first(self, inc: Incident) -> None:

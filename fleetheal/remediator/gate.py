@@ -21,6 +21,10 @@ Rules, in order:
    what does not fit; the node's N-th isolation within the lemon window quarantines it for good.
    A node that is already isolated costs no further budget.
 
+`evaluate` decides and writes nothing; `record` writes what the decision changes (the storm detector's
+arrival, the breaker, the ledger, the incident, the audit record). The engine calls both inside one store
+transaction, so no other writer's change falls between a decision and its record.
+
 Every final decision, every change of hold reason and every breaker transition is written to the audit
 table together with the numbers it was based on.
 """
@@ -38,6 +42,7 @@ from fleetheal.remediator.store import Incident, Store, incident_ref
 from fleetheal.taxonomy import Taxonomy
 
 _BREAKER_KEY = "breaker_open_since"
+_BREAKER_HOLD = "circuit breaker open (isolation storm); queued until quiet"
 
 #: Low-cardinality reasons (metric label values).
 REASONS = (
@@ -68,6 +73,8 @@ class Verdict:
     take_over: bool = False  # a stronger action escalates an isolation another incident owns
     quarantine: bool = False
     budget_remaining: int = 0  # isolations the budget allows, this node's included (a fact for the playbook)
+    arrival: bool = False  # a destructive request for a node not yet isolated: the storm detector counts it
+    opens_breaker: int = 0  # > 0: this arrival makes a storm of that many nodes and opens the breaker
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,13 +132,20 @@ class Gate:
 
     # --- the breaker ------------------------------------------------------------------------------------
 
-    def _arrival(self, incident: Incident) -> None:
-        """A destructive request for a node not yet isolated: count it and open the breaker on a storm."""
+    def _opens_breaker(self, incident: Incident) -> int:
+        """The nodes in the storm window, this request counted, when it makes a storm that opens the breaker;
+        0 when it does not."""
+        br = self.cfg.gate.breaker
+        nodes = self.store.storm_nodes(self.clock() - br.window_s, arriving=incident.node)
+        return nodes if nodes > br.storm_nodes and not self.breaker_open() else 0
+
+    def _record_arrival(self, incident: Incident, verdict: Verdict) -> None:
+        """Count the request in the storm detector; open the breaker when the verdict says it makes a storm."""
         br = self.cfg.gate.breaker
         now = self.clock()
         self.store.record_arrival(incident.node, incident.id, prune_before=now - max(br.window_s, br.quiet_s) - 1)
-        nodes = self.store.storm_nodes(now - br.window_s)
-        if nodes > br.storm_nodes and not self.breaker_open():
+        if verdict.opens_breaker:
+            nodes = verdict.opens_breaker
             self.store.kv_set(_BREAKER_KEY, repr(now))
             self.store.audit(
                 "breaker_open",
@@ -151,23 +165,61 @@ class Gate:
         now = self.clock()
         quiet = self.cfg.gate.breaker.quiet_s
         if last is None or now - last >= quiet:
-            self.store.kv_set(_BREAKER_KEY, None)
-            self.store.audit(
-                "breaker_closed",
-                f"no new isolation request for {quiet:g} s; held incidents are examined again",
-                facts={"quiet_s": quiet},
-            )
+            with self.store.tx():
+                self.store.kv_set(_BREAKER_KEY, None)
+                self.store.audit(
+                    "breaker_closed",
+                    f"no new isolation request for {quiet:g} s; held incidents are examined again",
+                    facts={"quiet_s": quiet},
+                )
             return True
         return False
 
     # --- decisions --------------------------------------------------------------------------------------
 
     def evaluate(self, incident: Incident, first: bool) -> Verdict:
-        """The decision for a classified incident; `first` is its first look (counts as a storm arrival)."""
+        """The decision for a classified incident; `first` is its first look (counts as a storm arrival).
+        Writes nothing: `record` does, in the same store transaction (the engine's `_gate`)."""
         verdict = self._evaluate(incident, first)
         if verdict.kind == "allow":
             verdict = dataclasses.replace(verdict, budget_remaining=self.remaining(incident.node))
         return verdict
+
+    def record(self, incident: Incident, verdict: Verdict, step_id: int) -> None:
+        """Write what `verdict` (from `evaluate`, in the caller's transaction) changes: the storm detector and
+        the breaker, then a held incident's hold reason (audited when it changed) or the final decision with
+        its ledger changes. Each audit record carries the numbers the decision was based on (`facts`)."""
+        if verdict.arrival:
+            self._record_arrival(incident, verdict)
+        facts = self.facts(incident)
+        if verdict.kind == "hold":
+            if hold_changed(incident, verdict):
+                self.store.audit(
+                    "hold", verdict.reason, incident.id, node=incident.node, action=incident.action, facts=facts
+                )
+                self.store.add_event(incident.id, "held", verdict.reason, step_id)
+            self.store.set_hold(incident.id, f"{verdict.reason_kind}: {verdict.reason}")
+        elif verdict.kind == "deny":
+            self.store.record_decision(
+                incident, "done", verdict.decision, verdict.reason, facts, outcome=verdict.reason, step_id=step_id
+            )
+        else:
+            self.store.record_decision(
+                incident,
+                "gated",
+                verdict.decision,
+                verdict.reason,
+                facts,
+                isolate_domain=self.cfg.cluster.domain_of(incident.node) if verdict.isolate else None,
+                count_isolation=verdict.isolate,
+                take_over_isolation=verdict.take_over,
+                quarantine=verdict.quarantine,
+                requeue_job=verdict.run_job_id or None,
+                run_job_id=verdict.run_job_id,
+                dry_run=verdict.dry_run,
+                budget_remaining=verdict.budget_remaining,
+                step_id=step_id,
+            )
 
     def _evaluate(self, incident: Incident, first: bool) -> Verdict:
         g = self.cfg.gate
@@ -236,10 +288,19 @@ class Gate:
                 dry,
                 take_over=owner is not None and owner.id != incident.id,
             )
-        if first:
-            self._arrival(incident)
+        opens = self._opens_breaker(incident) if first else 0
+        verdict = (
+            Verdict("hold", "hold", "breaker", _BREAKER_HOLD)
+            if opens
+            else self._isolation(incident, job, job_note, dry)
+        )
+        return dataclasses.replace(verdict, arrival=first, opens_breaker=opens)
+
+    def _isolation(self, incident: Incident, job: str, job_note: str, dry: bool) -> Verdict:
+        """A destructive action on a node not yet isolated: the breaker, the budget, the lemon rule."""
+        node = incident.node
         if self.breaker_open():
-            return Verdict("hold", "hold", "breaker", "circuit breaker open (isolation storm); queued until quiet")
+            return Verdict("hold", "hold", "breaker", _BREAKER_HOLD)
         budget = self.budget()
         domain = self.cfg.cluster.domain_of(node)
         dpool, dused, dlimit = budget.domains[domain]
@@ -322,3 +383,8 @@ class Gate:
         return self.store.release(
             node, "every destructive incident on the node is finished and resolved", only_if_not_quarantined=True
         )
+
+
+def hold_changed(incident: Incident, verdict: Verdict) -> bool:
+    """A hold for another reason than the one the incident waits for (audited, and counted once)."""
+    return (incident.hold_reason or "").split(":", 1)[0] != verdict.reason_kind

@@ -14,7 +14,7 @@ Lease API:
 
 Stepping down (`on_stop`) happens in this thread and does not wait for the event loop, which may be stuck
 in a database call: the store refuses the state machine's writes from then on and every playbook process
-is killed. The store's fencing epoch (store.py) covers what timing cannot: a write from a replica that
+is killed. The store's fencing epoch (store/db.py) covers what timing cannot: a write from a replica that
 lost the lead fails in the database.
 
 The Python client ships a `LeaderElection` too; it has no request timeout (a stuck API server call holds

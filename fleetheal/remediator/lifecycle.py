@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fleetheal import contracts, steps
+from fleetheal import contracts, slurm_nodes, steps
 from fleetheal.remediator.config import Config
 from fleetheal.remediator.store import ACTIVE, FollowUp, Incident, NodeState, Store
 from fleetheal.taxonomy import Taxonomy
@@ -361,7 +361,7 @@ class Lifecycle:
         history = self.store.node_history(node)
         return bool(history) and history[-1]["from"] == history[-1]["to"]
 
-    def _reconcile_slurm(self, sinfo: dict[str, Any]) -> None:
+    def _reconcile_slurm(self, sinfo: slurm_nodes.Nodes) -> None:
         # One read of the store per reconcile, not per node (25,000 nodes every few seconds).
         standby_reason = self.settings.standby_reason
         known = {n.node: n for n in self.store.node_states()}
@@ -369,7 +369,7 @@ class Lifecycle:
         for node in self.cfg.cluster.nodes:
             if node in busy:
                 continue
-            info = steps.slurm_node(sinfo, node)
+            info = slurm_nodes.slurm_node(sinfo, node)
             if not info.get("found"):
                 continue
             in_pool = bool(info["drained"]) and str(info["reason"]).startswith(standby_reason)
@@ -441,7 +441,7 @@ class Lifecycle:
         if self.slurm is None:
             return None
         try:
-            info = steps.slurm_node(self.slurm.sinfo(), node)
+            info = slurm_nodes.slurm_node(self.slurm.sinfo(), node)
         except steps.StepError:
             return None
         return str(info["reason"]) if info.get("found") and info.get("drained") else None
@@ -451,7 +451,7 @@ class Lifecycle:
         if self.slurm is None:
             return
         try:
-            info = steps.slurm_node(self.slurm.sinfo(), node)
+            info = slurm_nodes.slurm_node(self.slurm.sinfo(), node)
             if info.get("found") and info.get("drained") and contracts.owns_reason(str(info["reason"])):
                 self.slurm.scontrol("update", f"nodename={node}", f"reason={reason}")
         except steps.StepError as exc:

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from fleetheal import procs
 from fleetheal.contracts import PLAYBOOK_VARS
-from fleetheal.procs import alive
 from fleetheal.remediator import config as cfgmod
 from fleetheal.remediator.store import incident_ref
 
@@ -196,7 +196,7 @@ def remove_stale_secret_files(directory: str | None = None) -> int:
         if not pid_text.isdigit() or owner != os.getuid():
             continue
         pid = int(pid_text)
-        if pid == os.getpid() or alive(pid):
+        if pid == os.getpid() or procs.alive(pid):
             continue
         with contextlib.suppress(OSError):
             os.unlink(entry.path)
@@ -279,33 +279,14 @@ def prune_run_dirs(
 
 
 def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), to tell a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    try:
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (IndexError, ValueError):
-        return None
+    """When `pid` started (milliseconds since the epoch), to tell a reused pid apart; None when it is gone."""
+    started = procs.start_time(pid)
+    return None if started is None else round(started * 1000)
 
 
 def _processes_using(path: str) -> list[int]:
     """Pids whose command line mentions `path` (the private run dir of an interrupted step)."""
-    found = []
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
-        except OSError:
-            continue
-        if path in cmdline:
-            found.append(int(entry))
-    return found
+    return list(procs.pids_mentioning(path))
 
 
 def kill_leftovers(run_dir: str, timeout_s: float = 5.0) -> list[int]:
@@ -319,12 +300,7 @@ def kill_leftovers(run_dir: str, timeout_s: float = 5.0) -> list[int]:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if os.path.exists(f"/proc/{p}") and alive(p)]
-        if pids:
-            time.sleep(0.05)
-    return pids
+    return procs.wait_gone(pids, timeout_s)
 
 
 # --- scrubbing ---------------------------------------------------------------------------------------------

@@ -88,8 +88,46 @@ def test_env_errors_name_the_variable(tmp_path):
         load_config(None, env={"FLEETHEAL_AGENT_MOD": "act", "FLEETHEAL_AGENT_NODE": "n1"})
     with pytest.raises(ConfigError, match="FLEETHEAL_AGENT_MODE__X: 'mode' is not a section"):
         load_config(None, env={"FLEETHEAL_AGENT_MODE__X": "1", "FLEETHEAL_AGENT_NODE": "n1"})
-    with pytest.raises(ConfigError, match=r"metrics\.port: expected an integer"):
+    with pytest.raises(
+        ConfigError, match=r"metrics\.port \(from FLEETHEAL_AGENT_METRICS__PORT\): expected an integer, got 'http'"
+    ):
         load_config(None, env={"FLEETHEAL_AGENT_METRICS__PORT": "http", "FLEETHEAL_AGENT_NODE": "n1"})
+    # one underscore where the rule (fleetheal.settings) wants two
+    with pytest.raises(
+        ConfigError, match=r"FLEETHEAL_AGENT_METRICS_PORT: .*did you mean FLEETHEAL_AGENT_METRICS__PORT\?"
+    ):
+        load_config(None, env={"FLEETHEAL_AGENT_METRICS_PORT": "9000", "FLEETHEAL_AGENT_NODE": "n1"})
+
+
+def test_the_shared_value_rules(tmp_path):
+    """Booleans, numbers and lists read the same in the file and the environment (fleetheal.settings)."""
+    p = _write(
+        tmp_path, "node: n1\nkernel_log: {enabled: 'off'}\npoll_interval_s: '2.5'\ntraining: {trusted_uids: 7}\n"
+    )
+    cfg = load_config(
+        p,
+        env={
+            "FLEETHEAL_AGENT_TRAINING__ENABLED": "no",
+            "FLEETHEAL_AGENT_FASTPATH__TAINT_ACTIONS": "RESET_GPU,ISOLATE_AND_RELOCATE",
+        },
+    )
+    assert cfg.kernel_log.enabled is False and cfg.training.enabled is False
+    assert cfg.poll_interval_s == 2.5
+    assert cfg.training.trusted_uids == (7,)
+    assert cfg.fastpath.taint_actions == ("RESET_GPU", "ISOLATE_AND_RELOCATE")
+    with pytest.raises(ConfigError, match=r"poll_interval_s: must be > 0, got nan"):
+        load_config(None, env={"FLEETHEAL_AGENT_POLL_INTERVAL_S": "nan", "FLEETHEAL_AGENT_NODE": "n1"})
+
+
+def test_the_configured_classes_take_their_sections():
+    """health, thresholds and the training judgements are the classes' own settings, not copies."""
+    from fleetheal.agent.health import HealthConfig, Thresholds
+    from fleetheal.agent.training import MonitorConfig
+
+    cfg = load_config(None, env={"FLEETHEAL_AGENT_NODE": "n1"})
+    assert cfg.health == HealthConfig()
+    assert cfg.thresholds == Thresholds()
+    assert isinstance(cfg.training, MonitorConfig)
 
 
 def test_missing_file(tmp_path):

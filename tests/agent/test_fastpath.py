@@ -1,7 +1,8 @@
 """Fast path: the owned-reason rules of SlurmDrainer and KubeNodeTainter.
 
-The Slurm side runs against a real slurmctld in test_integration.py; here `FakeScontrol` (a test double
-of the scontrol binary, answering `show node -o` and `update` like Slurm 22.05) checks every branch,
+The Slurm side runs against a real slurmctld in test_integration.py; here `FakeSlurm` (a test double
+of Slurm's clients for one node: `sinfo` with fleetheal.slurm_nodes' arguments and `scontrol update`, as
+Slurm 22.05 answers them) checks every branch,
 and `FakeKubeApiServer` (the lab's Kubernetes API test double) stands in for the API server.
 """
 
@@ -21,10 +22,11 @@ from fleetheal.agent.fastpath import (
     SlurmDrainer,
 )
 from fleetheal.contracts import LABEL_FAULT, TAINT_UNHEALTHY, drain_reason
+from fleetheal.slurm_nodes import NODES_ARGS
 
 
-class FakeScontrol:
-    """Test double of `scontrol` for one node: keeps its state and reason, records updates."""
+class FakeSlurm:
+    """Test double of `sinfo` and `scontrol` for one node: keeps its state and reason, records updates."""
 
     def __init__(self, state: str = "IDLE", reason: str | None = None, fail: bool = False) -> None:
         self.state, self.reason, self.fail = state, reason, fail
@@ -34,12 +36,11 @@ class FakeScontrol:
         assert kwargs["env"] is not None
         if self.fail:
             return subprocess.CompletedProcess(argv, 1, "", "slurm_load_node error: Unable to contact slurm controller")
-        if argv[1:3] == ["show", "node"]:
-            line = f"NodeName=n1 Arch=x86_64 State={self.state} Partitions=gpu"
-            if self.reason:
-                line += f" Reason={self.reason} [root@2026-11-29T10:00:00]"
+        if argv[0] == "sinfo" and argv[1:] in (list(NODES_ARGS), [*NODES_ARGS, "-n", "n1"]):
+            stamp, reason = ("2026-11-29T10:00:00", self.reason) if self.reason else ("Unknown", "none")
+            line = "\x1f".join(("n1", self.state.lower(), stamp, reason, "(null)", ""))
             return subprocess.CompletedProcess(argv, 0, line + "\n", "")
-        if argv[1] == "update":
+        if argv[0] == "scontrol" and argv[1] == "update":
             self.updates.append(argv[1:])
             self.state += "+DRAIN"
             self.reason = argv[-1].removeprefix("reason=")
@@ -51,7 +52,7 @@ REASON = drain_reason("xid-79", "agent-n1-1", "3", "2026-11-29T10:00:00Z")
 
 
 def test_drains_an_undrained_node_with_the_owned_reason():
-    fake = FakeScontrol()
+    fake = FakeSlurm()
     result, why = SlurmDrainer("n1", run=fake, slurm_conf="/x/slurm.conf").drain(REASON)
     assert result == DONE
     assert fake.updates == [["update", "nodename=n1", "state=drain", f"reason={REASON}"]]
@@ -59,7 +60,7 @@ def test_drains_an_undrained_node_with_the_owned_reason():
 
 
 def test_keeps_someone_elses_drain_and_its_reason():
-    fake = FakeScontrol("IDLE+DRAIN", "disk replaced, burn-in pending")
+    fake = FakeSlurm("IDLE+DRAIN", "disk replaced, burn-in pending")
     result, why = SlurmDrainer("n1", run=fake).drain(REASON)
     assert result == KEPT_FOREIGN
     assert fake.updates == []
@@ -68,13 +69,13 @@ def test_keeps_someone_elses_drain_and_its_reason():
 
 
 def test_already_drained_by_fleetheal():
-    fake = FakeScontrol("MIXED+DRAIN", "fleetheal:xid-48 incident=i")
+    fake = FakeSlurm("MIXED+DRAIN", "fleetheal:xid-48 incident=i")
     assert SlurmDrainer("n1", run=fake).drain(REASON)[0] == ALREADY
     assert fake.updates == []
 
 
 def test_observe_mode_says_would_drain():
-    fake = FakeScontrol()
+    fake = FakeSlurm()
     result, why = SlurmDrainer("n1", run=fake, dry_run=True).drain(REASON)
     assert result == WOULD
     assert why.startswith("would drain n1")
@@ -83,9 +84,9 @@ def test_observe_mode_says_would_drain():
 
 def test_refuses_unowned_reasons_and_reports_scontrol_failures():
     with pytest.raises(ValueError, match="does not own"):
-        SlurmDrainer("n1", run=FakeScontrol()).drain("maintenance")
+        SlurmDrainer("n1", run=FakeSlurm()).drain("maintenance")
     with pytest.raises(FastPathError, match="Unable to contact slurm controller"):
-        SlurmDrainer("n1", run=FakeScontrol(fail=True)).drain(REASON)
+        SlurmDrainer("n1", run=FakeSlurm(fail=True)).drain(REASON)
     with pytest.raises(FastPathError, match="No such file"):
         SlurmDrainer("n1", scontrol="/nonexistent/scontrol").drain(REASON)
 

@@ -10,6 +10,7 @@ from fleetheal.agent.health import (
     HEALTHY,
     UNHEALTHY,
     Detection,
+    HealthConfig,
     HealthTracker,
     Thresholds,
     classify_sample,
@@ -100,7 +101,7 @@ def test_missing_counters_are_not_faults():
 
 @pytest.fixture
 def tracker():
-    return HealthTracker(load(), debounce_polls=2, clear_polls=2, event_hold_s=100, dedup_s=10)
+    return HealthTracker(load(), HealthConfig(debounce_polls=2, clear_polls=2, event_hold_s=100, dedup_s=10))
 
 
 def test_events_raise_at_once_and_fold_repeats(tracker):

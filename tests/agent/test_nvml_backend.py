@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fleetheal.agent.backends import BackendUnavailable, GpuLost, NvmlBackend, normalize_pci
+from fleetheal.agent.check import CANNOT_CHECK, run_check
 from fleetheal.agent.config import load_config
-from fleetheal.agent.service import CANNOT_CHECK, Agent, run_check
+from fleetheal.agent.service import Agent
 
 from .fake_pynvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from fleetheal.agent.check import OK, UNHEALTHY_EXIT, run_check
 from fleetheal.agent.config import load_config
 from fleetheal.agent.fastpath import JobOwners, SlurmDrainer
-from fleetheal.agent.service import OK, UNHEALTHY_EXIT, Agent, run_check
+from fleetheal.agent.service import Agent
 from fleetheal.agent.simulated import SimulatedGpuBackend, inject, pci_bus_id
 
-from .test_fastpath import FakeScontrol
+from .test_fastpath import FakeSlurm
 
 
 class Clock:
@@ -47,7 +48,7 @@ def setup(tmp_path):
         base.update(env)
         cfg = load_config(None, env=base)
         clock = Clock()
-        fake = FakeScontrol()
+        fake = FakeSlurm()
         backend = SimulatedGpuBackend(cfg.backend.simulated.state_file, 8, clock=clock, poll_slice_s=0.005)
         drainer = SlurmDrainer("n1", run=fake, dry_run=cfg.observe_only)
         agent = Agent(cfg, backend, drainer=drainer, clock=clock)
@@ -360,3 +361,31 @@ def test_a_local_user_cannot_raise_a_fault_for_someone_elses_job(tmp_path):
         agent.stop()
         thread.join(10)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_the_agent_logs_the_one_json_schema(setup):
+    """Every fleetheal service writes fleetheal.logs' lines: time, level, logger, msg, then the fields."""
+    import io
+    import logging
+
+    from fleetheal.logs import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    stream = io.StringIO()
+    setup_logging("info", stream)
+    try:
+        agent, _, clock = setup()
+        inject(agent.backend.state_file, "xid-79", gpu=3, at=clock.t)
+        agent.wait_events(0)
+        logging.getLogger("fleetheal.remediator").info("remediator listening", extra={"url": "http://x"})
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    raised = next(d for d in lines if d["msg"] == "fault raised" and d["fault_id"] == "xid-79")
+    assert list(raised)[:4] == ["time", "level", "logger", "msg"]
+    assert raised["level"] == "warning" and raised["logger"] == "fleetheal.agent"
+    assert raised["time"].endswith("+00:00") and raised["gpu"] == "3" and raised["node"] == "n1"
+    remediator = lines[-1]
+    assert list(remediator)[:4] == ["time", "level", "logger", "msg"] and remediator["url"] == "http://x"

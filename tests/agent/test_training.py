@@ -8,6 +8,7 @@ import pytest
 
 from fleetheal.agent.training import (
     MalformedReport,
+    MonitorConfig,
     RankProgress,
     Report,
     ReportRefused,
@@ -76,7 +77,7 @@ def _report(job, rank, step, **kw):
 
 
 def test_monitor_names_the_hang_suspect_on_its_gpu():
-    m = TrainingMonitor(hang_timeout_s=60)
+    m = TrainingMonitor(MonitorConfig(hang_timeout_s=60))
     t = 0.0
     for step in range(1, 11):
         t += 1
@@ -96,7 +97,7 @@ def test_monitor_names_the_hang_suspect_on_its_gpu():
 
 
 def test_heartbeats_without_progress_still_hang():
-    m = TrainingMonitor(hang_timeout_s=10)
+    m = TrainingMonitor(MonitorConfig(hang_timeout_s=10))
     m.ingest(_report("j", 0, 5), 0.0)
     for t in range(1, 20):
         m.ingest(_report("j", 0, 5), float(t))  # same step again and again
@@ -105,7 +106,7 @@ def test_heartbeats_without_progress_still_hang():
 
 
 def test_nan_and_loss_spike():
-    m = TrainingMonitor(loss_spike_factor=3.0, loss_spike_warmup=5)
+    m = TrainingMonitor(MonitorConfig(loss_spike_factor=3.0, loss_spike_warmup=5))
     assert [d.fault_id for d in m.ingest(_report("j", 0, 1, loss="inf"), 0.0)] == ["nan-loss"]
     for step in range(2, 12):
         assert m.ingest(_report("j", 0, step, loss=2.0), float(step)) == []
@@ -116,7 +117,7 @@ def test_nan_and_loss_spike():
 
 
 def test_straggler_against_peers_median():
-    m = TrainingMonitor(straggler_factor=1.5, straggler_min_ranks=3)
+    m = TrainingMonitor(MonitorConfig(straggler_factor=1.5, straggler_min_ranks=3))
     for rank, step_time in enumerate([1.0, 1.02, 0.98, 2.0]):
         m.ingest(_report("j", rank, 10, step_time=step_time, gpu=rank), 0.0)
     dets, _ = m.check(1.0)
@@ -124,7 +125,7 @@ def test_straggler_against_peers_median():
 
 
 def test_end_and_expiry_forget_jobs():
-    m = TrainingMonitor(hang_timeout_s=10, job_expiry_s=100)
+    m = TrainingMonitor(MonitorConfig(hang_timeout_s=10, job_expiry_s=100))
     m.ingest(_report("a", 0, 1), 0.0)
     m.ingest(parse_report(_b(job="a", rank=0, step=0, event="end")), 1.0)
     assert m.jobs == {}
@@ -136,7 +137,7 @@ def test_end_and_expiry_forget_jobs():
 def test_a_jobs_own_faults_name_its_slurm_job_and_only_a_slurm_job():
     """NaN loss and hangs raised by job 41's reports carry job 41 (metric label job_id, then the alert and the
     incident act on that job only); a job name that is not a Slurm job id names no job."""
-    m = TrainingMonitor(hang_timeout_s=10.0)
+    m = TrainingMonitor(MonitorConfig(hang_timeout_s=10.0))
     (nan,) = m.ingest(_report("41", 0, 1, loss="nan"), 0.0)
     assert (nan.fault_id, nan.job) == ("nan-loss", "41")
     (local,) = m.ingest(_report("local", 0, 1, loss="nan"), 0.0)
@@ -147,7 +148,7 @@ def test_a_jobs_own_faults_name_its_slurm_job_and_only_a_slurm_job():
 
 
 def test_the_monitor_tracks_a_bounded_number_of_jobs_and_ranks():
-    m = TrainingMonitor(max_jobs=3, max_ranks=2)
+    m = TrainingMonitor(MonitorConfig(max_jobs=3), max_ranks=2)
     for job in "abc":
         m.ingest(Report(job, 0, 1), 0.0)
     with pytest.raises(ReportRefused, match="already tracking 3 jobs"):

@@ -134,8 +134,11 @@ class Remediator:
         fault = taxonomy.load().fault(fault_id)
         now = time.time()
         starts = dt.datetime.fromtimestamp(now, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        result = self.store.ingest([Alert("firing", uuid.uuid4().hex[:16], starts, now, None, "lab", node, gpu,
-                                          fault_id, fault.fault_class, fault.action, fault.severity, "", "test")])  # fmt: skip
+        alert = Alert(status="firing", fingerprint=uuid.uuid4().hex[:16], starts_at=starts, starts_at_ts=now,
+                      ends_at_ts=None, cluster="lab", node=node, gpu=gpu, fault_id=fault_id,
+                      fault_class=fault.fault_class, action=fault.action, severity=fault.severity, job_id="",
+                      alertname="test")  # fmt: skip
+        result = self.store.ingest([alert])
         self.loop.call_soon_threadsafe(self.engine.submit, result.created)
         return result.created[0]
 

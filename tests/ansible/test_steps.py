@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fleetheal import steps
+from fleetheal import slurm_nodes, steps
 from fleetheal.lab.slurm import SlurmCluster
 from tests.ansible.conftest import allocated_nodes, job_json, wait_until
 
@@ -294,18 +294,22 @@ def test_a_shared_read_taken_since_a_moment_serves_every_caller_who_needs_no_new
 
 
 def test_the_text_node_read_agrees_with_sinfo_json(cluster: SlurmCluster) -> None:
-    """The steps read nodes with `sinfo -O` text (a fraction of the JSON's cost at fleet size): for every
-    node, what `slurm_node` makes of it equals what it makes of `sinfo --json`, whatever the reason holds."""
+    """Nodes are read with `sinfo -O` text (a fraction of the JSON's cost at fleet size): every node, its
+    reason's time included, reads the same from it as from `sinfo --json`, whatever the reason holds, and
+    a read of one node (`-n`) the same as from the read of all."""
     cluster.run("scontrol", "update", "nodename=n1", "state=DRAIN", "reason=fleetheal: a|b,c  d=e")
     cluster.run("scontrol", "update", "nodename=n2", "comment=fleetheal: promoted for n9 incident=inc-7")
     cluster.run("scontrol", "update", "nodename=n3", "state=DOWN", "reason=none of ours")
-    text = steps.parse_sinfo_nodes(cluster.run("sinfo", *steps.SINFO_NODES_ARGS).stdout)
+    text = slurm_nodes.read(cluster.run(*slurm_nodes.sinfo_argv()).stdout)
     doc = cluster.run("sinfo", "--json").stdout
+    assert text == slurm_nodes.read(doc)
+    assert set(text) == {"n1", "n2", "n3"} and text["n1"].reason_time
     for name in ("n1", "n2", "n3", "nX"):
-        assert steps.slurm_node(text, name) == steps.slurm_node(doc, name), name
-    assert steps.slurm_node(text, "n1")["reason"] == "fleetheal: a|b,c  d=e"
-    assert steps.slurm_nodes_with_comment(text, "incident=inc-7") == ["n2"]
-    assert steps.slurm_nodes_with_reason(text, "fleetheal:") == ["n1"]
+        assert slurm_nodes.slurm_node(text, name) == slurm_nodes.slurm_node(doc, name), name
+    assert slurm_nodes.read(cluster.run(*slurm_nodes.sinfo_argv("sinfo", "n1")).stdout) == {"n1": text["n1"]}
+    assert text["n1"].reason == "fleetheal: a|b,c  d=e" and text["n1"].reason_owned()
+    assert text.with_comment("incident=inc-7") == ["n2"]
+    assert text.with_reason("fleetheal:") == ["n1"]
 
 
 def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(cluster: SlurmCluster) -> None:
@@ -361,7 +365,7 @@ def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(c
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(note, range(4)))
-    assert steps.slurm_node(slurm.sinfo(), "n1")["comment"] in {f"note {i}" for i in range(4)}
+    assert slurm.sinfo()["n1"].comment in {f"note {i}" for i in range(4)}
 
     # Two promotions at once for two incidents never pick the same standby node.
     cluster.run("scontrol", "update", "nodename=n2", "state=DRAIN", "reason=fleetheal:standby")
@@ -372,7 +376,7 @@ def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(c
     # Commands batched through scontrol's input keep their comments as argv would (it stores a quoted
     # value with its quotes, but for a reason): each promotion is found again by its incident.
     for i, pick in enumerate(picks):
-        assert not steps.slurm_node(slurm.sinfo(), pick.node)["comment"].startswith('"')
+        assert not slurm.sinfo()[pick.node].comment.startswith('"')
         again = steps.promote_standby(slurm, "n1", f"inc-p{i}")
         assert (again.outcome, again.node, again.changed) == ("done", pick.node, False)
 

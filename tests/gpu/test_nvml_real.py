@@ -11,8 +11,9 @@ import time
 import pytest
 
 from fleetheal.agent.backends import COUNTERS, NvmlBackend
+from fleetheal.agent.check import OK, UNHEALTHY_EXIT, run_check
 from fleetheal.agent.config import load_config
-from fleetheal.agent.service import OK, UNHEALTHY_EXIT, Agent, run_check
+from fleetheal.agent.service import Agent
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,6 @@ import http.server
 import json
 import ssl
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import pytest
 from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import ControlPlaneError, KubeApiError, KubeControlPlane, default_crds, tools_built
 from fleetheal.procs import alive
+from fleetheal.wait import wait_until
 
 pytestmark = pytest.mark.kube
 
@@ -102,12 +102,7 @@ def _pod(name: str, node: str, app: str) -> dict[str, object]:
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
+    return wait_until(predicate, timeout, "the condition", interval=0.2)
 
 
 def test_eviction_obeys_a_pod_disruption_budget_and_the_stand_in_kubelet_ends_the_pod(kube: KubeControlPlane) -> None:
@@ -172,8 +167,8 @@ def test_an_agent_token_taints_its_own_node_and_no_other(kube: KubeControlPlane,
     """The agent's token is node-scoped on the real API server: RBAC lets it patch every Node, the
     stack's admission policy (installed by the lab) only the Node bound into its token."""
     from fleetheal.agent.fastpath import DONE, FastPathError, KubeNodeTainter
-    from fleetheal.contracts import LABEL_FAULT, LABEL_POOL, TAINT_STANDBY, TAINT_UNHEALTHY
-    from fleetheal.infra.agent import NAME, OWN_NODE_POLICY
+    from fleetheal.contracts import AGENT_NAME as NAME
+    from fleetheal.contracts import LABEL_FAULT, LABEL_POOL, OWN_NODE_POLICY, TAINT_STANDBY, TAINT_UNHEALTHY
     from fleetheal.lab.lab import AGENT_NAMESPACE, install_agent_access
 
     standby = {"key": TAINT_STANDBY, "effect": "NoSchedule"}
@@ -287,7 +282,8 @@ def test_a_429_is_retried_after_its_retry_after_as_client_go_does(
     try:
         cp = KubeControlPlane(tmp_path)
         cp.url = f"http://127.0.0.1:{server.server_address[1]}"
-        cp._admin_context = lambda: None  # type: ignore[method-assign]  # plain HTTP: no client certificate
+        # plain HTTP, no client certificate: the `kubernetes` client with a bearer token
+        cp._api = lambda token: controlplane.token_client(cp.url, "t")  # type: ignore[method-assign]
         assert cp.request("GET", "/apis/kueue.x-k8s.io/v1beta1/clusterqueues") == {"items": []}
         monkeypatch.setattr(controlplane, "TOO_MANY_REQUESTS_S", 0.5)
         with pytest.raises(KubeApiError) as err:

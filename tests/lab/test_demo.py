@@ -1,5 +1,5 @@
 """The lab's scenarios end to end, on real Slurm, agents, Prometheus, Alertmanager, remediator and
-playbooks (Kubernetes: the FakeKubeApiServer test double): what `fleetheal lab demo` shows, asserted.
+playbooks (Kubernetes: the real control plane of `make tools`): what `fleetheal lab demo` shows, asserted.
 
 One lab for the module (bringing it up takes ~7 s, the three scenarios ~3 minutes on 2 cores); it is
 taken down by PID in the fixture's finalizer even when a test fails, and the last test checks that
@@ -14,16 +14,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY
 from fleetheal.lab.controlplane import tools_built
 from fleetheal.lab.demo import CHECKPOINT_EVERY, LOST_GPU, STEP_TIME, continuity, run_demo, run_scenarios
-from fleetheal.lab.lab import Lab, _cmdline
+from fleetheal.lab.lab import Lab
 from fleetheal.lab.train import read_events
-from fleetheal.procs import alive
+from fleetheal.procs import alive, cmdline, pids_mentioning
+from fleetheal.wait import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.prometheus]
 
@@ -230,12 +230,13 @@ def test_a_demo_stopped_by_sigterm_takes_its_lab_down(tmp_path):
         env=env,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and demo.poll() is None:
-            meta = lab_dir / "lab.json"
-            if meta.exists() and "ready" in meta.read_text():
-                break
-            time.sleep(0.2)
+        meta = lab_dir / "lab.json"
+        wait_until(
+            lambda: demo.poll() is not None or (meta.exists() and "ready" in meta.read_text()),
+            120,
+            "the demo's lab to be up",
+            interval=0.2,
+        )
         assert demo.poll() is None, "the demo ended before its lab was up"
         demo.send_signal(signal.SIGTERM)
         out, _ = demo.communicate(timeout=120)
@@ -245,17 +246,17 @@ def test_a_demo_stopped_by_sigterm_takes_its_lab_down(tmp_path):
             Lab(lab_dir, log=lambda _: None).down(quiet=True)
     assert demo.returncode == 1, out
     assert "stopped by SIGTERM" in out and "taking the lab down" in out, out
-    left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if str(lab_dir) in _cmdline(pid)]
-    assert left == [], {pid: _cmdline(pid) for pid in left}
+    left = pids_mentioning(str(lab_dir))
+    assert left == {}, left
 
 
 def test_down_leaves_nothing_behind(lab, scenarios):
     pids = [p["pid"] for p in lab.meta["processes"].values()]
     stopped = lab.down(quiet=True)
     assert {"remediator", "kubernetes", "prometheus", "alertmanager", "slurm"} <= set(stopped)
-    left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if str(lab.dir) in _cmdline(pid)]
-    assert left == [], {pid: _cmdline(pid) for pid in left}
-    assert all(str(lab.dir) not in _cmdline(p) for p in pids)
+    left = pids_mentioning(str(lab.dir))
+    assert left == {}, left
+    assert all(str(lab.dir) not in cmdline(p) for p in pids)
 
 
 def test_the_lost_gpu_scenario_follows_whichever_of_its_alerts_acted():

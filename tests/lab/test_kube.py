@@ -23,6 +23,7 @@ from fleetheal.lab.kube import (
     pod_object,
     strategic_merge_patch,
 )
+from fleetheal.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -242,9 +243,7 @@ def test_background_process_writes_kubeconfig_and_stops_on_sigterm(tmp_path):
         ],
     )
     try:
-        deadline = time.monotonic() + 20
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(ready.exists, 20, f"{ready}", interval=0.05)
         assert json.loads(ready.read_text())["pid"] == proc.pid
         v1 = client.CoreV1Api(config.new_client_from_config(str(tmp_path / "kc")))
         v1.create_node({"metadata": {"name": "n9"}})

@@ -1,62 +1,17 @@
-"""The SlurmCluster harness: parsing (no daemons) and a real private slurmctld + slurmd."""
+"""The SlurmCluster harness: parsing a job line (no daemons) and a real private slurmctld + slurmd.
+Node reads are tested in tests/test_slurm_nodes.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
-import time
 
 import pytest
 
 from fleetheal.contracts import drain_reason
-from fleetheal.lab.slurm import SlurmCluster, SlurmError, parse_kv_line, parse_node_line
-from fleetheal.procs import alive
-
-DRAINED_LINE = (
-    "NodeName=n2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUEfctv=8 CPUTot=8 CPULoad=0.30 "
-    "AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:8 NodeAddr=127.0.0.1 NodeHostName=localhost "
-    "Port=49045 Version=22.05.8 OS=Linux 6.18.44 #1 SMP PREEMPT_DYNAMIC @0 RealMemory=1000 AllocMem=0 "
-    "State=IDLE+DRAIN ThreadsPerCore=1 Partitions=gpu CfgTRES=cpu=8,mem=1000M,billing=8 AllocTRES= "
-    "Reason=fleetheal:xid-79 incident=inc-7 gpu=3 at=2026-11-29T18:48:04Z [root@2026-11-29T18:48:05]"
-)
-
-
-def test_parse_node_line_keeps_an_owned_reason_whole():
-    node = parse_node_line(DRAINED_LINE)
-    assert node.name == "n2"
-    assert node.state == "IDLE"
-    assert node.flags == frozenset({"DRAIN"})
-    assert node.drained
-    assert node.reason == "fleetheal:xid-79 incident=inc-7 gpu=3 at=2026-11-29T18:48:04Z"
-    assert node.fields["OS"] == "Linux 6.18.44 #1 SMP PREEMPT_DYNAMIC @0"
-    assert node.fields["CfgTRES"] == "cpu=8,mem=1000M,billing=8"
-    assert node.fields["AllocTRES"] == ""
-
-
-def test_parse_node_line_separates_a_node_comment_from_the_reason():
-    """Slurm prints a node's Comment after its reason's `[user@time]` (a promoted standby carries one)."""
-    node = parse_node_line(
-        DRAINED_LINE.replace(
-            "Reason=fleetheal:xid-79 incident=inc-7 gpu=3 at=2026-11-29T18:48:04Z",
-            "Reason=fleetheal:quarantine incident=inc-6",
-        )
-        + " Comment=fleetheal: promoted for n2 incident=inc-1"
-    )
-    assert node.reason == "fleetheal:quarantine incident=inc-6"
-    assert node.fields["Comment"] == "fleetheal: promoted for n2 incident=inc-1"
-
-
-def test_parse_node_line_states_and_missing_reason():
-    node = parse_node_line("NodeName=n1 State=DOWN*+NOT_RESPONDING Partitions=gpu")
-    assert node.state == "DOWN"
-    assert node.flags == frozenset({"NOT_RESPONDING"})
-    assert node.reason is None
-    assert not node.responding
-    assert not node.drained
-    assert parse_node_line("NodeName=n1 State=MIXED Reason=(null)").reason is None
-    with pytest.raises(ValueError, match="not a node line"):
-        parse_node_line("JobId=3 JobName=x")
+from fleetheal.lab.slurm import SlurmCluster, SlurmError, parse_kv_line
+from fleetheal.procs import alive, wait_gone
 
 
 def test_parse_kv_line_job_fields_do_not_swallow_the_rest():
@@ -165,9 +120,6 @@ def test_one_sigkill_of_the_holder_takes_every_daemon_down(tmp_path):
         assert pids
         assert c.holder_pid is not None
         os.kill(c.holder_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not any(alive(p) for p in pids)
+        assert wait_gone(pids, 5) == []
     finally:
         c.stop(graceful=False)

@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from fleetheal.remediator import alerts
 from fleetheal.remediator.app import Service
 from fleetheal.remediator.store import Store
+from fleetheal.wait import WaitTimeout, wait_until
 from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config, nodes
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -248,17 +249,18 @@ def start_server(
     ctx.verify_mode = ssl.CERT_NONE
     import urllib.request
 
-    while time.monotonic() - t0 < timeout:
+    def answered():
         if proc.poll() is not None:
             raise AssertionError((tmp_path / "serve.log").read_text())
-        try:
-            with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}/healthz", timeout=1, context=ctx) as r:
-                if r.status == 200:
-                    return proc, time.monotonic() - t0, log
-        except OSError:
-            time.sleep(0.01)
-    proc.kill()
-    raise AssertionError("server did not answer: " + (tmp_path / "serve.log").read_text())
+        with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}/healthz", timeout=1, context=ctx) as r:
+            return r.status == 200
+
+    try:
+        wait_until(answered, timeout - (time.monotonic() - t0), "the server", interval=0.01, ignore=(OSError,))
+    except WaitTimeout:
+        proc.kill()
+        raise AssertionError("server did not answer: " + (tmp_path / "serve.log").read_text()) from None
+    return proc, time.monotonic() - t0, log
 
 
 def stop_server(proc, log, sig=15):

@@ -49,31 +49,46 @@ def test_the_examples_defaults_are_the_code_defaults():
             assert value == getattr(getattr(defaults.gate, sub), key), f"gate.{sub}.{key}"
 
 
-def test_environment_overrides_scalars(tmp_path):
+def test_environment_overrides(tmp_path):
     cfg = make_config(
         tmp_path,
         env={
-            "FLEETHEAL_REMEDIATOR_GATE_DRY_RUN": "true",
-            "FLEETHEAL_REMEDIATOR_GATE_BUDGET_MAX_ISOLATED": "3",
-            "FLEETHEAL_REMEDIATOR_LISTEN_PORT": "9200",
-            "FLEETHEAL_REMEDIATOR_RUNNER_ENV_PASSTHROUGH": "PATH,HOME",
+            "FLEETHEAL_REMEDIATOR_GATE__DRY_RUN": "true",
+            "FLEETHEAL_REMEDIATOR_GATE__BUDGET__MAX_ISOLATED": "3",
+            "FLEETHEAL_REMEDIATOR_LISTEN__PORT": "9200",
+            "FLEETHEAL_REMEDIATOR_RUNNER__ENV_PASSTHROUGH": "PATH,HOME",
+            "FLEETHEAL_REMEDIATOR_RUNNER__SECRET_VARS": "[fleetheal_a, fleetheal_b]",
+            "FLEETHEAL_REMEDIATOR_CLUSTER__NODES": "{n1: rack-a, n2: rack-b}",
         },
     )
     assert cfg.gate.dry_run is True
     assert cfg.gate.budget.max_isolated == 3
     assert cfg.listen.port == 9200
     assert cfg.runner.env_passthrough == ("PATH", "HOME")
+    assert cfg.runner.secret_vars == ("fleetheal_a", "fleetheal_b")
+    assert dict(cfg.cluster.nodes) == {"n1": "rack-a", "n2": "rack-b"}
 
 
-def test_a_bad_environment_value_names_the_variable(tmp_path):
-    with pytest.raises(cfgmod.ConfigError, match=r"gate.budget.max_isolated \(from FLEETHEAL_REMEDIATOR_GATE_BUDGET"):
-        make_config(tmp_path, env={"FLEETHEAL_REMEDIATOR_GATE_BUDGET_MAX_ISOLATED": "many"})
+def test_a_bad_environment_variable_names_itself(tmp_path):
+    with pytest.raises(
+        cfgmod.ConfigError,
+        match=r"gate\.budget\.max_isolated \(from FLEETHEAL_REMEDIATOR_GATE__BUDGET__MAX_ISOLATED\): expected an integer",
+    ):
+        make_config(tmp_path, env={"FLEETHEAL_REMEDIATOR_GATE__BUDGET__MAX_ISOLATED": "many"})
+    # the old one-underscore spelling is refused with the new name, never ignored (a lost dry_run would act)
+    with pytest.raises(
+        cfgmod.ConfigError,
+        match=r"FLEETHEAL_REMEDIATOR_GATE_DRY_RUN: .*did you mean FLEETHEAL_REMEDIATOR_GATE__DRY_RUN\?",
+    ):
+        make_config(tmp_path, env={"FLEETHEAL_REMEDIATOR_GATE_DRY_RUN": "true"})
+    with pytest.raises(cfgmod.ConfigError, match=r"FLEETHEAL_REMEDIATOR_GATE__DRYRUN: no setting 'dryrun'"):
+        make_config(tmp_path, env={"FLEETHEAL_REMEDIATOR_GATE__DRYRUN": "true"})
 
 
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"gate": {"budgett": {}}}, "gate: unknown key 'budgett'"),
+        ({"gate": {"budgett": {}}}, "gate.budgett: unknown key; did you mean 'budget'?"),
         ({"cluster": {"name": "lab", "nodes": {"Bad_Name": "r"}}}, "is not an RFC 1123 node name"),
         ({"gate": {"budget": {"max_isolated_fraction": 2}}}, "must be between 0 and 1"),
         ({"gate": {"dry_run": "perhaps"}}, "gate.dry_run: expected true or false"),
@@ -83,7 +98,7 @@ def test_a_bad_environment_value_names_the_variable(tmp_path):
         ({"runner": {"site_vars": {"fleetheal_node": "gpu-001"}}}, "'fleetheal_node' is not a site setting"),
         ({"runner": {"site_vars": {"grace": 3}}}, "'grace' is not a site setting"),
         ({"runner": {"site_vars": {"fleetheal_x": {1, 2}}}}, r"runner.site_vars.fleetheal_x: only strings"),
-        ({"bogus": {}}, "unknown section 'bogus'"),
+        ({"bogus": {}}, "bogus: unknown key; known keys: cluster, listen"),
         ({"listen": {"max_connections": 0}}, r"listen.max_connections: 0 must be >= 1"),
         ({"listen": {"header_timeout_s": 0}}, r"listen.header_timeout_s: 0.0 must be > 0"),
         ({"listen": {"header_timeout_s": "nan"}}, r"listen.header_timeout_s: nan must be > 0"),

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import urllib.request
 from pathlib import Path
 
 from fleetheal.lab.monitoring import free_port
+from fleetheal.procs import pids_mentioning
 from fleetheal.remediator.store import Store
+from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN, alert, body
 from tests.remediator.test_app import start_server, stop_server, write_config
 
@@ -35,29 +36,6 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait(what, predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(int(entry))
-    return found
-
-
 def test_sigkill_during_a_playbook_then_restart_finishes_the_incident_exactly_once(tmp_path):
     port = free_port()
     record = tmp_path / "record.jsonl"
@@ -70,9 +48,9 @@ def test_sigkill_during_a_playbook_then_restart_finishes_the_incident_exactly_on
     proc, _, log = start_server(tmp_path, config, port)
     try:
         assert _post(port, body(alert(node="gpu-002", gpu="4"))) == 202
-        _wait("the playbook to start", lambda: [r for r in _records(record) if r["phase"] == "start"], 60)
+        wait_until(lambda: [r for r in _records(record) if r["phase"] == "start"], 60, "the playbook to start")
         first_run_dir = str(tmp_path / "runs" / "inc-000001")
-        orphans = _processes_mentioning(first_run_dir)
+        orphans = pids_mentioning(first_run_dir)
         assert orphans  # ansible-playbook is running
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -80,7 +58,7 @@ def test_sigkill_during_a_playbook_then_restart_finishes_the_incident_exactly_on
         stop_server(proc, log)
     assert proc.returncode == -signal.SIGKILL
     # The orphaned playbook survives its parent (ansible-runner's pexpect child ignores SIGHUP).
-    assert any(p in orphans for p in _processes_mentioning(first_run_dir))
+    assert any(p in orphans for p in pids_mentioning(first_run_dir))
 
     store = Store(str(tmp_path / "remediator.sqlite"))
     inc = store.get(1)
@@ -90,7 +68,7 @@ def test_sigkill_during_a_playbook_then_restart_finishes_the_incident_exactly_on
     proc, _, log = start_server(tmp_path, config, port)
     try:
         store = Store(str(tmp_path / "remediator.sqlite"))
-        _wait("the incident to finish", lambda: store.get(1).state in ("done", "failed"), 120)
+        wait_until(lambda: store.get(1).state in ("done", "failed"), 120, "the incident to finish")
         inc = store.get(1)
         steps = [(s.name, s.attempt, s.result) for s in store.steps(1)]
         events = [e.kind for e in store.events(1)]
@@ -112,6 +90,6 @@ def test_sigkill_during_a_playbook_then_restart_finishes_the_incident_exactly_on
     assert [r["phase"] for r in runs] == ["start", "start", "finish"]  # the killed run never finished
     assert {r["incident"] for r in runs} == {"inc-000001"} and {r["node"] for r in runs} == {"gpu-002"}
     # Nothing of the first run is left.
-    assert not _processes_mentioning(first_run_dir + "/step4-attempt1")
+    assert not pids_mentioning(first_run_dir + "/step4-attempt1")
     # The restarted service logged that it resumed the incident.
     assert "resuming unfinished incidents" in (tmp_path / "serve.log").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import pytest
 
@@ -10,7 +11,7 @@ from fleetheal import taxonomy
 from fleetheal.contracts import budget_limit as _limit
 from fleetheal.remediator.alerts import validate_alert
 from fleetheal.remediator.engine import Engine
-from fleetheal.remediator.store import Store
+from fleetheal.remediator.store import Store, StoreError
 from tests.remediator.conftest import RecordingRunner, alert, make_config, nodes
 
 TAX = taxonomy.load()
@@ -307,5 +308,66 @@ def test_one_failure_raising_several_alerts_is_acted_on_once(tmp_path):
         assert h.store.isolations()["gpu-008"].incident_id == next(
             i.id for i in h.store.incidents(limit=100) if i.node == "gpu-008" and i.fault_id == "xid-79"
         )
+
+    run(scenario, cfg)
+
+
+def _dump(path) -> list[str]:
+    db = sqlite3.connect(path)
+    try:
+        return list(db.iterdump())
+    finally:
+        db.close()
+
+
+def test_evaluate_decides_without_writing_and_record_writes_the_decision(tmp_path):
+    # gpu-003's request is the second node's within the window (more than 1: a storm); its decision opens
+    # the breaker.
+    cfg = gate_cfg(tmp_path, breaker={"storm_nodes": 1, "window_s": 60, "quiet_s": 120})
+    h = Harness(cfg)
+    try:
+        h.store.record_arrival("gpu-000", 0, prune_before=0.0)
+        (iid,) = h.store.ingest([validate_alert(alert(node="gpu-003"), cfg, TAX)]).created
+        h.store.set_state(iid, "classified")
+        inc = h.store.get(iid)
+        step = h.store.start_step(iid, "gate")
+        before = _dump(cfg.store.path)
+        verdict = h.engine.gate.evaluate(inc, first=True)
+        assert (verdict.kind, verdict.reason_kind, verdict.arrival, verdict.opens_breaker) == (
+            "hold",
+            "breaker",
+            True,
+            2,
+        )
+        assert _dump(cfg.store.path) == before
+        with h.store.tx():
+            h.engine.gate.record(inc, verdict, step)
+        assert h.engine.gate.breaker_open() and h.store.storm_nodes(0.0) == 2
+        assert h.store.get(iid).hold_reason.startswith("breaker: ")
+        decisions = [(a["decision"], a["facts"].get("breaker_open")) for a in h.store.audit_log()]
+        assert decisions == [("breaker_open", None), ("hold", True)]
+    finally:
+        h.store.close()
+
+
+def test_a_decision_whose_record_fails_leaves_no_trace(tmp_path):
+    """The engine asks the gate and records its decision in one transaction: when the record fails, the
+    storm detector has not counted the request either, and the next look, the first again, counts it once."""
+    cfg = gate_cfg(tmp_path)
+
+    async def scenario(h):
+        def broken(*args, **kwargs):
+            raise StoreError("disk full")
+
+        real, h.store.record_decision = h.store.record_decision, broken
+        (iid,) = h.store.ingest([validate_alert(alert(node="gpu-003"), cfg, TAX)]).created
+        h.store.set_state(iid, "classified")
+        with pytest.raises(StoreError):
+            h.engine._gate(h.store.get(iid))
+        assert h.store.storm_nodes(0.0) == 0 and h.store.audit_log() == [] and h.isolated() == []
+        assert [s.name for s in h.store.steps(iid)] == ["receive"]
+        h.store.record_decision = real
+        assert h.engine._gate(h.store.get(iid))
+        assert h.store.storm_nodes(0.0) == 1 and h.isolated() == ["gpu-003"]
 
     run(scenario, cfg)

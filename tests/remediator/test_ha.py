@@ -24,12 +24,19 @@ from pathlib import Path
 
 import pytest
 
+from fleetheal.httpjson import request_json
 from fleetheal.lab.monitoring import free_port
+from fleetheal.procs import pids_mentioning
 from fleetheal.remediator.runner import kill_leftovers
 from fleetheal.remediator.store import Store
+from fleetheal.wait import wait_until
 from tests.remediator.conftest import TEST_PLAYBOOKS, TOKEN, alert, body, nodes
 from tests.remediator.test_app import _serve_cmd
-from tests.remediator.test_crash import _wait
+
+
+def _wait(what, predicate, timeout):
+    return wait_until(predicate, timeout, what)
+
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = nodes(500, per_domain=50)
@@ -51,8 +58,7 @@ class Replica:
 
     def health(self) -> dict | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
-                return json.loads(r.read())
+            return request_json("GET", f"http://127.0.0.1:{self.port}/healthz", timeout=2)
         except urllib.error.HTTPError as exc:
             return json.loads(exc.read())
         except OSError:
@@ -352,11 +358,9 @@ def test_a_leader_cut_off_from_the_database_stops_acting_before_another_replica_
     watching = threading.Event()
 
     def watch() -> None:
-        from fleetheal.remediator.runner import _processes_using
-
         marker = os.path.join(str(a.run_dir), "")
         while not watching.is_set():
-            if _processes_using(marker):
+            if pids_mentioning(marker):
                 last_seen[0] = time.time()
             time.sleep(0.02)
 

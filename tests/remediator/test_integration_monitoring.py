@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from fleetheal.contracts import METRIC_FAULT_ACTIVE
 from fleetheal.lab.monitoring import Monitoring, available, free_port
 from fleetheal.remediator.store import Store
+from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN
 from tests.remediator.test_app import start_server, stop_server, write_config
 
@@ -34,13 +35,7 @@ pytestmark = [
 
 
 def _wait(what, predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return wait_until(predicate, timeout, what)
 
 
 def _exporter():

@@ -30,7 +30,7 @@ def pool(name: str, active: list[str], standby: list[str], gpu_type: str = "h100
 
 
 def configmap(p: GpuPool, namespace: str) -> dict[str, Any]:
-    """The ConfigMap ExistingNodesProvider declares for `p` (tests/pulumi checks the provider's own)."""
+    """The ConfigMap ExistingNodesProvider declares for `p` (tests/infra checks the provider's own)."""
     name = contracts.membership_configmap(p.name)
     labels = {
         **common.labels("pool-membership", name),

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleetheal import taxonomy
+from fleetheal.procs import cmdline
 from fleetheal.remediator.config import ConfigError
 from fleetheal.remediator.runner import (
     AnsibleRunner,
@@ -27,6 +28,7 @@ from fleetheal.remediator.runner import (
     secret_site_vars,
     secret_vars_dir,
 )
+from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN, make_config
 
 TAX = taxonomy.load()
@@ -234,9 +236,8 @@ def test_leftovers_of_an_interrupted_step_are_killed(tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 10  # until the child has exec'ed (its command line names the run dir)
-        while str(run_dir) not in open(f"/proc/{proc.pid}/cmdline").read() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # until the child has exec'ed (its command line names the run dir)
+        wait_until(lambda: str(run_dir) in cmdline(proc.pid), 10, "the child to exec", interval=0.01)
         assert kill_leftovers(str(run_dir)) == []
         assert proc.wait(timeout=5) == -9
     finally:

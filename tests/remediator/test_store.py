@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sqlite3
 import threading
 import types
@@ -19,7 +20,8 @@ import pytest
 
 from fleetheal import taxonomy
 from fleetheal.remediator.alerts import validate_alert
-from fleetheal.remediator.store import FollowUp, NotLeader, Store, StoreError, incident_ref, parse_ref
+from fleetheal.remediator.store import FollowUp, NotLeader, SchemaError, Store, StoreError, incident_ref, parse_ref
+from fleetheal.remediator.store.schema import VERSION
 from tests.remediator.conftest import alert
 
 TAX = taxonomy.load()
@@ -472,3 +474,301 @@ def test_a_failed_begin_leaves_no_transaction_open(pg_url):
     finally:
         a.close()
         b.close()
+
+
+# --- schema versions ---------------------------------------------------------------------------------
+
+#: The schema as the remediator created it before schema versions (user_version 0), copied here as a
+#: fixture of the past: a database made by that code must open without losing a row.
+UNVERSIONED_SCHEMA = """
+CREATE TABLE IF NOT EXISTS incidents (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    fingerprint   TEXT NOT NULL,
+    starts_at     TEXT NOT NULL,
+    starts_at_ts  REAL NOT NULL,
+    cluster       TEXT NOT NULL,
+    node          TEXT NOT NULL,
+    gpu           TEXT NOT NULL,
+    fault_id      TEXT NOT NULL,
+    class         TEXT NOT NULL,
+    action        TEXT NOT NULL,
+    severity      TEXT NOT NULL,
+    job_id        TEXT NOT NULL DEFAULT '',
+    alertname     TEXT NOT NULL DEFAULT '',
+    state         TEXT NOT NULL,
+    decision      TEXT,
+    hold_reason   TEXT,
+    outcome       TEXT,
+    run_job_id    TEXT,
+    dry_run       INTEGER NOT NULL DEFAULT 0,
+    budget_remaining INTEGER NOT NULL DEFAULT 0,
+    received_at   REAL NOT NULL,
+    updated_at    REAL NOT NULL,
+    resolved_at   REAL,
+    ends_at_ts    REAL,
+    parent_id     INTEGER,
+    UNIQUE (fingerprint, starts_at)
+);
+CREATE INDEX IF NOT EXISTS incidents_state ON incidents(state);
+CREATE INDEX IF NOT EXISTS incidents_node ON incidents(node);
+CREATE TABLE IF NOT EXISTS steps (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    incident_id  INTEGER NOT NULL REFERENCES incidents(id),
+    name         TEXT NOT NULL,
+    attempt      INTEGER NOT NULL DEFAULT 1,
+    started_at   REAL NOT NULL,
+    ended_at     REAL,
+    result       TEXT,
+    detail       TEXT NOT NULL DEFAULT '',
+    pid          INTEGER,
+    pid_start    INTEGER,
+    run_dir      TEXT
+);
+CREATE INDEX IF NOT EXISTS steps_incident ON steps(incident_id);
+CREATE TABLE IF NOT EXISTS events (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    incident_id  INTEGER NOT NULL REFERENCES incidents(id),
+    step_id      INTEGER,
+    ts           REAL NOT NULL,
+    kind         TEXT NOT NULL,
+    detail       TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS events_incident ON events(incident_id);
+CREATE TABLE IF NOT EXISTS audit (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts           REAL NOT NULL,
+    incident_id  INTEGER,
+    node         TEXT,
+    action       TEXT,
+    decision     TEXT NOT NULL,
+    reason       TEXT NOT NULL,
+    facts        TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS isolations (
+    node         TEXT PRIMARY KEY,
+    domain       TEXT NOT NULL,
+    incident_id  INTEGER NOT NULL,
+    since        REAL NOT NULL,
+    dry_run      INTEGER NOT NULL DEFAULT 0,
+    quarantined  INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS isolation_history (
+    node         TEXT NOT NULL,
+    ts           REAL NOT NULL,
+    incident_id  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS isolation_history_node ON isolation_history(node, ts);
+CREATE TABLE IF NOT EXISTS storm (
+    ts           REAL NOT NULL,
+    node         TEXT NOT NULL,
+    incident_id  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS storm_ts ON storm(ts);
+CREATE TABLE IF NOT EXISTS job_requeues (
+    job_id       TEXT NOT NULL,
+    incident_id  INTEGER NOT NULL,
+    ts           REAL NOT NULL,
+    PRIMARY KEY (job_id, incident_id)
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    node         TEXT PRIMARY KEY,
+    state        TEXT NOT NULL,
+    since        REAL NOT NULL,
+    incident_id  INTEGER,
+    cause        TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS node_history (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    node         TEXT NOT NULL,
+    ts           REAL NOT NULL,
+    from_state   TEXT NOT NULL,
+    to_state     TEXT NOT NULL,
+    incident_id  INTEGER,
+    cause        TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS node_history_node ON node_history(node, id);
+CREATE TABLE IF NOT EXISTS kv (
+    key          TEXT PRIMARY KEY,
+    value        TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leadership (
+    id           INTEGER PRIMARY KEY CHECK (id = 1),
+    epoch        INTEGER NOT NULL,
+    holder       TEXT NOT NULL,
+    since        REAL NOT NULL
+);
+"""
+
+_INCIDENT_ROW = (
+    "INSERT INTO incidents (fingerprint, starts_at, starts_at_ts, cluster, node, gpu, fault_id, class, action, "
+    "severity, job_id, alertname, state, decision, hold_reason, outcome, run_job_id, dry_run, budget_remaining, "
+    "received_at, updated_at, resolved_at, ends_at_ts{parent}) VALUES ({marks})"
+)
+#: The rows the old code wrote, one or more per table.
+UNVERSIONED_ROWS: list[tuple[str, tuple[object, ...]]] = [
+    ("INCIDENT", ("a1b2", "2026-11-29T17:37:02.139000Z", 1796060222.139, "lab", "gpu-000", "0", "xid-79", "gpu_lost",
+                  "ISOLATE_AND_RELOCATE", "critical", "4242", "FleethealXid79", "done", "allow", None,
+                  "ran isolate_and_relocate.yml", "4242", 1, 2, 1796060223.5, 1796060290.25, 1796060300.0,
+                  1796060299.0)),
+    ("INCIDENT", ("c3d4", "2026-11-29T18:00:00.000000Z", 1796061600.0, "lab", "gpu-001", "node", "xid-79", "gpu_lost",
+                  "ISOLATE_AND_RELOCATE", "critical", "", "", "classified", None, "budget: 2/2", None, None, 0, 0,
+                  1796061601.0, 1796061602.0, None, None)),
+    ("INSERT INTO steps (incident_id, name, attempt, started_at, ended_at, result, detail, pid, pid_start, run_dir) "
+     "VALUES (?,?,?,?,?,?,?,?,?,?)", (1, "playbook", 2, 1796060230.0, 1796060290.0, "successful", "ok", 31337,
+                                      123_456_789_012, "/run/fleetheal/inc-000001")),
+    ("INSERT INTO events (incident_id, step_id, ts, kind, detail) VALUES (?,?,?,?,?)",
+     (1, 1, 1796060231.0, "playbook_start", "isolate_and_relocate.yml")),
+    ("INSERT INTO audit (ts, incident_id, node, action, decision, reason, facts) VALUES (?,?,?,?,?,?,?)",
+     (1796060225.0, 1, "gpu-000", "ISOLATE_AND_RELOCATE", "allow", "isolate gpu-000", '{"limit": 2}')),
+    ("INSERT INTO isolations (node, domain, incident_id, since, dry_run, quarantined) VALUES (?,?,?,?,?,?)",
+     ("gpu-000", "rack-0", 1, 1796060225.0, 0, 1)),
+    ("INSERT INTO isolation_history (node, ts, incident_id) VALUES (?,?,?)", ("gpu-000", 1796060225.0, 1)),
+    ("INSERT INTO storm (ts, node, incident_id) VALUES (?,?,?)", (1796060224.0, "gpu-000", 1)),
+    ("INSERT INTO job_requeues (job_id, incident_id, ts) VALUES (?,?,?)", ("4242", 1, 1796060225.0)),
+    ("INSERT INTO nodes (node, state, since, incident_id, cause) VALUES (?,?,?,?,?)",
+     ("gpu-000", "awaiting_repair", 1796060291.0, 1, "isolated")),
+    ("INSERT INTO node_history (node, ts, from_state, to_state, incident_id, cause) VALUES (?,?,?,?,?,?)",
+     ("gpu-000", 1796060291.0, "active", "awaiting_repair", 1, "isolated")),
+    ("INSERT INTO kv (key, value) VALUES (?,?)", ("breaker_open_since", "1796060224.0")),
+    ("INSERT INTO leadership (id, epoch, holder, since) VALUES (?,?,?,?)", (1, 7, "replica-a", 1796060000.0)),
+]  # fmt: skip
+
+
+def _old_pg_types(schema: str) -> list[str]:
+    """The old code's mapping of the schema to PostgreSQL's types (a fixture of the past too)."""
+    s = schema.replace("INTEGER PRIMARY KEY AUTOINCREMENT", "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY")
+    s = re.sub(r"\bINTEGER\b", "BIGINT", s)
+    s = re.sub(r"\bREAL\b", "DOUBLE PRECISION", s)
+    return [stmt.strip() for stmt in s.split(";") if stmt.strip()]
+
+
+def _unversioned_database(backend: str, where: str, *, lifecycles: bool = True) -> None:
+    """A database as the code before schema versions left it; `lifecycles=False`: older still, before
+    incidents.parent_id."""
+    schema = UNVERSIONED_SCHEMA if lifecycles else UNVERSIONED_SCHEMA.replace("    parent_id     INTEGER,\n", "")
+    incident = _INCIDENT_ROW.format(parent="", marks=",".join("?" * 23))
+    rows = [(incident if sql == "INCIDENT" else sql, args) for sql, args in UNVERSIONED_ROWS]
+    if backend == "sqlite":
+        db = sqlite3.connect(where)
+        with db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(schema)
+            for sql, args in rows:
+                db.execute(sql, args)
+        db.close()
+        return
+    with psycopg.connect(where, autocommit=True) as conn:
+        for stmt in _old_pg_types(schema):
+            conn.execute(stmt)
+        for sql, args in rows:
+            conn.execute(sql.replace("?", "%s"), args)
+
+
+def _version(backend: str, where: str) -> int:
+    if backend == "sqlite":
+        db = sqlite3.connect(where)
+        try:
+            return int(db.execute("PRAGMA user_version").fetchone()[0])
+        finally:
+            db.close()
+    with psycopg.connect(where) as conn:
+        if conn.execute("SELECT to_regclass('schema_version')").fetchone()[0] is None:
+            return 0
+        row = conn.execute("SELECT version FROM schema_version WHERE id = 1").fetchone()
+        return 0 if row is None else int(row[0])
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, cfg) -> tuple[str, str]:
+    """(backend, where): a path or a URL to an empty database."""
+    if request.param == "postgresql":
+        return request.param, request.getfixturevalue("pg_url")
+    return request.param, cfg.store.path
+
+
+def _open(backend: str, where: str) -> Store:
+    return Store.postgres(where) if backend == "postgresql" else Store(where)
+
+
+@pytest.mark.parametrize("lifecycles", [True, False], ids=["unversioned", "before-lifecycles"])
+def test_an_unversioned_database_is_upgraded_in_place_without_losing_a_row(backend, lifecycles, cfg):
+    kind, where = backend
+    _unversioned_database(kind, where, lifecycles=lifecycles)
+    assert _version(kind, where) == 0
+    store = _open(kind, where)
+    try:
+        assert _version(kind, where) == VERSION
+        first, second = store.get(1), store.get(2)
+        assert first is not None and second is not None
+        assert dataclasses.asdict(first) == {
+            "id": 1, "fingerprint": "a1b2", "starts_at": "2026-11-29T17:37:02.139000Z", "starts_at_ts": 1796060222.139,
+            "ends_at_ts": 1796060299.0, "cluster": "lab", "node": "gpu-000", "gpu": "0", "fault_id": "xid-79",
+            "fault_class": "gpu_lost", "action": "ISOLATE_AND_RELOCATE", "severity": "critical", "job_id": "4242",
+            "alertname": "FleethealXid79", "state": "done", "decision": "allow", "hold_reason": None,
+            "outcome": "ran isolate_and_relocate.yml", "run_job_id": "4242", "dry_run": True, "budget_remaining": 2,
+            "received_at": 1796060223.5, "updated_at": 1796060290.25, "resolved_at": 1796060300.0, "parent_id": None,
+        }  # fmt: skip
+        assert (second.state, second.hold_reason, second.gpu, second.dry_run) == (
+            "classified",
+            "budget: 2/2",
+            "node",
+            False,
+        )
+        assert [i.id for i in store.held()] == [2] and [i.id for i in store.unfinished()] == [2]
+        (step,) = store.steps(1)
+        assert (step.name, step.attempt, step.result, step.pid, step.pid_start, step.run_dir) == (
+            "playbook", 2, "successful", 31337, 123_456_789_012, "/run/fleetheal/inc-000001"
+        )  # fmt: skip
+        (event,) = store.events(1)
+        assert (event.step_id, event.kind, event.detail) == (step.id, "playbook_start", "isolate_and_relocate.yml")
+        (audit,) = store.audit_log()
+        assert audit == {"ts": 1796060225.0, "incident": "inc-000001", "node": "gpu-000",
+                         "action": "ISOLATE_AND_RELOCATE", "decision": "allow", "reason": "isolate gpu-000",
+                         "facts": {"limit": 2}}  # fmt: skip
+        iso = store.isolation("gpu-000")
+        assert iso is not None and (iso.domain, iso.incident_id, iso.dry_run, iso.quarantined) == (
+            "rack-0",
+            1,
+            False,
+            True,
+        )
+        assert store.quarantined_count() == 1 and store.isolation_counts() == {"rack-0": 1}
+        assert store.isolations_since("gpu-000", 0.0) == 1 and store.job_requeues("4242") == 1
+        assert store.storm_nodes(0.0) == 1 and store.last_storm_arrival() == 1796060224.0
+        assert store.kv_get("breaker_open_since") == "1796060224.0"
+        assert store.node_state("gpu-000").state == "awaiting_repair"
+        assert [h["to"] for h in store.node_history("gpu-000")] == ["awaiting_repair"]
+        assert store.leadership() == (7, "replica-a", 1796060000.0)
+        # The old rows live on with the new ones: ids go on where they stopped, a follow-up can follow.
+        (new,) = store.ingest([v(cfg, node="gpu-002")]).created
+        assert new == 3 and store.steps(new)[0].id == step.id + 1
+        _, follow_up = store.transition("gpu-000", "repairing", "ticket", 1, follow_up=FollowUp(first, "REBOOT"))
+        assert follow_up is not None and store.get(follow_up).parent_id == 1
+    finally:
+        store.close()
+    again = _open(kind, where)  # opening a current database changes nothing
+    try:
+        assert _version(kind, where) == VERSION and len(again.incidents()) == 4
+    finally:
+        again.close()
+
+
+def test_a_database_from_a_newer_version_is_refused_and_left_unchanged(backend, cfg):
+    kind, where = backend
+    store = _open(kind, where)
+    (iid,) = store.ingest([v(cfg)]).created
+    store.close()
+    if kind == "sqlite":
+        db = sqlite3.connect(where)
+        db.execute(f"PRAGMA user_version = {VERSION + 1}")
+        db.close()
+    else:
+        with psycopg.connect(where, autocommit=True) as conn:
+            conn.execute("UPDATE schema_version SET version = %s", (VERSION + 1,))
+    with pytest.raises(SchemaError, match=f"has schema version {VERSION + 1}, newer than this remediator's {VERSION}"):
+        _open(kind, where)
+    assert _version(kind, where) == VERSION + 1
+    if kind == "sqlite":
+        db = sqlite3.connect(where)
+        assert db.execute("SELECT id, state FROM incidents").fetchall() == [(iid, "received")]
+        db.close()

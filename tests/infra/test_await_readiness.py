@@ -1,7 +1,7 @@
 """awaitReadiness: declared in Pulumi.yaml, checked in config.py; false registers the skipAwait transform.
 
 The transform is exercised here as a function (Pulumi's mock engine does not call transforms);
-tests/pulumi/test_engine.py checks its effect on the objects in a real cluster.
+tests/infra/test_engine.py checks its effect on the objects in a real cluster.
 """
 
 from __future__ import annotations

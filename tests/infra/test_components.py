@@ -21,8 +21,8 @@ from fleetheal.infra.nodepools import EksNodeGroupProvider, ExistingNodesProvide
 from fleetheal.infra.remediator import Remediator
 from fleetheal.infra.slinky import SlinkyCluster
 from fleetheal.infra.storage import SharedStorage
+from tests.infra.graph import assert_all_valid, by_kind
 from tests.k8s_schemas import SchemaSet
-from tests.pulumi.graph import assert_all_valid, by_kind
 
 Runner = Callable[[Callable[[], Any]], list[mocks.Recorded]]
 POOL = GpuPool("h100", "h100", 8, 2, 1, ("n1", "n2"), ("n3",))

@@ -1,0 +1,16 @@
+"""Where `make tools` (scripts/build-tools.sh) puts the programs it builds from Go modules: etcd,
+kube-apiserver, kube-controller-manager (the lab's control plane), pulumi and its Kubernetes provider
+(`fleetheal infra`). `$FLEETHEAL_TOOLS` names another build directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: The checkout this package sits in (`make tools` builds into its .tools).
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def tools_dir() -> Path:
+    """The directory holding the built programs: `$FLEETHEAL_TOOLS/bin`, else the checkout's .tools/bin."""
+    return Path(os.environ.get("FLEETHEAL_TOOLS", CHECKOUT / ".tools")) / "bin"

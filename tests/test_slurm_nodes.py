@@ -1,0 +1,153 @@
+"""fleetheal.slurm_nodes, the one node reader: `sinfo` text and the JSON shapes of each Slurm version,
+and the drained / responding / owned-reason rules. The text is what Slurm 22.05 printed in the lab
+(tests/ansible/test_steps.py checks text and JSON against a real slurmctld)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fleetheal.slurm_nodes import NODES_ARGS, Node, parse_json, parse_text, read, sinfo_argv, slurm_node
+
+S = "\x1f"
+#: `sinfo NODES_ARGS` of Slurm 22.05.8: n1 drained with an owned reason holding `key=value` words and
+#: separators `scontrol -o` would split on, n2 a promoted standby (comment, no reason), n3 down and not
+#: responding with a foreign reason, n1 again (a second partition).
+TEXT = (
+    f"n1{S}idle+drain{S}2026-12-05T00:12:56{S}fleetheal:xid-79 incident=inc-7 a|b,c  d=e{S}(null){S}\n"
+    f"n2{S}mixed{S}Unknown{S}none{S}fleetheal: promoted for n9 incident=inc-7{S}\n"
+    f"n3{S}down*{S}2026-12-05T00:12:57{S}none of ours{S}(null){S}\n"
+    f"n1{S}idle{S}Unknown{S}none{S}(null){S}\n"
+)
+
+
+def test_argv_reads_every_node_or_one():
+    assert sinfo_argv() == ["sinfo", *NODES_ARGS]
+    assert sinfo_argv("/opt/slurm/bin/sinfo", "n2") == ["/opt/slurm/bin/sinfo", *NODES_ARGS, "-n", "n2"]
+    assert NODES_ARGS == ("-N", "-h", "-O", f"NodeList:{S},StateComplete:{S},Timestamp:{S},Reason:{S},Comment:{S}")
+
+
+def test_text_keeps_an_owned_reason_whole_and_the_first_line_of_a_node():
+    nodes = parse_text(TEXT)
+    assert list(nodes) == ["n1", "n2", "n3"]
+    n1 = nodes["n1"]
+    assert n1 == Node(
+        "n1", "IDLE", frozenset({"DRAIN"}), "fleetheal:xid-79 incident=inc-7 a|b,c  d=e", "", "2026-12-05T00:12:56"
+    )
+    assert n1.drained and n1.responding and n1.reason_owned()
+    assert not n1.reason_owned("fleetheal:standby")
+
+
+def test_text_comment_missing_reason_and_not_responding():
+    nodes = parse_text(TEXT)
+    assert nodes["n2"] == Node("n2", "MIXED", frozenset(), "", "fleetheal: promoted for n9 incident=inc-7", "")
+    assert not nodes["n2"].drained and not nodes["n2"].reason_owned()
+    n3 = nodes["n3"]
+    assert (n3.state, n3.flags, n3.reason) == ("DOWN", frozenset({"NOT_RESPONDING"}), "none of ours")
+    assert not n3.responding and not n3.drained and not n3.reason_owned()
+    assert not Node("n4", "DOWN", frozenset()).responding  # DOWN alone is not responding either
+    assert parse_text("") == {}
+
+
+def test_slurm_node_is_the_dict_the_playbooks_see():
+    assert slurm_node(TEXT, "n1") == {
+        "found": True,
+        "name": "n1",
+        "state": "IDLE",
+        "flags": ["DRAIN"],
+        "drained": True,
+        "responding": True,
+        "reason": "fleetheal:xid-79 incident=inc-7 a|b,c  d=e",
+        "reason_owned": True,
+        "comment": "",
+    }
+    assert slurm_node(TEXT, "n1", "fleetheal:standby")["reason_owned"] is False
+    missing = slurm_node(TEXT, "n9")
+    assert missing["found"] is False and missing["name"] == "n9" and missing["drained"] is False
+
+
+def test_pool_scans():
+    nodes = read(TEXT + f"n5{S}idle+drain{S}2026-12-05T00:12:58{S}fleetheal:standby{S}(null){S}\n")
+    assert nodes.with_reason("fleetheal:") == ["n1", "n5"]
+    assert nodes.with_reason("fleetheal:standby") == ["n5"]
+    assert nodes.with_comment("incident=inc-7") == ["n2"]
+    assert nodes.with_comment("inc-7") == []  # a whole word only
+    assert read(nodes) is nodes
+
+
+def _epoch(iso: str) -> int:
+    return int(time.mktime(time.strptime(iso, "%Y-%m-%dT%H:%M:%S")))
+
+
+def test_json_of_slurm_22_05_sinfo():
+    """openapi v0.0.38: `state` a lower-case word, flags apart, `reason_changed_at` an integer."""
+    doc = {
+        "meta": {"plugin": {"type": "openapi/v0.0.38"}},
+        "nodes": [
+            {
+                "name": "n1",
+                "state": "idle",
+                "state_flags": ["DRAIN"],
+                "reason": "fleetheal:xid-79 incident=inc-7 a|b,c  d=e",
+                "reason_changed_at": _epoch("2026-12-05T00:12:56"),
+                "comment": "",
+            },
+            {
+                "name": "n2",
+                "state": "mixed",
+                "state_flags": [],
+                "reason": "",
+                "reason_changed_at": 0,
+                "comment": "fleetheal: promoted for n9 incident=inc-7",
+            },
+            {
+                "name": "n3",
+                "state": "down",
+                "state_flags": ["NOT_RESPONDING"],
+                "reason": "none of ours",
+                "reason_changed_at": _epoch("2026-12-05T00:12:57"),
+                "comment": "",
+            },
+        ],
+    }
+    assert parse_json(doc) == parse_text(TEXT)
+
+
+def test_json_of_scontrol_since_23_02():
+    """data parser v0.0.39+: base state and flags in one upper-case list; from v0.0.40 times are objects."""
+    doc = {
+        "nodes": [
+            {
+                "name": "n1",
+                "state": ["IDLE", "DRAIN"],
+                "reason": "fleetheal:xid-79 incident=inc-7 a|b,c  d=e",
+                "reason_changed_at": {"set": True, "infinite": False, "number": _epoch("2026-12-05T00:12:56")},
+                "comment": "",
+            },
+            {
+                "name": "n2",
+                "state": ["MIXED"],
+                "reason": "",
+                "reason_changed_at": {"set": False, "infinite": False, "number": 0},
+                "comment": "fleetheal: promoted for n9 incident=inc-7",
+            },
+            {
+                "name": "n3",
+                "state": ["DOWN", "NOT_RESPONDING"],
+                "reason": "none of ours",
+                "reason_changed_at": _epoch("2026-12-05T00:12:57"),
+                "comment": "",
+            },
+        ]
+    }
+    assert parse_json(doc) == parse_text(TEXT)
+    assert read('{"nodes": [{"name": "n1", "state": ["DRAIN", "IDLE"]}]}')["n1"].state == "IDLE"
+
+
+def test_refuses_what_is_no_node_read():
+    for value in (None, 42, ["n1"]):
+        with pytest.raises(ValueError, match="NODES_ARGS"):
+            read(value)
+    with pytest.raises(ValueError, match="`nodes` list"):
+        read({"sinfo": [{"nodes": {"nodes": ["n1"]}, "node": {"state": ["IDLE"]}}]})  # sinfo --json of 24.11
