@@ -17,6 +17,7 @@ Only the standard library and PyYAML: the agent imports this.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -197,24 +198,14 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
-    if hint is int:
+    if hint in (int, float):
+        # A number may be quoted ("2"); a boolean is not a number, and an integer setting takes no 2.5.
         if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+            with contextlib.suppress(ValueError):
+                return hint(value)
+        if isinstance(value, bool) or not isinstance(value, int if hint is int else int | float):
+            raise ConfigError(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {value!r}")
+        return hint(value)
     if hint is str:
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
