@@ -187,6 +187,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     if origin in (Mapping, dict) or hint is Mapping:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        if args and _section(args[1]):  # a mapping of named sections (say clusters by name)
+            return types.MappingProxyType({str(k): _build(args[1], v, (where, str(k)), {}) for k, v in value.items()})
         if args and args[1] is str:  # a mapping of names: an empty value is ""
             return types.MappingProxyType(
                 {str(k): "" if v is None else _convert(v, str, where) for k, v in value.items()}

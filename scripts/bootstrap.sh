@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything fleetheal needs on a Debian 12 machine, on first use: the Debian packages that the
-# lab and the tests run for real (Slurm, munge, Prometheus, Alertmanager, PostgreSQL, podman, runc, debootstrap),
+# lab and the tests run for real (Slurm and its federation's slurmdbd + MariaDB, munge, Prometheus, Alertmanager, PostgreSQL, podman, runc, debootstrap),
 # a virtualenv with the exact pins of requirements.txt, fleetheal itself (editable), and the policy pack's
 # own virtualenv (policies/.venv, from policies/requirements.txt).
 # Idempotent: a second run installs nothing and takes about a second. Says what it installs.
@@ -11,6 +11,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 DEB_PACKAGES=(
   slurmctld slurmd slurm-client munge        # a real Slurm on one machine (lab, agent and playbook tests)
+  slurmdbd mariadb-server                    # the Slurm federation: slurmdbd and its database, on loopback
   prometheus prometheus-alertmanager         # real alerting path; promtool tests the generated rules
   postgresql                                 # the remediator's production store, started by the tests on loopback
   podman runc debootstrap uidmap             # Molecule targets: systemd containers built locally
