@@ -55,11 +55,12 @@ molecule-prep: setup
 	molecule/image/build.sh
 	molecule/image/wheelhouse.sh
 
-# `unit` leaves out the tests marked kube or pulumi (the Go-built tools; tests/conftest.py marks every
-# user of the `kube` fixture), molecule (Molecule's image) and the lab's own tests; `integration` runs
-# exactly those. pytest collects tests/ in alphabetical order, so tests/infra runs before tests/remediator
-# in the same process, as it must: the remediator tests first leave the Pulumi mocks broken.
-INTEGRATION := kube or pulumi or molecule
+# `unit` leaves out the tests marked kube or pulumi (the Go-built tools), federation (a Slurm federation
+# with slurmdbd and MariaDB; tests/conftest.py marks every user of the `kube` and `federation` fixtures),
+# molecule (Molecule's image) and the lab's own tests; `integration` runs exactly those. pytest collects
+# tests/ in alphabetical order, so tests/infra runs before tests/remediator in the same process, as it
+# must: the remediator tests first leave the Pulumi mocks broken.
+INTEGRATION := kube or pulumi or molecule or federation
 
 unit: setup
 	$(PY) -m pytest -m "not ($(INTEGRATION))" --ignore=tests/lab $(PYTEST_ARGS)

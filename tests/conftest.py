@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built, tools_dir
+from fleetheal.lab.federation import Federation
 from fleetheal.lab.postgres import Postgres, PostgresError
+from fleetheal.lab.slurm import SlurmError
 
 # The Pulumi tests run gRPC servers in this process (the Automation API's language host), and gRPC's
 # event engine then takes part in every fork: now and then (3 in 1,000 pexpect spawns, measured) the child
@@ -29,12 +31,16 @@ SHARED = Path(os.environ.get("FLEETHEAL_SHARED", REPO.parent / "shared"))
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that takes the real control plane (`kube`, built by `make tools`) carries the `kube` marker,
-    so `make unit` (-m "not (kube or ...)") leaves it to `make integration` whether or not it is marked."""
+    so `make unit` (-m "not (kube or ...)") leaves it to `make integration` whether or not it is marked.
+    One that takes the shared Slurm `federation` carries `federation` and `slurm`, so `-m federation`
+    selects every test that needs it."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.get("kube", ()) if info is not None else ()
-        if defs and Path(inspect.getfile(defs[-1].func)) == Path(__file__):  # not a test's own fake `kube`
-            item.add_marker(pytest.mark.kube)
+        for name, marks in (("kube", ("kube",)), ("federation", ("federation", "slurm"))):
+            defs = info.name2fixturedefs.get(name, ()) if info is not None else ()
+            if defs and Path(inspect.getfile(defs[-1].func)) == Path(__file__):  # not a test's own fake
+                for mark in marks:
+                    item.add_marker(getattr(pytest.mark, mark))
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +103,22 @@ def pg_url(postgres_server: Postgres) -> Iterator[str]:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def federation() -> Iterator[Federation]:
+    """One real Slurm federation for the session (fleetheal.lab.federation: clusters a, b, c with nodes
+    a1,a2,b1,b2,c1,c2, 8 fake GPUs each, types h100/h100/a100; slurmdbd and MariaDB on loopback), stopped
+    at the end. Tests share it, so each must leave it as found: cancel its jobs (`-M all`), undo cluster
+    features and QOS limits, `rejoin` what it `drop`s."""
+    base = tempfile.mkdtemp(prefix="fleetheal-fed-")
+    fed = Federation(base)
+    try:
+        try:
+            fed.start()
+        except SlurmError as exc:
+            pytest.fail(f"the Slurm federation did not start: {exc}")
+        yield fed
+    finally:
+        fed.stop()
+        shutil.rmtree(base, ignore_errors=True)

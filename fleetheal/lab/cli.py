@@ -1,6 +1,7 @@
 """`fleetheal lab up|down|status|inject|demo`: the local lab (fleetheal.lab.lab) from the command line.
 
     fleetheal lab up [--nodes 4 --standby 2 --gpus 8]   start everything on loopback
+    fleetheal lab up --clusters 3 [--nodes 2 --gpus 8]   a Slurm federation alone (clusters a, b, c)
     fleetheal lab status                                 nodes, pools, jobs, open incidents
     fleetheal lab inject NODE FAULT [--gpu I]            inject a taxonomy fault on the simulated GPUs
     fleetheal lab submit                                 submit the 2-node training job
@@ -34,11 +35,24 @@ def register(sub: Any) -> None:
     )
     lsub = lab.add_subparsers(dest="lab_command", metavar="COMMAND", required=True)
 
-    p = lsub.add_parser("up", help="start the lab")
+    p = lsub.add_parser(
+        "up",
+        help="start the lab",
+        description="Start the lab. With --clusters N (N >= 2), start a Slurm federation of N clusters "
+        "(a, b, c...; one slurmdbd and MariaDB) alone, without agents, remediator, monitoring or Kubernetes.",
+    )
     _dir_arg(p)
-    p.add_argument("--nodes", type=int, default=4, help="active GPU nodes (default 4)")
-    p.add_argument("--standby", type=int, default=2, help="warm-standby nodes (default 2)")
+    p.add_argument(
+        "--nodes", type=int, help="active GPU nodes (default 4); with --clusters, slurmd per cluster (default 2)"
+    )
+    p.add_argument("--standby", type=int, help="warm-standby nodes (default 2; not with --clusters)")
     p.add_argument("--gpus", type=int, default=8, help="simulated GPUs per node (default 8)")
+    p.add_argument(
+        "--clusters",
+        type=int,
+        metavar="N",
+        help="start a Slurm federation of N >= 2 clusters instead of the single-cluster lab",
+    )
     p.set_defaults(func=cmd_up)
 
     p = lsub.add_parser("down", help="stop everything the lab started")
@@ -82,15 +96,52 @@ def cmd_up(args: argparse.Namespace) -> int:
     from fleetheal.lab.lab import LabError
 
     lab = _lab(args, must_run=False)
+    if args.clusters is not None:
+        return _up_federation(lab, args)
     print(f"fleetheal lab in {lab.dir}:")
     try:
-        lab.up(args.nodes, args.standby, args.gpus)
+        lab.up(4 if args.nodes is None else args.nodes, 2 if args.standby is None else args.standby, args.gpus)
     except LabError as exc:
         print(f"fleetheal lab: {exc}", file=sys.stderr)
         return 1
     print(f"ready: {', '.join(lab.meta['active'])} active, {', '.join(lab.standby_nodes) or 'none'} standby")
     print(f"  SLURM_CONF={lab.dir / 'slurm' / 'etc' / 'slurm.conf'}  KUBECONFIG={lab.kubeconfig}")
     return 0
+
+
+def _up_federation(lab: Any, args: argparse.Namespace) -> int:
+    from fleetheal.lab.lab import LabError
+
+    if args.clusters < 2:
+        raise UsageError(f"--clusters must be at least 2 (a federation), got {args.clusters}")
+    if args.standby is not None:
+        raise UsageError("--standby is for the single-cluster lab; --clusters starts the federation alone")
+    print(f"fleetheal lab in {lab.dir}: a Slurm federation of {args.clusters} clusters (nothing else)")
+    try:
+        fed = lab.up_federation(args.clusters, 2 if args.nodes is None else args.nodes, args.gpus)
+    except LabError as exc:
+        print(f"fleetheal lab: {exc}", file=sys.stderr)
+        return 1
+    for name, cluster in fed.clusters.items():
+        kind = f"gpu:{fed.gpu_types[name]}:{fed.gpus_per_node}" if name in fed.gpu_types else f"gpu:{fed.gpus_per_node}"
+        print(f"  cluster {name}: nodes {','.join(cluster.node_names)} ({kind} each)")
+    print(f"ready: federation {fed.name!r}; reach it with")
+    print(f"  export SLURM_CONF={fed.conf_path}")
+    print("  squeue -M all; sbatch --gres=gpu:8 job.sh; sacctmgr show federation")
+    print("stop it with `fleetheal lab down`")
+    return 0
+
+
+def _print_federation(lab: Any) -> None:
+    from fleetheal.lab.slurm import SlurmError
+
+    try:
+        fed = lab.federation()
+    except SlurmError as exc:
+        raise UsageError(f"no federation is running in {lab.dir}: {exc}") from None
+    print(f"lab {lab.dir}: federation {fed.name!r}, SLURM_CONF={fed.conf_path}")
+    print(fed.run("scontrol", "show", "federation", check=False).stdout.rstrip())
+    print(fed.squeue().rstrip())
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -105,7 +156,11 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from fleetheal.lab.demo import print_status
 
-    print_status(_lab(args))
+    lab = _lab(args)
+    if "federation" in lab.meta:
+        _print_federation(lab)
+        return 0
+    print_status(lab)
     return 0
 
 

@@ -19,6 +19,10 @@
 - the remediator (`fleetheal remediator serve`) running the real playbooks through ansible-runner, with
   the kubeconfig pointed at that API server.
 
+`Lab(lab_dir).up_federation(clusters=3)` starts instead a Slurm federation alone
+(`fleetheal.lab.federation.Federation`: clusters a, b, c... sharing one slurmdbd and MariaDB) under
+`lab_dir/federation`, for trying multi-cluster placement by hand; `down()` stops it too.
+
 `down()` stops all of it by PID (and checks each PID is still the process it started). State lives
 under the lab dir (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab); `up()` starts from an empty one.
 """
@@ -58,6 +62,7 @@ from fleetheal.contracts import (
     own_node_policy,
 )
 from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, api_request, token_client, tools_built
+from fleetheal.lab.federation import DEFAULT_GPU_TYPES, Federation
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
 from fleetheal.procs import free_ports
@@ -222,6 +227,14 @@ class Lab:
     def slurm(self) -> SlurmCluster:
         return SlurmCluster.attach(self.dir / "slurm")
 
+    @property
+    def federation_dir(self) -> Path:
+        return self.dir / "federation"
+
+    def federation(self) -> Federation:
+        """The running federation of `up_federation` (SlurmError when none runs)."""
+        return Federation.attach(self.federation_dir)
+
     def _save(self) -> None:
         tmp = self.meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
@@ -246,8 +259,10 @@ class Lab:
 
     def running(self) -> bool:
         started = self.meta.get("processes", {}).values()
-        return any(procs.alive(p["pid"]) and str(self.dir) in procs.cmdline(p["pid"]) for p in started) or (
-            (self.dir / "slurm" / "cluster.json").exists()
+        return (
+            any(procs.alive(p["pid"]) and str(self.dir) in procs.cmdline(p["pid"]) for p in started)
+            or ((self.dir / "slurm" / "cluster.json").exists())
+            or (self.federation_dir / "base" / "federation.json").exists()
         )
 
     # ---- up -----------------------------------------------------------------------------------
@@ -266,14 +281,47 @@ class Lab:
                 raise LabError(f"another `fleetheal lab up` is starting a lab in {self.dir}") from None
             self._up_locked(nodes, standby, gpus)
 
-    def _up_locked(self, nodes: int, standby: int, gpus: int) -> None:
+    def _fresh_dir(self) -> None:
+        """Every lab starts from an empty directory; refuse one that runs a lab or holds something else."""
         if self.dir.exists() and self.running():
             raise LabError(f"a lab is already running in {self.dir}; run `fleetheal lab down` first")
         if self.dir.exists() and any(self.dir.iterdir()):
             if not self.meta_path.exists():
                 raise LabError(f"{self.dir} is not empty and holds no lab (no lab.json): choose another --dir")
-            shutil.rmtree(self.dir)  # a stopped lab: every lab starts from an empty directory
+            shutil.rmtree(self.dir)  # a stopped lab
         self.dir.mkdir(parents=True, exist_ok=True)
+
+    def up_federation(self, clusters: int = 3, nodes: int = 2, gpus: int = 8) -> Federation:
+        """Start a Slurm federation of `clusters` clusters (named a, b, c...; `nodes` slurmd each) alone,
+        without the single-cluster lab's agents, remediator and monitoring."""
+        if not 2 <= clusters <= 26:
+            raise LabError(f"--clusters must be between 2 and 26, got {clusters}")
+        if nodes < 1 or gpus < 1:
+            raise LabError("--nodes and --gpus must be at least 1")
+        names = [chr(ord("a") + i) for i in range(clusters)]
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.dir.parent / f".{self.dir.name}.lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LabError(f"another `fleetheal lab up` is starting a lab in {self.dir}") from None
+            self._fresh_dir()
+            self.meta = {"federation": {"clusters": names, "nodes": nodes}, "gpus": gpus, "started": time.time()}
+            self._save()
+            types = {n: DEFAULT_GPU_TYPES.get(n, "h100") for n in names}
+            fed = Federation(self.federation_dir, names, nodes, gpus, types)
+            try:
+                fed.start()
+            except SlurmError as exc:
+                raise LabError(f"the federation did not start: {exc}") from exc
+            self.started = True
+            self.meta["federation"]["slurm_conf"] = str(fed.conf_path)
+            self.meta["ready"] = time.time()
+            self._save()
+            return fed
+
+    def _up_locked(self, nodes: int, standby: int, gpus: int) -> None:
+        self._fresh_dir()
         names = [f"n{i}" for i in range(1, nodes + standby + 1)]
         self.meta = {
             "nodes": names,
@@ -638,6 +686,9 @@ class Lab:
         with contextlib.suppress(SlurmError):
             SlurmCluster.attach(slurm_dir).stop()
             stopped.append("slurm")
+        with contextlib.suppress(SlurmError):
+            self.federation().stop()
+            stopped.append("federation")
         if not quiet:
             self.log(f"stopped: {', '.join(stopped) or 'nothing was running'}")
         return stopped

@@ -81,7 +81,11 @@ class SlurmCluster:
         gpus_per_node: fake GPUs per node (GRES `gpu`); 0 for none.
         cpus_per_node: CPUs each node declares (`SlurmdParameters=config_overrides` lets this exceed
             the real machine).
-        extra_conf: lines appended to slurm.conf (e.g. `HealthCheckProgram=...`).
+        extra_conf: lines appended to slurm.conf (e.g. `HealthCheckProgram=...`); a later key overrides
+            an earlier one, so accounting and priority lines given here replace the defaults.
+        gpu_type: GRES type of the GPUs (`gpu:<type>:<n>`, e.g. `h100`), None for untyped `gpu:<n>`.
+        munge_key: the munge key to use (several clusters of one federation must share one); None
+            keeps the state dir's key, or makes a random one.
         partition: the one partition, default, holding every node.
         slurm_bin: directory of the Slurm daemons and clients (None: found on PATH / /usr/sbin).
     """
@@ -98,6 +102,8 @@ class SlurmCluster:
         cluster_name: str = "fleetheal",
         partition: str = "gpu",
         slurm_bin: str | os.PathLike[str] | None = None,
+        gpu_type: str | None = None,
+        munge_key: bytes | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -111,6 +117,10 @@ class SlurmCluster:
         self.cluster_name = cluster_name
         self.partition = partition
         self._bin = Path(slurm_bin) if slurm_bin else None
+        if gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", gpu_type):
+            raise ValueError(f"gpu_type must be letters, digits, '-' or '_', got {gpu_type!r}")
+        self.gpu_type = gpu_type
+        self.munge_key = munge_key
         self._holder: subprocess.Popen[bytes] | None = None
         self.holder_pid: int | None = None
 
@@ -153,7 +163,11 @@ class SlurmCluster:
         os.chmod(d, 0o755)  # noqa: S103 - clients must traverse to the munge socket
         os.chmod(d / "munge", 0o755)  # noqa: S103 - same
         key = d / "munge" / "munge.key"
-        if not key.exists():
+        if self.munge_key is not None:
+            if key.exists():
+                os.chmod(key, 0o600)
+            key.write_bytes(self.munge_key)
+        elif not key.exists():
             key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
 
@@ -168,7 +182,8 @@ class SlurmCluster:
         ports = free_ports(len(self.node_names) + 1)
         ctld_port, node_ports = ports[0], ports[1:]
         munge_socket = d / "munge" / "munge.socket"
-        gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""
+        typed = f"{self.gpu_type}:" if self.gpu_type else ""
+        gres = f" Gres=gpu:{typed}{self.gpus_per_node}" if self.gpus_per_node else ""
         lines = [
             "# Written by fleetheal.lab.slurm.SlurmCluster; regenerated at every start.",
             f"ClusterName={self.cluster_name}",
@@ -223,7 +238,8 @@ class SlurmCluster:
         if self.gpus_per_node:
             for node in self.node_names:
                 devs = d / "dev" / node / f"nvidia[0-{self.gpus_per_node - 1}]"
-                gres_lines.append(f"NodeName={node} Name=gpu File={devs}")
+                kind = f" Type={self.gpu_type}" if self.gpu_type else ""
+                gres_lines.append(f"NodeName={node} Name=gpu{kind} File={devs}")
         (d / "etc" / "gres.conf").write_text("\n".join(gres_lines) + "\n")
         # Slurm reads cgroup.conf only with cgroup plugins; an empty one silences a warning.
         (d / "etc" / "cgroup.conf").write_text("")
@@ -331,6 +347,13 @@ while :; do wait; sleep 1; done
             return
         init = self._ns_init_pid()
         if graceful and init is not None:
+            # A slurmctld restarted by `start_slurmctld` is not the init script's child: stop it first so
+            # that it, too, saves its state.
+            restarted = [p for p, cmd in self.processes().items() if p != init and self._is_ctld(cmd)]
+            for pid in restarted:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            procs.wait_gone(restarted, timeout)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(init, signal.SIGTERM)
             procs.wait_gone([init], timeout)
@@ -384,6 +407,48 @@ while :; do wait; sleep 1; done
                 env=self.env,
                 start_new_session=True,
             )
+
+    # ---- the controller --------------------------------------------------------------------
+
+    @staticmethod
+    def _is_ctld(cmd: str) -> bool:
+        return bool(re.search(r"(^|/)slurmctld -D", cmd))
+
+    def stop_slurmctld(self, timeout: float = 15.0) -> None:
+        """Stop the cluster's slurmctld gracefully (SIGTERM: it saves its jobs and nodes to
+        StateSaveLocation); the slurmd and their running jobs stay, as when a real controller goes away."""
+        pids = [p for p, cmd in self.processes().items() if self._is_ctld(cmd)]
+        if not pids:
+            raise SlurmError(f"no slurmctld running in {self.state_dir}")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        if procs.wait_gone(pids, timeout):
+            raise SlurmError(f"slurmctld in {self.state_dir} did not stop within {timeout}s")
+
+    def start_slurmctld(self, timeout: float = 30.0) -> None:
+        """Start slurmctld again inside the cluster's namespace, recovering its saved state; returns once
+        it answers `scontrol ping`."""
+        init = self._ns_init_pid()
+        if init is None:
+            raise SlurmError("cluster is not running")
+        if any(self._is_ctld(cmd) for cmd in self.processes().values()):
+            raise SlurmError(f"slurmctld is already running in {self.state_dir}")
+        with open(self.log_dir / "slurmctld.out", "ab") as log:
+            subprocess.Popen(
+                ["nsenter", f"--target={init}", "--pid", "--mount", "--", self._tool("slurmctld"), "-D", "-i"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        self.wait_for(
+            "slurmctld to answer scontrol ping",
+            lambda: "is UP" in self.run("scontrol", "ping", check=False, timeout=10).stdout,
+            timeout,
+            interval=0.1,
+        )
 
     # ---- clients ---------------------------------------------------------------------------
 
