@@ -29,6 +29,7 @@ COMMANDS = (
     "fleetheal.remediator.cli",
     "fleetheal.ettr.cli",
     "fleetheal.launch",
+    "fleetheal.fleet.status",
 )
 #: command module -> modules whose `register` takes the subparsers that command's `register` returns.
 SUBCOMMANDS = {

@@ -32,10 +32,11 @@ from typing import Any
 
 from fleetheal.contracts import DRAIN_REASON_PREFIX, owns_reason
 
-_SEP = "\x1f"
+#: The end of every `-O` field of a node read (a control character no name or reason contains).
+SEP = "\x1f"
 _FIELDS = ("NodeList", "StateComplete", "Timestamp", "Reason", "Comment")
 #: `sinfo` arguments of a node read (`sinfo_argv`); add `-n NODE` for one node.
-NODES_ARGS = ("-N", "-h", "-O", ",".join(f"{f}:{_SEP}" for f in _FIELDS))
+NODES_ARGS = ("-N", "-h", "-O", ",".join(f"{f}:{SEP}" for f in _FIELDS))
 #: Slurm's base node states (slurm.h NODE_STATE_BASE); everything else in a state is a flag.
 BASE_STATES = frozenset({"UNKNOWN", "DOWN", "IDLE", "ALLOCATED", "ERROR", "MIXED", "FUTURE"})
 #: What Slurm appends to a base state in text: `*` not responding, `~` powered off, `#` powering up...
@@ -138,8 +139,8 @@ def parse_text(text: str) -> Nodes:
     time `Unknown`; `-N` lists a node once per partition, and the first line counts."""
     nodes = Nodes()
     for line in text.splitlines():
-        name, state, stamp, reason, comment, *_ = [*line.split(_SEP, 4), "", "", "", "", ""]
-        comment = comment.removesuffix(_SEP)
+        name, state, stamp, reason, comment, *_ = [*line.split(SEP, 4), "", "", "", "", ""]
+        comment = comment.removesuffix(SEP)
         if not name or not state or name in nodes:
             continue
         base, flags = _state(state)

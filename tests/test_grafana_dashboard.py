@@ -44,7 +44,7 @@ def test_dashboard_loads_and_has_the_panels() -> None:
     ids = [p["id"] for p in doc["panels"]]
     assert len(ids) == len(set(ids))
     titles = " ".join(p["title"] for p in doc["panels"]).lower()
-    for wanted in ("ettr", "phase", "timeline", "recovery"):
+    for wanted in ("ettr", "phase", "timeline", "recovery", "fleet"):
         assert wanted in titles
     for p in doc["panels"]:
         g = p["gridPos"]
