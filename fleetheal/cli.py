@@ -30,10 +30,14 @@ COMMANDS = (
     "fleetheal.ettr.cli",
     "fleetheal.launch",
     "fleetheal.fleet.status",
+    "fleetheal.fleet.placement",
+    "fleetheal.fleet.queues",
 )
-#: command module -> modules whose `register` takes the subparsers that command's `register` returns.
+#: command module -> `module` or `module:function` whose register function (default `register`) takes the
+#: subparsers that command's `register` returns.
 SUBCOMMANDS = {
     "fleetheal.ettr.cli": ("fleetheal.lab.measure",),  # `fleetheal ettr measure`: ETTR of a lab run
+    "fleetheal.fleet.status": ("fleetheal.fleet.placement:register_fleet",),  # `fleetheal fleet sync-features`
 }
 
 
@@ -47,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         added = importlib.import_module(name).register(sub)
         for extra in SUBCOMMANDS.get(name, ()):
-            importlib.import_module(extra).register(added)
+            module, _, function = extra.partition(":")
+            getattr(importlib.import_module(module), function or "register")(added)
     return parser
 
 
