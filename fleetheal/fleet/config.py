@@ -90,6 +90,14 @@ class Queues:
     small_guaranteed_gpus: int = 8
     #: Seconds between two lending decisions.
     interval_s: float = 5.0
+    #: A job asking for more than this many GPUs belongs to the large queue.
+    small_job_max_gpus: int = 8
+    #: Idle large-queue GPUs kept unlent (so a large job that arrives need not wait for small ones).
+    lend_reserve_gpus: int = 0
+    #: Aging: priority points per hour a job has waited.
+    age_weight_per_hour: float = 1.0
+    #: Size: priority points per requested GPU.
+    size_weight_per_gpu: float = 0.1
 
 
 @dataclass(frozen=True)
