@@ -57,9 +57,7 @@ molecule-prep: setup
 
 # `unit` leaves out the tests marked kube or pulumi (the Go-built tools), federation (a Slurm federation
 # with slurmdbd and MariaDB; tests/conftest.py marks every user of the `kube` and `federation` fixtures),
-# molecule (Molecule's image) and the lab's own tests; `integration` runs exactly those. pytest collects
-# tests/ in alphabetical order, so tests/infra runs before tests/remediator in the same process, as it
-# must: the remediator tests first leave the Pulumi mocks broken.
+# molecule (Molecule's image) and the lab's own tests; `integration` runs exactly those.
 INTEGRATION := kube or pulumi or molecule or federation
 
 unit: setup

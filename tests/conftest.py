@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import shutil
@@ -41,6 +42,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if defs and Path(inspect.getfile(defs[-1].func)) == Path(__file__):  # not a test's own fake
                 for mark in marks:
                     item.add_marker(getattr(pytest.mark, mark))
+
+
+@pytest.fixture(autouse=True)
+def _main_thread_event_loop() -> None:
+    """Pulumi's mocks (`@pulumi.runtime.test`, fleetheal.infra.mocks) run on the main thread's current event
+    loop, and `asyncio.run` (the remediator's service in the remediator and fleet tests) leaves none behind:
+    every Pulumi test after such a test failed with "There is no current event loop". Each test starts with
+    one, so the tests pass in any order."""
+    policy = asyncio.get_event_loop_policy()
+    try:
+        loop = policy.get_event_loop()
+    except RuntimeError:
+        loop = None
+    if loop is None or loop.is_closed():
+        policy.set_event_loop(policy.new_event_loop())
 
 
 @pytest.fixture(scope="session")
