@@ -37,7 +37,8 @@ COMMANDS = (
 #: subparsers that command's `register` returns.
 SUBCOMMANDS = {
     "fleetheal.ettr.cli": ("fleetheal.lab.measure",),  # `fleetheal ettr measure`: ETTR of a lab run
-    "fleetheal.fleet.status": ("fleetheal.fleet.placement:register_fleet",),  # `fleetheal fleet sync-features`
+    # `fleetheal fleet sync-features` and `fleetheal fleet drift`
+    "fleetheal.fleet.status": ("fleetheal.fleet.placement:register_fleet", "fleetheal.infra.federation"),
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,6 +38,17 @@ LABEL_MEMBERSHIP = K8S_PREFIX + "membership"
 LABEL_ENVIRONMENT = K8S_PREFIX + "environment"
 MEMBER_ROLES = ("active", "standby")
 PRODUCTION = "production"
+#: On a federation member's Controller and Accounting (and the manager's federation ConfigMap): manager or worker.
+LABEL_FEDERATION_ROLE = K8S_PREFIX + "federation-role"
+#: The manager's ConfigMap holding the federation's `sacctmgr` script (app.kubernetes.io/component).
+FEDERATION_COMPONENT = "federation"
+FEDERATION_SCRIPT_KEY = "apply.sh"
+#: The script's statements, one per line (fleetheal.infra.federation writes them, the drift check reads them):
+#: `cluster NAME FEATURES`, `qos NAME PRIORITY`, `grant ACCOUNT CLUSTER QOS|- DEFAULT_QOS|- [USER...]`,
+#: `federation NAME CLUSTER...`.
+FEDERATION_VERBS = ("cluster", "qos", "grant", "federation")
+#: Slurm ClusterNames in a federation (fleetheal.fleet.config.NAME; slurmdbd prefixes its tables with them).
+SLURM_CLUSTER_NAME = r"[a-z][a-z0-9-]{0,39}"
 
 GPU = "nvidia.com/gpu"
 SLINKY = "slinky.slurm.net/v1beta1"
@@ -731,6 +743,142 @@ def validate_production_remediator_replicas(args: StackValidationArgs, report: R
 
 
 # ----------------------------------------------------------------------------------------------
+# Federation
+
+
+def federation_statements(script: str) -> list[tuple[str, ...]]:
+    """The statements of a federation script (FEDERATION_VERBS at the start of a line), in order."""
+    out = []
+    for line in script.splitlines():
+        words = line.split("#", 1)[0].split()
+        if words and words[0] in FEDERATION_VERBS:
+            out.append(tuple(words))
+    return out
+
+
+def _federation_scripts(args: StackValidationArgs) -> list[tuple[Any, str]]:
+    return [
+        (r, str((r.props.get("data") or {}).get(FEDERATION_SCRIPT_KEY)))
+        for r in args.resources
+        if _kind(r.props) == ("v1", "ConfigMap")
+        and _labels(r.props).get(COMPONENT_LABEL) == FEDERATION_COMPONENT
+        and isinstance((r.props.get("data") or {}).get(FEDERATION_SCRIPT_KEY), str)
+    ]
+
+
+def validate_federation_cluster_names(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A federation's clusters have unique, valid Slurm cluster names, and every one is declared."""
+    valid = re.compile(SLURM_CLUSTER_NAME)
+    for r, script in _federation_scripts(args):
+        statements = federation_statements(script)
+        declared = [s[1] for s in statements if s[0] == "cluster" and len(s) > 1]
+        problems = []
+        repeated = sorted({c for c in declared if declared.count(c) > 1})
+        if repeated:
+            problems.append(f"cluster(s) {', '.join(repeated)} declared more than once")
+        bad = [c for c in declared if not valid.fullmatch(c)]
+        if bad:
+            problems.append(f"invalid Slurm cluster name(s) {', '.join(repr(c) for c in bad)}")
+        for s in statements:
+            if s[0] == "federation":
+                members = list(s[2:])
+                twice = sorted({c for c in members if members.count(c) > 1})
+                if twice:
+                    problems.append(f"federation '{s[1]}' lists {', '.join(twice)} more than once")
+                unknown = [c for c in members if c not in declared]
+                if unknown:
+                    problems.append(f"federation '{s[1]}' lists undeclared cluster(s) {', '.join(unknown)}")
+            elif s[0] == "grant" and len(s) > 2 and s[2] not in declared:
+                problems.append(f"account '{s[1]}' is granted on undeclared cluster '{s[2]}'")
+        if problems:
+            report(
+                f"ConfigMap '{_name(r.props)}' (the federation's sacctmgr script): {'; '.join(problems)}. Slurm "
+                "keys job records, associations and the federation's siblings by cluster name, and slurmdbd uses it "
+                "as a table prefix: two stacks with one name would share (and corrupt) one cluster's records, and a "
+                "job sent to an unknown sibling is lost. Fix: list each cluster once in fleetheal:federation.clusters "
+                "with a name of lower-case letters, digits and '-', starting with a letter, at most 40 characters.",
+                r.urn,
+            )
+
+
+def _accountings(args: StackValidationArgs) -> dict[tuple[str, str], Any]:
+    return {
+        (str((r.props.get("metadata") or {}).get("namespace", "")), _name(r.props)): r
+        for r in args.resources
+        if _kind(r.props) == (SLINKY, "Accounting")
+    }
+
+
+def validate_federation_worker_names_manager(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A federation worker's controller keeps its accounting in the manager's slurmdbd, named by host and port."""
+    accountings = _accountings(args)
+    for r in args.resources:
+        if _kind(r.props) != (SLINKY, "Controller") or _labels(r.props).get(LABEL_FEDERATION_ROLE) != "worker":
+            continue
+        ns = str((r.props.get("metadata") or {}).get("namespace", ""))
+        ref = str(((r.props.get("spec") or {}).get("accountingRef") or {}).get("name", ""))
+        acct = accountings.get((ns, ref))
+        spec = (acct.props.get("spec") or {}) if acct is not None else {}
+        external = spec.get("externalConfig") or {}
+        if acct is None:
+            problem = f"its accountingRef '{ref}' names no Accounting in the stack"
+        elif spec.get("external") is not True:
+            problem = f"its Accounting '{ref}' runs a slurmdbd of its own (spec.external is not true)"
+        elif not external.get("host") or not isinstance(external.get("port"), int) or not external.get("port"):
+            problem = f"its Accounting '{ref}' names no manager (externalConfig needs host and port)"
+        else:
+            continue
+        report(
+            f"Controller '{_name(r.props)}' is a federation worker but {problem}. A worker that does not write to "
+            "the manager's slurmdbd is no sibling: the federation never sends it jobs, its jobs are invisible to the "
+            "others and its accounts and QOS are not the federation's. Fix: set fleetheal:federation.manager to the "
+            "manager's slurmdbd as HOST:PORT (the Accounting becomes external with that host and port).",
+            r.urn,
+        )
+
+
+DB_DATA_PATH = "/var/lib/mysql"
+
+
+def validate_production_federation_database_persistent(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A production federation manager keeps slurmdbd's database on a persistent volume it retains."""
+    production = _production_namespaces(args)
+    statefulsets = {
+        (str((r.props.get("metadata") or {}).get("namespace", "")), _name(r.props)): r
+        for r in args.resources
+        if _kind(r.props) == ("apps/v1", "StatefulSet")
+    }
+    for (ns, name), acct in _accountings(args).items():
+        if ns not in production or _labels(acct.props).get(LABEL_FEDERATION_ROLE) != "manager":
+            continue
+        host = str(((acct.props.get("spec") or {}).get("storageConfig") or {}).get("host", ""))
+        db = statefulsets.get((ns, host.split(".", 1)[0]))
+        if db is None:
+            continue  # a database outside the stack (fleetheal:accountingDatabase false): the operator's to keep
+        spec = db.props.get("spec") or {}
+        claims = {str((t.get("metadata") or {}).get("name")) for t in spec.get("volumeClaimTemplates") or []}
+        pod = (spec.get("template") or {}).get("spec") or {}
+        mounts = [m for c in _pod_containers(pod) for m in c.get("volumeMounts") or []]
+        data = [m for m in mounts if str(m.get("mountPath", "")).rstrip("/") == DB_DATA_PATH]
+        retention = (spec.get("persistentVolumeClaimRetentionPolicy") or {}).get("whenDeleted", "Retain")
+        if not data or any(m.get("name") not in claims for m in data):
+            problem = f"its data directory {DB_DATA_PATH} is not on a volumeClaimTemplate"
+        elif retention != "Retain":
+            problem = f"its volumes are deleted with it (persistentVolumeClaimRetentionPolicy.whenDeleted={retention})"
+        else:
+            continue
+        report(
+            f"StatefulSet '{_name(db.props)}' holds the database of the production federation's slurmdbd (Accounting "
+            f"'{name}'; {PRODUCTION_MARK.format(ns=ns)}) but {problem}. That database is the federation itself: its "
+            "clusters, accounts, QOS and every cluster's job history; losing it stops every sibling from "
+            "accounting and scheduling across clusters. Fix: keep fleetheal.infra.accounting_db.AccountingDatabase "
+            "(a claim template mounted at /var/lib/mysql, whenDeleted: Retain), or point "
+            "fleetheal:accountingDbHost at a managed database with fleetheal:accountingDatabase false.",
+            db.urn,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # The pack
 
 
@@ -812,6 +960,24 @@ def policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
             name="images-pinned",
             description="Every container image is pinned to a release tag or a digest, never latest.",
             validate=validate_images_pinned,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="federation-cluster-names",
+            description="A federation's clusters have unique, valid Slurm cluster names, and every one is declared.",
+            validate=validate_federation_cluster_names,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="federation-worker-names-manager",
+            description="A federation worker keeps its accounting in the manager's slurmdbd, named by host and port.",
+            validate=validate_federation_worker_names_manager,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="production-federation-database-persistent",
+            description="A production federation manager keeps slurmdbd's database on a retained persistent volume.",
+            validate=validate_production_federation_database_persistent,
             enforcement_level=mandatory,
         ),
         ResourceValidationPolicy(

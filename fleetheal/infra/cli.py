@@ -1,4 +1,4 @@
-"""`fleetheal render --stack STACK --out DIR`: the stack's objects as YAML for GitOps review.
+"""`fleetheal render --stack STACK [--stack STACK...] --out DIR`: each stack's objects as YAML for GitOps review.
 `fleetheal infra preview|up|destroy --stack STACK --backend DIR`: the stack under the real Pulumi engine."""
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Secret values are redacted."
         ),
     )
-    p.add_argument("--stack", required=True, help="stack name: reads Pulumi.yaml and Pulumi.STACK.yaml")
+    p.add_argument(
+        "--stack",
+        required=True,
+        action="append",
+        help=(
+            "stack name: reads Pulumi.yaml and Pulumi.STACK.yaml; repeat it to render several stacks (a federation's "
+            "manager and workers), each into DIR/STACK"
+        ),
+    )
     p.add_argument("--out", required=True, type=Path, help="output directory (empty, or a previous render)")
     p.add_argument("--root", type=Path, default=None, help="project directory holding Pulumi.yaml (default: this repo)")
     p.add_argument(
@@ -174,22 +182,36 @@ def run(args: argparse.Namespace) -> int:
     root = args.root if args.root is not None else config.REPO_ROOT
     if not (root / "Pulumi.yaml").exists():
         raise UsageError(f"--root {root}: no Pulumi.yaml there")
+    stacks: list[str] = list(dict.fromkeys(args.stack))
+    recorded = {}
+    rendered = {}
+    for stack in stacks:
+        try:
+            recorded[stack] = render.record_stack(stack, root)
+            rendered[stack] = render.render_stack(stack, root, recorded[stack])
+        except config.ConfigError as exc:
+            print(f"fleetheal render: stack {stack}: {exc}", file=sys.stderr)
+            return 1
+        except render.RenderError as exc:
+            raise UsageError(str(exc)) from exc
     try:
-        records = render.record_stack(args.stack, root)
-        files = render.render_stack(args.stack, root, records)
-        render.write(files, args.out)
-    except config.ConfigError as exc:
-        print(f"fleetheal render: stack {args.stack}: {exc}", file=sys.stderr)
-        return 1
+        # One stack: its files in DIR (as always); several: each in DIR/STACK.
+        render.write_stacks(rendered if len(stacks) > 1 else {"": rendered[stacks[0]]}, args.out)
     except render.RenderError as exc:
         raise UsageError(str(exc)) from exc
-    print(f"fleetheal render: wrote {len(files)} objects for stack {args.stack} to {args.out}")
+    for stack in stacks:
+        where = args.out / stack if len(stacks) > 1 else args.out
+        print(f"fleetheal render: wrote {len(rendered[stack])} objects for stack {stack} to {where}")
     if args.policy:
         from fleetheal.infra import policy
 
-        violations = policy.evaluate([(r.type, r.name, r.inputs) for r in records if r.custom])
-        for name, message in violations:
-            print(f"policy {name}: {message}", file=sys.stderr)
-        print(f"fleetheal render: {len(violations)} policy violation(s)")
-        return 1 if violations else 0
+        total = 0
+        for stack in stacks:
+            violations = policy.evaluate([(r.type, r.name, r.inputs) for r in recorded[stack] if r.custom])
+            for name, message in violations:
+                prefix = f"stack {stack}: " if len(stacks) > 1 else ""
+                print(f"{prefix}policy {name}: {message}", file=sys.stderr)
+            total += len(violations)
+        print(f"fleetheal render: {total} policy violation(s)")
+        return 1 if total else 0
     return 0

@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -39,6 +40,12 @@ SLINKY_MODES = ("manifests", "helm")
 NODE_PROVIDERS = ("existing", "eks")
 ENVIRONMENTS = ("development", "staging", "production")
 REMEDIATOR_STORES = ("sqlite", "postgres", "postgres-in-cluster")
+#: `none`: a cluster on its own (its own slurmdbd); `manager`: a cluster that also runs the federation's
+#: slurmdbd and declares the federation; `worker`: a cluster whose accounting is the manager's slurmdbd.
+FEDERATION_ROLES = ("none", "manager", "worker")
+#: slurmdbd's default DbdPort; a worker's `federation.manager` without a port means this one.
+SLURMDBD_PORT = 6819
+ACCOUNTING_SERVICE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
 _RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _RFC1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
@@ -113,6 +120,62 @@ class GpuPool:
 
 
 @dataclass(frozen=True, slots=True)
+class FederatedCluster:
+    """One cluster of the federation as the manager declares it (its Slurm ClusterName is `name`)."""
+
+    name: str
+    gpu_type: str
+    gpus_per_node: int
+    #: Slurm cluster features besides the GPU type and the data features (`sbatch --cluster-constraint`).
+    features: tuple[str, ...] = ()
+    remediator_url: str = ""
+    checkpoint_stores: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FederatedQos:
+    name: str
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FederatedAccount:
+    """A Slurm account with an association on every cluster of the federation."""
+
+    name: str
+    users: tuple[str, ...]
+    qos: tuple[str, ...]
+    default_qos: str
+
+
+@dataclass(frozen=True, slots=True)
+class FederationSpec:
+    """The stack's place in a Slurm federation (the `federation` setting), checked."""
+
+    role: str = "none"
+    #: The federation's name (`sacctmgr show federation`); the manager's.
+    name: str = ""
+    #: worker: where the manager's slurmdbd listens.
+    manager_host: str = ""
+    manager_port: int = SLURMDBD_PORT
+    #: manager: the HOST:PORT its workers are told to use ("" when not declared); the drift check compares.
+    address: str = ""
+    #: manager: how its slurmdbd is reachable from the workers' Kubernetes clusters.
+    service_type: str = "LoadBalancer"
+    clusters: tuple[FederatedCluster, ...] = ()
+    qos: tuple[FederatedQos, ...] = ()
+    accounts: tuple[FederatedAccount, ...] = ()
+    #: manager: the fleet file (fleetheal.fleet.config format), validated; rendered as a ConfigMap.
+    fleet_file: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: manager: prefix of the cluster features that say a cluster holds a dataset (the fleet's placement section).
+    data_feature_prefix: str = "data-"
+
+    @property
+    def member(self) -> bool:
+        return self.role != "none"
+
+
+@dataclass(frozen=True, slots=True)
 class StackConfig:
     """Every stack setting, checked. Secret values stay opaque (`Any`: a str or a pulumi Output)."""
 
@@ -165,6 +228,7 @@ class StackConfig:
     kueue_lending_limit_percent: int
     await_readiness: bool
     secrets: Mapping[str, Any] = field(default_factory=dict)
+    federation: FederationSpec = field(default_factory=FederationSpec)
 
     def image(self, component: str) -> str:
         """A Slinky image (slurmctld, slurmd, slurmdbd, slurmrestd, login) at the pinned Slurm tag."""
@@ -344,6 +408,277 @@ def _node_names(where: str, value: Any, seen: set[str], allow_empty: bool = True
     return tuple(value)
 
 
+# ---------------------------------------------------------------------------------------------
+# the federation setting
+
+#: Slurm ClusterNames of a federation: the fleet file's names (fleetheal.fleet.config.NAME), which slurmdbd
+#: also uses as the prefix of its per-cluster tables.
+_SLURM_CLUSTER = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
+_SLURM_ENTITY = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")  # accounts and QOS (sacctmgr lower-cases them anyway)
+_POSIX_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+#: Cluster features: no character that `--cluster-constraint` expressions give a meaning (,&|!()[]*).
+_FEATURE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$")
+_FED_KEYS = {
+    "none": ("role",),
+    "worker": ("role", "manager"),
+    "manager": (
+        "role",
+        "name",
+        "address",
+        "serviceType",
+        "clusters",
+        "qos",
+        "accounts",
+        "datasets",
+        "checkpointStores",
+        "placement",
+        "queues",
+    ),
+}
+_FED_CLUSTER_KEYS = ("name", "gpuType", "gpusPerNode", "features", "remediatorUrl", "checkpointStores")
+_FED_QOS_KEYS = ("name", "priority")
+_FED_ACCOUNT_KEYS = ("name", "users", "qos", "defaultQos")
+#: QOS every slurmdbd has from the start.
+BUILTIN_QOS = ("normal",)
+
+
+def _fields(where: str, item: Any, accepted: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected an object with {', '.join(accepted)}, got {item!r}")
+    unknown = sorted(set(item) - set(accepted))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; accepted fields: {', '.join(accepted)}")
+    missing = [k for k in required if k not in item]
+    if missing:
+        raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}; accepted fields: {', '.join(accepted)}")
+    return item
+
+
+def _names(where: str, value: Any, pattern: re.Pattern[str], what: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list of {what}, got {value!r}")
+    for v in value:
+        if not isinstance(v, str) or not pattern.match(v):
+            raise ConfigError(f"{where}: {v!r} is not accepted as {what} (pattern {pattern.pattern})")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{where}: {what} repeat in {value!r}")
+    return tuple(value)
+
+
+def _int(where: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ConfigError(f"{where}: {value!r} is not accepted; use an integer from {low} to {high}")
+    if not low <= value <= high:
+        raise ConfigError(f"{where}: {value!r} is not accepted; use an integer from {low} to {high}")
+    return int(value)
+
+
+def _unique_named(where: str, raw: Any, pattern: re.Pattern[str], what: str) -> list[tuple[str, dict[str, Any]]]:
+    """(name, item) of a list of objects with a `name`, each name valid and given once."""
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}: expected a list of objects, got {raw!r}")
+    out: list[tuple[str, dict[str, Any]]] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or not pattern.match(name):
+            raise ConfigError(
+                f"{where}[{i}].name: {name!r} is not a valid {what}; use lower-case letters, digits and '-', "
+                f"starting with a letter (pattern {pattern.pattern})"
+            )
+        if name in seen:
+            raise ConfigError(f"{where}[{i}].name: {what} {name!r} is declared twice; names must be unique")
+        seen.add(name)
+        out.append((name, item))
+    return out
+
+
+def parse_manager_address(where: str, value: Any) -> tuple[str, int]:
+    """HOST or HOST:PORT of a slurmdbd (port SLURMDBD_PORT when left out)."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: required for a worker: the manager's slurmdbd as HOST or HOST:PORT")
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host, port = value, str(SLURMDBD_PORT)
+    if not _HOST.match(host) or len(host) > 253 or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(
+            f"{where}: {value!r} is not accepted; use HOST or HOST:PORT (a DNS name or IPv4 address, port 1-65535)"
+        )
+    return host, int(port)
+
+
+def _fleet_file(
+    name: str,
+    clusters: tuple[FederatedCluster, ...],
+    raw: Mapping[str, Any],
+) -> tuple[dict[str, Any], str]:
+    """The fleet file the manager renders, checked by fleetheal.fleet.config (the one reader of fleet files),
+    and the data-feature prefix of its placement section."""
+    from fleetheal import settings
+    from fleetheal.fleet import config as fleet_config
+
+    doc: dict[str, Any] = {
+        "federation": name,
+        "clusters": {
+            c.name: {
+                "gpu_type": c.gpu_type,
+                "gpus_per_node": c.gpus_per_node,
+                "remediator_url": c.remediator_url,
+                "checkpoint_stores": list(c.checkpoint_stores),
+            }
+            for c in clusters
+        },
+    }
+    for key, out_key, field_map in (
+        ("datasets", "datasets", {"sizeGb": "size_gb", "clusters": "clusters"}),
+        ("checkpointStores", "checkpoint_stores", {"path": "path"}),
+    ):
+        section = raw.get(key, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{PROJECT}:federation.{key}: expected an object (name -> fields), got {section!r}")
+        converted: dict[str, Any] = {}
+        for item_name, item in section.items():
+            where = f"{PROJECT}:federation.{key}.{item_name}"
+            fields = _fields(where, item, tuple(field_map), ())
+            converted[item_name] = {field_map[k]: v for k, v in fields.items()}
+        if converted:
+            doc[out_key] = converted
+    for key in ("placement", "queues"):
+        if key in raw:
+            if not isinstance(raw[key], dict):
+                raise ConfigError(f"{PROJECT}:federation.{key}: expected an object, got {raw[key]!r}")
+            doc[key] = dict(raw[key])
+    try:
+        # No environment overrides: the stack is the fleet file's source; overrides belong to its readers.
+        fleet = settings.build(fleet_config.FleetConfig, doc, {}, fleet_config.ENV_PREFIX)
+    except settings.ConfigError as exc:
+        raise ConfigError(f"{PROJECT}:federation: the fleet file it makes is not valid: {exc}") from None
+    return doc, fleet.placement.data_feature_prefix
+
+
+def _federation(raw: Mapping[str, Any], cluster_name: str) -> FederationSpec:
+    key = f"{PROJECT}:federation"
+    role = raw.get("role", "none" if not raw else None)
+    if role is None:
+        raise ConfigError(f"{key}.role: required; use one of: {', '.join(FEDERATION_ROLES)}")
+    _one_of("federation.role", role, FEDERATION_ROLES)
+    accepted = _FED_KEYS[role]
+    unknown = sorted(set(raw) - set(accepted))
+    if unknown:
+        owner = next((r for r, keys in _FED_KEYS.items() if unknown[0] in keys), None)
+        hint = f"; {unknown[0]} belongs to role {owner}" if owner else ""
+        raise ConfigError(
+            f"{key}: field(s) {', '.join(unknown)} not accepted for role {role} "
+            f"(accepted: {', '.join(accepted)}){hint}. The federation (clusters, QOS, accounts, data) is declared "
+            "once, in the manager's stack"
+        )
+    if role == "none":
+        return FederationSpec()
+    if role == "worker":
+        host, port = parse_manager_address(f"{key}.manager", raw.get("manager"))
+        return FederationSpec(role="worker", manager_host=host, manager_port=port)
+
+    name = raw.get("name", "fleet")
+    if not isinstance(name, str) or not _SLURM_CLUSTER.match(name):
+        raise ConfigError(f"{key}.name: {name!r} is not accepted; use lower-case letters, digits and '-' (at most 40)")
+    address = raw.get("address", "")
+    if address:
+        parse_manager_address(f"{key}.address", address)
+    service_type = raw.get("serviceType", "LoadBalancer")
+    if service_type not in ACCOUNTING_SERVICE_TYPES:
+        raise ConfigError(
+            f"{key}.serviceType: {service_type!r} is not accepted; use one of: {', '.join(ACCOUNTING_SERVICE_TYPES)}"
+        )
+
+    clusters: list[FederatedCluster] = []
+    raw_clusters = raw.get("clusters")
+    if not raw_clusters:
+        raise ConfigError(
+            f"{key}.clusters: a manager declares the federation's clusters (at least its own, {cluster_name!r}); "
+            f"each needs {', '.join(_FED_CLUSTER_KEYS[:3])}"
+        )
+    for i, (cname, item) in enumerate(
+        _unique_named(f"{key}.clusters", raw_clusters, _SLURM_CLUSTER, "Slurm cluster name")
+    ):
+        where = f"{key}.clusters[{i}]"
+        c = _fields(where, item, _FED_CLUSTER_KEYS, _FED_CLUSTER_KEYS[:3])
+        gpu_type = c["gpuType"]
+        if not isinstance(gpu_type, str) or not _RFC1123_LABEL.match(gpu_type):
+            raise ConfigError(f"{where}.gpuType: {gpu_type!r} is not accepted; use a lower-case name such as h100")
+        url = c.get("remediatorUrl", "")
+        if not isinstance(url, str) or (url and not re.match(r"^https?://", url)):
+            raise ConfigError(f"{where}.remediatorUrl: {url!r} is not accepted; use an http(s) URL or leave it out")
+        clusters.append(
+            FederatedCluster(
+                name=cname,
+                gpu_type=gpu_type,
+                gpus_per_node=_int(f"{where}.gpusPerNode", c["gpusPerNode"], 1, 16),
+                features=_names(f"{where}.features", c.get("features", []), _FEATURE, "cluster features"),
+                remediator_url=url,
+                checkpoint_stores=_names(
+                    f"{where}.checkpointStores", c.get("checkpointStores", []), _SLURM_CLUSTER, "checkpoint store names"
+                ),
+            )
+        )
+    if cluster_name not in {c.name for c in clusters}:
+        raise ConfigError(
+            f"{key}.clusters: the manager's own cluster {cluster_name!r} (clusterName) is not listed; the manager "
+            "runs slurmdbd beside its own Slurm cluster, which is a member of the federation like the others"
+        )
+
+    qos: list[FederatedQos] = []
+    for i, (qname, item) in enumerate(_unique_named(f"{key}.qos", raw.get("qos", []), _SLURM_ENTITY, "QOS name")):
+        q = _fields(f"{key}.qos[{i}]", item, _FED_QOS_KEYS, ("name",))
+        qos.append(FederatedQos(qname, _int(f"{key}.qos[{i}].priority", q.get("priority", 0), 0, 2**31 - 1)))
+    known_qos = {q.name for q in qos} | set(BUILTIN_QOS)
+
+    accounts: list[FederatedAccount] = []
+    raw_accounts = raw.get("accounts", [])
+    for i, (aname, item) in enumerate(_unique_named(f"{key}.accounts", raw_accounts, _SLURM_ENTITY, "account name")):
+        where = f"{key}.accounts[{i}]"
+        a = _fields(where, item, _FED_ACCOUNT_KEYS, ("name",))
+        users = _names(f"{where}.users", a.get("users", []), _POSIX_USER, "user names")
+        a_qos = _names(f"{where}.qos", a.get("qos", []), _SLURM_ENTITY, "QOS names")
+        for q_name in a_qos:
+            if q_name not in known_qos:
+                raise ConfigError(
+                    f"{where}.qos: {q_name!r} is not declared in {key}.qos (declared: {', '.join(sorted(known_qos))})"
+                )
+        default_qos = a.get("defaultQos", a_qos[0] if a_qos else "")
+        if a_qos and default_qos not in a_qos:
+            raise ConfigError(f"{where}.defaultQos: {default_qos!r} is not one of the account's qos {list(a_qos)}")
+        accounts.append(FederatedAccount(aname, users, a_qos, str(default_qos)))
+
+    fleet_doc, prefix = _fleet_file(name, tuple(clusters), raw)
+    queues = fleet_doc.get("queues") or {}
+    for qkey, qdefault in (("large_qos", "large"), ("small_qos", "small")):
+        wanted = queues.get(qkey, qdefault)
+        if wanted not in known_qos:
+            raise ConfigError(
+                f"{key}.qos: the fleet's queues.{qkey} {wanted!r} is not declared; the queue controller changes "
+                f"its limits at run time, so every cluster needs it (declared: {', '.join(sorted(known_qos))})"
+            )
+    for fc in clusters:
+        for f in fc.features:
+            if f.startswith(prefix):
+                raise ConfigError(
+                    f"{key}.clusters: feature {f!r} of cluster {fc.name!r} starts with the data prefix {prefix!r}; "
+                    "data features come from federation.datasets (placement keeps them in step)"
+                )
+    return FederationSpec(
+        role="manager",
+        name=name,
+        address=address,
+        service_type=service_type,
+        clusters=tuple(clusters),
+        qos=tuple(qos),
+        accounts=tuple(accounts),
+        fleet_file=MappingProxyType(fleet_doc),
+        data_feature_prefix=prefix,
+    )
+
+
 def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) -> StackConfig:
     """Build and check the stack config from bare-name values (`clusterName`, not `fleetheal:clusterName`).
 
@@ -404,9 +739,29 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
             "replica); set remediatorStore to postgres or postgres-in-cluster, or remediatorReplicas to 1"
         )
 
+    cluster_name = _dns_label("clusterName", v["clusterName"], 40)
+    federation = _federation(v["federation"], cluster_name)
+    accounting_database = v["accountingDatabase"]
+    if federation.member:
+        if not _SLURM_CLUSTER.match(cluster_name):
+            raise ConfigError(
+                f"{PROJECT}:clusterName: {cluster_name!r} is not accepted in a federation; a Slurm cluster name "
+                "starts with a lower-case letter (then letters, digits, '-'; at most 40)"
+            )
+        if v["slinkyMode"] != "manifests":
+            raise ConfigError(
+                f"{PROJECT}:slinkyMode: {v['slinkyMode']!r} is not accepted with federation.role "
+                f"{federation.role}; a federation member needs slinkyMode manifests (the Accounting custom "
+                "resource carries the shared slurmdbd)"
+            )
+    if federation.role == "worker":
+        # A worker's accounting is the manager's slurmdbd and database. accountingDatabase does not apply (the
+        # engine hands over its declared default, true, as if it were set, so it cannot be refused here).
+        accounting_database = False
+
     return StackConfig(
         environment=_one_of("environment", v["environment"], ENVIRONMENTS),
-        cluster_name=_dns_label("clusterName", v["clusterName"], 40),
+        cluster_name=cluster_name,
         slurm_namespace=_dns_label("slurmNamespace", v["slurmNamespace"]),
         system_namespace=_dns_label("systemNamespace", v["systemNamespace"]),
         slinky_mode=_one_of("slinkyMode", v["slinkyMode"], SLINKY_MODES),
@@ -427,10 +782,10 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
         requeue_grace_seconds=_at_least("requeueGraceSeconds", v["requeueGraceSeconds"], 1),
         slurm_key_secret=_dns_label("slurmKeySecret", v["slurmKeySecret"], 253),
         slurm_jwt_secret=_dns_label("slurmJwtSecret", v["slurmJwtSecret"], 253),
-        accounting_database=v["accountingDatabase"],
+        accounting_database=accounting_database,
         accounting_db_image=_pinned("accountingDbImage", v["accountingDbImage"]),
         accounting_db_host=_dns_label("accountingDbHost", v["accountingDbHost"], 253)
-        if v["accountingDatabase"]
+        if accounting_database
         else v["accountingDbHost"],
         accounting_db_password_secret=_dns_label("accountingDbPasswordSecret", v["accountingDbPasswordSecret"], 253),
         shared_storage_class=v["sharedStorageClass"],
@@ -456,6 +811,7 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
         kueue_lending_limit_percent=_percent("kueueLendingLimitPercent", v["kueueLendingLimitPercent"]),
         await_readiness=v["awaitReadiness"],
         secrets=secrets,
+        federation=federation,
     )
 
 

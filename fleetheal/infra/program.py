@@ -17,6 +17,7 @@ from fleetheal.infra.agent import HealthAgent
 from fleetheal.infra.alerting import AlertRouting
 from fleetheal.infra.config import StackConfig
 from fleetheal.infra.dcgm import DcgmExporter
+from fleetheal.infra.federation import ManagerObjects, build_manager
 from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
 from fleetheal.infra.remediator import Remediator, RemediatorStore
@@ -43,6 +44,8 @@ class Fleet:
     dcgm: DcgmExporter | None
     kueue: KueueQueues | None
     accounting_db: AccountingDatabase | None
+    #: The federation's sacctmgr Job and fleet file (a federation manager's stack only).
+    federation: ManagerObjects | None = None
 
 
 def _secret(name: str, ns: str, key: str, value: Any, parent_opts: pulumi.ResourceOptions) -> k8s.core.v1.Secret:
@@ -187,9 +190,15 @@ def build(cfg: StackConfig) -> Fleet:
             "accounting_db_password_secret": cfg.accounting_db_password_secret,
             "shared_claim": storage.claim_name,
             "shared_mount_path": cfg.shared_storage_mount_path,
+            "federation_role": cfg.federation.role,
+            "manager_address": (cfg.federation.manager_host, cfg.federation.manager_port),
+            "accounting_service_type": cfg.federation.service_type,
         },
         opts=pulumi.ResourceOptions(depends_on=[ns_slurm, storage]),
     )
+    manager = None
+    if cfg.federation.role == "manager":
+        manager = build_manager(cfg, [ns_slurm, ns_system, slinky])
     agent = HealthAgent(
         "agent",
         {
@@ -256,4 +265,4 @@ def build(cfg: StackConfig) -> Fleet:
                 "lending_limit_percent": cfg.kueue_lending_limit_percent,
             },
         )
-    return Fleet(slinky, storage, pools, agent, alerting, remediator, dcgm, kueue, accounting_db)
+    return Fleet(slinky, storage, pools, agent, alerting, remediator, dcgm, kueue, accounting_db, manager)

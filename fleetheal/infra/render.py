@@ -122,13 +122,25 @@ def render_stack(
 
 def write(files: dict[str, str], out: Path) -> None:
     """Replace the contents of `out` with `files` (only if `out` is empty or a previous render)."""
+    write_stacks({"": files}, out)
+
+
+def write_stacks(stacks: dict[str, dict[str, str]], out: Path) -> None:
+    """Replace the contents of `out` with each stack's files in `out/<stack>/` (a stack named "" in `out`
+    itself); only if `out` is empty or a previous render. Every rendered directory carries MARKER, so
+    `fleetheal fleet drift` can read a federation's renders back."""
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise RenderError(f"{out} is not empty and is not a previous render (no {MARKER}); choose an empty directory")
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / MARKER).write_text("fleetheal render output; the whole directory is rewritten on each render\n")
-    for rel, text in files.items():
-        path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+    for stack, files in stacks.items():
+        where = out / stack if stack else out
+        where.mkdir(parents=True, exist_ok=True)
+        if stack:
+            (where / MARKER).write_text(f"fleetheal render output of stack {stack}\n")
+        for rel, text in files.items():
+            path = where / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")

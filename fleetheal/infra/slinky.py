@@ -20,7 +20,7 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from fleetheal import contracts
-from fleetheal.infra import common, slurm_hooks
+from fleetheal.infra import common, policy, slurm_hooks
 from fleetheal.infra.config import GpuPool
 
 COMPONENT = "SlinkyCluster"
@@ -64,7 +64,7 @@ def crd_documents() -> tuple[dict[str, Any], ...]:
     return tuple(yaml.safe_load((pkg / f).read_text(encoding="utf-8")) for f in CRD_FILES)
 
 
-class SlinkyClusterArgs(TypedDict):
+class _SlinkyClusterRequired(TypedDict):
     mode: str
     """`manifests` (CRDs + operator + custom resources) or `helm` (chart releases)."""
     cluster_name: str
@@ -101,6 +101,34 @@ class SlinkyClusterArgs(TypedDict):
     """Mount path of the shared claim."""
 
 
+class SlinkyClusterArgs(_SlinkyClusterRequired, total=False):
+    federation_role: str
+    """`none` (default), `manager` (runs the federation's slurmdbd, exposed to the workers) or `worker`
+    (accounting is the manager's slurmdbd, an external Accounting)."""
+    manager_address: tuple[str, int]
+    """worker: (host, port) of the manager's slurmdbd."""
+    accounting_service_type: str
+    """manager: the Kubernetes Service type of slurmdbd (LoadBalancer, NodePort or ClusterIP)."""
+
+
+FEDERATION_ROLES = ("none", "manager", "worker")
+#: slurm.conf lines of every federation member: `sinfo`/`squeue` show the whole federation by default.
+FEDERATION_CONF = "FederationParameters=fed_display\n"
+SERVICE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
+#: slurmdbd's port (its DbdPort default; the Slinky Accounting service's port).
+SLURMDBD_PORT = 6819
+
+
+def accounting_service(cluster_name: str) -> str:
+    """The Service the slurm-operator makes for the Accounting `<cluster>-accounting` (its `<name>-accounting`)."""
+    return f"{cluster_name}-accounting-accounting"
+
+
+def controller_service(cluster_name: str) -> str:
+    """The Service the slurm-operator makes for the Controller `<cluster>` (its `<name>-controller`)."""
+    return f"{cluster_name}-controller"
+
+
 def _key_ref(name: str, key: str) -> dict[str, str]:
     return {"name": name, "key": key}
 
@@ -111,9 +139,25 @@ class SlinkyCluster(pulumi.ComponentResource):
     nodeset_names: list[str]
 
     def __init__(self, name: str, args: SlinkyClusterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        a: dict[str, Any] = dict(args)
-        common.require(a, COMPONENT, SlinkyClusterArgs.__annotations__)
+        a: dict[str, Any] = {"federation_role": "none", **dict(args)}
+        common.require(a, COMPONENT, _SlinkyClusterRequired.__annotations__)
         mode = common.one_of(COMPONENT, "mode", a["mode"], MODES)
+        role = common.one_of(COMPONENT, "federation_role", a["federation_role"], FEDERATION_ROLES)
+        if role != "none" and mode != "manifests":
+            raise common.ComponentArgError(
+                f"{COMPONENT}.mode: {mode!r} is not accepted with federation_role {role}; use manifests"
+            )
+        if role == "worker":
+            address = a.get("manager_address")
+            if not (isinstance(address, tuple) and len(address) == 2 and address[0] and isinstance(address[1], int)):
+                raise common.ComponentArgError(
+                    f"{COMPONENT}.manager_address: {address!r} is not accepted; a worker needs (host, port) of the "
+                    "manager's slurmdbd"
+                )
+        if role == "manager":
+            common.one_of(
+                COMPONENT, "accounting_service_type", a.get("accounting_service_type", "LoadBalancer"), SERVICE_TYPES
+            )
         common.dns_label(COMPONENT, "cluster_name", a["cluster_name"], 40)
         common.dns_label(COMPONENT, "namespace", a["namespace"])
         common.dns_label(COMPONENT, "operator_namespace", a["operator_namespace"])
@@ -174,11 +218,11 @@ class SlinkyCluster(pulumi.ComponentResource):
         return f"{self.args['cluster_name']}-{pool.name}"
 
     def _labels(self, component: str) -> dict[str, str]:
-        return common.labels(
-            component,
-            f"{self.args['cluster_name']}-{component}",
-            {"app.kubernetes.io/instance": self.args["cluster_name"]},
-        )
+        extra = {"app.kubernetes.io/instance": self.args["cluster_name"]}
+        if self.args["federation_role"] != "none" and component in ("controller", "accounting"):
+            # The policy pack finds the federation's members (and their manager) by this label.
+            extra[policy.LABEL_FEDERATION_ROLE] = self.args["federation_role"]
+        return common.labels(component, f"{self.args['cluster_name']}-{component}", extra)
 
     @property
     def prolog_name(self) -> str:
@@ -220,7 +264,8 @@ class SlinkyCluster(pulumi.ComponentResource):
 
     def extra_conf(self) -> str:
         a = self.args
-        return slurm_hooks.slurm_conf_lines(a["requeue_grace_seconds"], a["large_job_min_nodes"], self.nodeset_names)
+        conf = slurm_hooks.slurm_conf_lines(a["requeue_grace_seconds"], a["large_job_min_nodes"], self.nodeset_names)
+        return conf + (FEDERATION_CONF if a["federation_role"] != "none" else "")
 
     def _shared_volume(self) -> dict[str, Any]:
         return {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": self.args["shared_claim"]}}
@@ -309,6 +354,22 @@ class SlinkyCluster(pulumi.ComponentResource):
         }
 
     def accounting_spec(self) -> dict[str, Any]:
+        a = self.args
+        if a["federation_role"] == "worker":
+            # The federation's one slurmdbd (and its database) run in the manager's stack; this cluster's
+            # controller writes its job records there and learns its siblings from it.
+            host, port = a["manager_address"]
+            return {"external": True, "externalConfig": {"host": host, "port": port}}
+        spec = self._local_accounting_spec()
+        if a["federation_role"] == "manager":
+            # The workers' controllers (other Kubernetes clusters) reach slurmdbd through this Service.
+            spec["service"] = {
+                "spec": {"type": a.get("accounting_service_type", "LoadBalancer")},
+                "port": SLURMDBD_PORT,
+            }
+        return spec
+
+    def _local_accounting_spec(self) -> dict[str, Any]:
         a = self.args
         return {
             "slurmKeyRef": _key_ref(a["slurm_key_secret"], "slurm.key"),

@@ -863,7 +863,7 @@ def test_checkpoint_storage_missing() -> None:
 def test_pack_names_descriptions_and_config_schemas() -> None:
     pols = policy.policies()
     names = [p.name for p in pols]
-    assert len(names) == len(set(names)) == 13
+    assert len(names) == len(set(names)) == 16
     for p in pols:
         assert p.name == p.name.lower() and " " not in p.name and "_" not in p.name
         assert p.description.endswith(".") and p.description.count(". ") == 0
