@@ -49,6 +49,10 @@ NODE_WIDE_GPU = "node"
 FLEET_BUDGET_NODES = 8
 FLEET_BUDGET_SHARE = 0.05
 #: Reasons of owned drains that are pools, not faults: they never count against the fleet budget.
+#: The word of a Slurm job's comment that names the checkpoint store the job resumes from (`fleetheal submit
+#: --checkpoint-store NAME`); cross-cluster failover moves a job only to a cluster that reads that store.
+#: Every comment fleetheal rewrites keeps it.
+CHECKPOINT_WORD = "fleetheal-checkpoint="
 POOL_REASONS = (DRAIN_REASON_PREFIX + "standby", DRAIN_REASON_PREFIX + "quarantine")
 
 

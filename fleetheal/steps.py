@@ -633,11 +633,13 @@ def _in_job_restarts(comment: str) -> int:
 
 
 def _launch_words(job: Mapping[str, Any], *, restarted: bool = False) -> str:
-    """The comment words of `fleetheal launch` a new comment keeps (with one more restart in the job)."""
+    """The comment words a new comment keeps: the job's checkpoint store, and `fleetheal launch`'s (with one
+    more restart in the job)."""
     comment = job["comment"]
+    store = [w for w in comment.split() if w.startswith(contracts.CHECKPOINT_WORD)][:1]
     if launch.TAG not in comment.split():
-        return ""
-    words = [launch.TAG]
+        return " " + store[0] if store else ""
+    words = [*store, launch.TAG]
     needed = launch.needed_nodes(comment)
     if needed is not None:
         words.append(f"{launch.NODES_WORD}{needed}")

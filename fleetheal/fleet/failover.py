@@ -15,11 +15,16 @@ without its checkpoint silently loses its progress.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from fleetheal import slurm_nodes
+from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.fleet.config import FleetConfig
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -37,14 +42,14 @@ class Decision:
     """What `move` decided and why (the audit record)."""
 
     job_id: str
-    action: str  # "moved", "would-move", "noop", "refused"
+    action: str  # "moved", "would-move", "noop", "refused", "failed"
     source: str
     target: str
     reason: str
 
 
 def _run(env: Mapping[str, str] | None, *argv: str, check: bool = True) -> str:
-    exe = shutil.which(argv[0]) or argv[0]
+    exe = shutil.which(argv[0], path=(env or os.environ).get("PATH")) or argv[0]
     proc = subprocess.run(
         [exe, *argv[1:]], env=dict(env) if env else None, capture_output=True, text=True, timeout=30, check=False
     )
@@ -119,31 +124,154 @@ def move(
         d = Decision(job_id, "noop", source, elsewhere[0], f"job already on {elsewhere[0]} ({live[elsewhere[0]]})")
         log.info("failover: %s", d)
         if not dry_run:
-            _wait_running(job_id, elsewhere[0], env, timeout)
+            _wait_state(job_id, elsewhere[0], ("RUNNING",), env, timeout)
         return d
     if dry_run:
         d = Decision(job_id, "would-move", source, tgt, f"dry run: would move from {source} to {tgt} (reads {store})")
         log.info("failover: %s", d)
         return d
     sc = ("scontrol", "-M", source)
+    deadline = time.monotonic() + timeout
     _run(env, *sc, "hold", job_id)
-    if live.get(source) != "PENDING":
-        _run(env, *sc, "requeue", job_id, check=False)  # a running job is stopped; its checkpoint remains
-    _run(env, *sc, "update", f"jobid={job_id}", f"Clusters={tgt}")
+    try:
+        if live.get(source) != "PENDING":
+            _run(env, *sc, "requeue", job_id, check=False)  # a running job is stopped; its checkpoint remains
+        # Only a pending job changes clusters: one still completing on a node that does not answer stays so
+        # until Slurm declares the node down (SlurmdTimeout). Slurm 22.05 keeps a held federated job it
+        # requeued in REQUEUE_FED; released, it turns PENDING, and held again it may change clusters.
+        if _wait_state(job_id, source, ("PENDING", "REQUEUE_FED"), env, deadline - time.monotonic()) != "PENDING":
+            _run(env, *sc, "release", job_id)
+            _wait_state(job_id, source, ("PENDING",), env, deadline - time.monotonic())
+            _run(env, *sc, "hold", job_id)
+        # Node names belong to one cluster: nodes the job was kept off here (a failed node) would make every
+        # sibling refuse it.
+        _run(env, *sc, "update", f"jobid={job_id}", "ExcNodeList=")
+        _run(env, *sc, "update", f"jobid={job_id}", f"Clusters={tgt}")
+    except FailoverError:
+        _run(env, *sc, "release", job_id, check=False)  # not moved: it stays here, free to run when it can
+        raise
     _run(env, *sc, "release", job_id)
-    _wait_running(job_id, tgt, env, timeout)
+    _wait_state(job_id, tgt, ("RUNNING",), env, max(1.0, deadline - time.monotonic()))
     d = Decision(job_id, "moved", source, tgt, f"{source} cannot heal it; {tgt} reads checkpoint store {store}")
     log.warning("failover: %s", d)
     return d
 
 
-def _wait_running(job_id: str, cluster: str, env: Mapping[str, str] | None, timeout: float) -> None:
+def _wait_state(
+    job_id: str, cluster: str, states: tuple[str, ...], env: Mapping[str, str] | None, timeout: float
+) -> str:
+    """Wait until the copy of `job_id` on `cluster` is in one of `states`; that state."""
+
+    def reached() -> str | None:
+        state = where(job_id, env).get(cluster)
+        return state if state in states else None
+
     try:
-        wait_until(
-            lambda: where(job_id, env).get(cluster) == "RUNNING",
-            timeout,
-            f"job {job_id} to run on {cluster}",
+        return wait_until(
+            reached,
+            max(0.0, timeout),
+            f"job {job_id} to be {' or '.join(states)} on {cluster}",
             interval=0.2,
         )
     except WaitTimeout as e:
         raise FailoverError(f"{e}: copies {where(job_id, env)}") from e
+
+
+def checkpoint_store(comment: str, default: str = "") -> str:
+    """The checkpoint store a job's comment names (`fleetheal-checkpoint=NAME`), else `default`."""
+    for word in comment.split():
+        if word.startswith(CHECKPOINT_WORD):
+            return word[len(CHECKPOINT_WORD) :]
+    return default
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job of this cluster as the stage reads it (`squeue -M CLUSTER`)."""
+
+    job_id: str
+    state: str
+    nodes: str
+    comment: str
+
+
+class Stage:
+    """The remediator's third recovery stage: it decides when a job cannot heal on this cluster and moves it.
+
+    Two moments, both corroborated by Slurm itself (a wrong alert alone never moves a job):
+
+    - `after_isolation`: the node was isolated and its jobs requeued here, but no standby node was left to
+      promote; a requeued job still pending after `wait_s` moves.
+    - `while_held`: the gate holds an isolation (budget spent, breaker open: many nodes at once, a leaf
+      switch) and Slurm says the node does not respond: the node's jobs move.
+
+    Moves of one job are serialised (`move` is idempotent: the second finds it gone and waits for it).
+    """
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        cluster: str,
+        *,
+        default_store: str = "",
+        env: Mapping[str, str] | None = None,
+        wait_s: float = 10.0,
+        timeout_s: float = 120.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.fleet = fleet
+        self.cluster = cluster
+        self.default_store = default_store
+        self.env = env
+        self.wait_s = wait_s
+        self.timeout_s = timeout_s
+        self._sleep = sleep
+        self._lock = threading.Lock()
+
+    def jobs(self, *, node: str = "") -> list[Job]:
+        """This cluster's live jobs (on `node` only, when given); the comment comes last: it is free text."""
+        argv = ["squeue", "-M", self.cluster, "-h", "-t", ",".join(LIVE), "-o", "%i|%T|%N|%k"]
+        if node:
+            argv += ["-w", node]
+        out = _run(self.env, *argv)
+        jobs = []
+        for line in out.splitlines():
+            parts = line.split("|", 3)
+            if len(parts) == 4 and parts[0].strip():
+                jobs.append(Job(parts[0].strip(), parts[1], parts[2], parts[3].strip()))
+        return jobs
+
+    def node_lost(self, node: str) -> bool:
+        """Slurm says `node` does not respond (or is down): what corroborates an alert before a move."""
+        out = _run(self.env, "sinfo", "-M", self.cluster, *slurm_nodes.NODES_ARGS, "-n", node)
+        found = slurm_nodes.read(out).get(node)
+        return found is not None and not found.responding
+
+    def after_isolation(self, incident: str, *, dry_run: bool = False) -> list[Decision]:
+        """Move the jobs requeued for `incident` that did not start here within `wait_s`."""
+        word = f"incident={incident}"
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            # Not RUNNING: pending, or still completing on a node that does not answer.
+            waiting = [j for j in self.jobs() if word in j.comment.split() and j.state != "RUNNING"]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            self._sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return [self._move(j, dry_run, f"still pending {self.wait_s:g} s after {incident}") for j in waiting]
+
+    def while_held(self, node: str, *, dry_run: bool = False) -> list[Decision]:
+        """Move the jobs of `node`, whose isolation the gate holds; only once `node_lost(node)` is true."""
+        return [self._move(j, dry_run, f"{node} does not respond") for j in self.jobs(node=node)]
+
+    def _move(self, job: Job, dry_run: bool, why: str) -> Decision:
+        store = checkpoint_store(job.comment, self.default_store)
+        if not store:
+            d = Decision(job.job_id, "refused", self.cluster, "", f"{why}; the job names no checkpoint store")
+            log.warning("failover refused: %s", d)
+            return d
+        with self._lock:
+            try:
+                d = move(job.job_id, self.cluster, store, self.fleet, self.env, dry_run=dry_run, timeout=self.timeout_s)
+            except FailoverError as exc:
+                return Decision(job.job_id, "failed", self.cluster, "", f"{why}; {exc}")
+        return Decision(d.job_id, d.action, d.source, d.target, f"{why}; {d.reason}")

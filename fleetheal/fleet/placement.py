@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.errors import UsageError
 from fleetheal.settings import ConfigError
 
@@ -567,8 +568,21 @@ def _submit(args: argparse.Namespace) -> int:
         cfg = config.load(args.fleet)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+    store = args.checkpoint_store
+    if store:
+        if store not in cfg.checkpoint_stores:
+            known = ", ".join(cfg.checkpoint_stores) or "none"
+            raise UsageError(f"--checkpoint-store {store}: not a checkpoint store of the fleet file ({known})")
+        if any(o == "--comment" for o, _ in _options(user_args)[0]):
+            raise UsageError("--comment and --checkpoint-store: fleetheal writes the job comment; drop --comment")
+        user_args = [f"--comment={CHECKPOINT_WORD}{store}", *user_args]
     try:
-        decision = place(job, read_states(cfg), cfg)
+        states = read_states(cfg)
+        if store:  # only where the job can resume: a cluster that reads its checkpoint store
+            states = [st for st in states if st.name in cfg.readers(store)]
+            if not states:
+                raise PlacementError(f"no cluster that answers reads checkpoint store {store!r}")
+        decision = place(job, states, cfg)
     except PlacementError as exc:
         raise UsageError(str(exc)) from None
     if args.explain or args.dry_run:
@@ -616,6 +630,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--fleet", metavar="FILE", help="the fleet file (default: $FLEETHEAL_FLEET_CONFIG)")
     p.add_argument("--data", metavar="NAME,...", default="", help="datasets the job reads (fleet file `datasets`)")
     p.add_argument("--gpu-type", metavar="T", default="", help="GPU model the job must run on (e.g. h100)")
+    p.add_argument(
+        "--checkpoint-store",
+        metavar="NAME",
+        default="",
+        help="the checkpoint store the job resumes from (fleet file `checkpoint_stores`): placed only where it is "
+        "read, and cross-cluster failover may move the job to another cluster that reads it",
+    )
     p.add_argument("--explain", action="store_true", help="say on stderr why these clusters")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
     p.add_argument(

@@ -1,7 +1,7 @@
 """`fleetheal lab demo`: the self-healing loop, live, on the local lab (and the scenarios the lab's
 integration tests run).
 
-Five scenarios around one 2-node training job:
+Five scenarios around one 2-node training job, and a sixth on a Slurm federation:
 
 1. Xid 79 (a GPU falls off the bus; hardware): the agent drains its node and taints its Node, the alert
    reaches the remediator, the isolate-and-relocate playbook gives the job its grace signal, requeues
@@ -15,6 +15,9 @@ Five scenarios around one 2-node training job:
    and log.
 4. NCCL timeout (transient): the job is restarted in place, on the same nodes, from its checkpoint.
 5. A lemon: three GPU faults on one idle node within the window quarantine it, with an RMA report.
+6. A leaf switch lost: cluster a of a two-cluster federation (its own slurmdbd, MariaDB and controllers)
+   loses both nodes at once; its remediator, with no standby node and a budget of one node, isolates one,
+   and moves the job to cluster b, which reads its checkpoint store; the job resumes there, in the same log.
 
 Each scenario is watched from the outside (Slurm, the Kubernetes API, the job's own events, the
 remediator's incidents): every milestone is printed when it is first seen, with its time since the
@@ -33,9 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetheal.contracts import LABEL_POOL, TAINT_UNHEALTHY, owns_reason
-from fleetheal.lab.lab import Lab, LabError
-from fleetheal.lab.train import ettr, read_events
+from fleetheal.contracts import CHECKPOINT_WORD, LABEL_POOL, TAINT_UNHEALTHY, owns_reason
+from fleetheal.lab.federation import ClusterRemediator, Federation, SlurmError
+from fleetheal.lab.lab import REPO, Lab, LabError
+from fleetheal.lab.train import ettr, read_checkpoint, read_events
+from fleetheal.wait import WaitTimeout, wait_until
 
 #: Seconds between checkpoints of the demo's training job, and its step time.
 CHECKPOINT_EVERY = 3.0
@@ -471,6 +476,119 @@ def scenario_lemon(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     return o
 
 
+def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
+    """Cluster a of a two-cluster Slurm federation loses the leaf switch of both its nodes; its remediator
+    (no standby, budget one node) cannot heal the job there and moves it to b, which reads its checkpoint
+    store; the job resumes on b from its checkpoint, in the same log."""
+    o = Outcome("leaf switch", "leaf-switch", "a1,a2", None, "FAILOVER (3rd stage)")
+    t_up = time.monotonic()
+    fed = Federation(lab.dir / "federation", ("a", "b"), 2, 8, {"a": "h100", "b": "h100"})
+    rem: ClusterRemediator | None = None
+    frozen: list[int] = []
+    job = ""
+    try:
+        fed.start()
+        store = lab.dir / "federation-run"
+        store.mkdir(exist_ok=True)
+        fleet_file = fed.write_fleet_file(lab.dir / "fleet.yaml", store, readers=("a", "b"))
+        rem = ClusterRemediator(fed, "a", lab.dir / "remediator-a", fleet_file, budget=1, wait_s=2.0).start()
+        out(f"  federation a+b (slurmdbd, MariaDB, two slurmctld) and a's remediator up in "
+            f"{time.monotonic() - t_up:.1f}s; a and b read checkpoint store 'shared' ({store})")  # fmt: skip
+        script = (
+            f"#!/bin/bash\nexport PYTHONPATH={REPO}\nexec {sys.executable} -m fleetheal.lab.train coordinator "
+            f"--run-dir {store} --step-time {STEP_TIME} --checkpoint-every 1\n"
+        )
+        a = fed.clusters["a"]
+        job = a.sbatch(script, "-M", "a", "-N1", "--requeue", "--open-mode=append", "-o", str(store / "train.log"),
+                       f"--comment={CHECKPOINT_WORD}shared")  # fmt: skip
+        o.details["incident"] = "-"
+        wait_until(lambda: (read_checkpoint(store) or {}).get("step", 0) >= 30, 60, "the job's checkpoint of step 30")
+        nodes = a.squeue("-h", "-j", job, "-o", "%N").strip()
+        out(f"  job {job} runs on a ({nodes}), checkpoints every second; its comment {CHECKPOINT_WORD}shared "
+            "is what `fleetheal submit --checkpoint-store shared` writes")  # fmt: skip
+        t0 = time.time()
+        frozen = a.freeze_nodes(["a1", "a2"])
+        out("  +   0.0s  a's leaf switch is lost: a1 and a2 stop answering (their slurmd and the job's processes"
+            " are stopped), the job hangs")  # fmt: skip
+        rem.alert(["a1", "a2"], "nic-down")
+        out("  +   0.0s  the alerts nic-down on a1 and a2 reach a's remediator (posted as Alertmanager does)")
+
+        def event(prefix: str) -> str | None:
+            for inc in rem.incidents() if rem else []:
+                for e in inc["events"]:
+                    if e["detail"].startswith(prefix):
+                        return f"{inc['id']} ({inc['node']}): {e['detail'][:110]}"
+            return None
+
+        def held() -> str | None:
+            got = [i for i in (rem.incidents() if rem else []) if i.get("hold_reason")]
+            return f"{got[0]['id']} ({got[0]['node']}): {got[0]['hold_reason']}" if got else None
+
+        def down() -> str | None:
+            states = {n: x for n, x in a.nodes().items() if n in ("a1", "a2")}
+            return "a1 and a2 do not respond" if all(not x.responding for x in states.values()) else None
+
+        def moved() -> str | None:
+            return event(f"job {job} moved")
+
+        def on_b() -> str | None:
+            return f"job {job} RUNNING on b" if fed.active().get(job) == ["b"] else None
+
+        def resumed() -> str | None:
+            st = [e for e in read_events(store) if e.get("event") == "start" and str(e.get("host", "")).startswith("b")]
+            return f"resumed from checkpoint step {st[-1]['resumed_from']} on {st[-1]['host']}" if st else None
+
+        checks: list[tuple[str, str, Callable[[], str | None]]] = [
+            ("isolated", "isolated (the budget allows one node)", lambda: event("slurm_drain done")),
+            ("held", "the other node held (budget spent)", held),
+            ("no_standby", "no standby node in a", lambda: event("standby_promote skipped")),
+            ("requeued", "job requeued", lambda: event("slurm_requeue done")),
+            ("down", "Slurm declares the nodes lost (SlurmdTimeout)", down),
+            ("moved", "moved to cluster b", moved),
+            ("running", "running again", on_b),
+            ("resumed", "resumed on b", resumed),
+        ]
+        while True:
+            now = time.time() - t0
+            for key, label, probe in checks:
+                if key in o.milestones:
+                    continue
+                detail = None
+                with contextlib.suppress(Exception):
+                    detail = probe()
+                if detail is not None:
+                    o.milestones[key] = now
+                    out(f"  + {now:5.1f}s  {label}: {detail}")
+            if all(key in o.milestones for key, _, _ in checks):
+                break
+            if now > 180:
+                missing = [label for key, label, _ in checks if key not in o.milestones]
+                raise LabError(f"leaf switch: timed out after 180s; not seen: {', '.join(missing)}")
+            time.sleep(0.25)
+        lines = (store / "train.log").read_text(errors="replace").splitlines()
+        o.details["log"] = [line for line in lines if "starts on" in line or "resumed from" in line]
+        o.details["continuity"] = continuity(store)
+        o.ok = True
+    except (LabError, SlurmError, WaitTimeout) as exc:
+        o.error = str(exc)
+        out(f"  FAILED: {exc}")
+    finally:
+        with contextlib.suppress(Exception):
+            fed.clusters["a"].thaw_nodes(frozen)
+        with contextlib.suppress(Exception):
+            if job:
+                fed.cancel([job])
+        if rem is not None:
+            rem.stop()
+        fed.stop()
+    for line in o.details.get("log", []):
+        out(f"  log: {line}")
+    for c in o.details.get("continuity", []):
+        out(f"  restart {c['restart']}: last step {c['last_step']}, resumed from {c['resumed_from']} "
+            f"({c['lost']} steps lost)")  # fmt: skip
+    return o
+
+
 def print_incident(inc: dict[str, Any], out: Callable[[str], None]) -> None:
     """The remediator's timeline of one incident: its steps and the playbook tasks that changed something."""
     out(f"  remediator timeline of {inc.get('id')} ({inc.get('fault_id')} on {inc.get('node')} -> {inc.get('action')}, "
@@ -550,6 +668,8 @@ def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Ou
             value = ettr(read_events(run_dir), time.time())
             o.details["ettr"] = value
             out(f"  effective training time ratio of the run so far: {value:.2f}" if value is not None else "")
+    out("\n== 6. A leaf switch lost in cluster a of a federation -> the job moves to cluster b (3rd stage)")
+    outcomes.append(scenario_leaf_switch(lab, out))
     return outcomes, w
 
 
@@ -581,6 +701,9 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
             )
         elif o.fault == "lemon":
             note = f"{o.details.get('state')}, RMA report written" if o.details.get("rma") else ""
+        elif o.fault == "leaf-switch":
+            at = o.milestones.get("moved")
+            note = f"moved to cluster b {at:.1f}s after the fault, resumed from its checkpoint" if at else ""
         again_text = f"{again:.1f}s" if again is not None else "-"
         result = "ok" if o.ok else "FAILED"
         out(f"  {o.fault:13} {o.node:5} {o.action:21} {o.details.get('incident', '-'):11} "

@@ -390,6 +390,46 @@ while :; do wait; sleep 1; done
         # A signal is delivered asynchronously: return once the daemon is gone, so callers see it gone.
         procs.wait_gone(pids, 5.0)
 
+    def _node_processes(self, node: str) -> list[int]:
+        """The node's slurmd and every process of the jobs that run on it (their slurmstepd and tasks)."""
+        jobs = {j for j in self.run("squeue", "-h", "-w", node, "-o", "%i", check=False).stdout.split() if j}
+        found = []
+        for pid, cmd in self.processes().items():
+            if re.search(rf"slurmd -D -N {re.escape(node)}$", cmd):
+                found.append(pid)
+                continue
+            step = re.match(r"slurmstepd: \[(\d+)\.", cmd)
+            if step and step.group(1) in jobs:
+                found.append(pid)
+                continue
+            with contextlib.suppress(psutil.Error):
+                env = psutil.Process(pid).environ()
+                if env.get("SLURM_JOB_ID") in jobs and env.get("SLURMD_NODENAME") == node:
+                    found.append(pid)
+        return found
+
+    def freeze_nodes(self, nodes: Sequence[str]) -> list[int]:
+        """Cut `nodes` off, as a lost leaf switch does: their slurmd and their jobs' processes stop (SIGSTOP),
+        so Slurm hears nothing from them (NOT_RESPONDING, then DOWN after SlurmdTimeout) and their jobs hang
+        as a job hangs in a collective whose peers are gone. Returns the frozen PIDs (for `thaw_nodes`)."""
+        pids = sorted({p for n in nodes for p in self._node_processes(n)})
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def thaw_nodes(self, pids: Sequence[int]) -> None:
+        """Undo `freeze_nodes`: the frozen job processes are killed (their job was restarted elsewhere: a
+        thawed copy would write beside it), the slurmd continue."""
+        procs_now = self.processes()
+        for pid in pids:
+            cmd = procs_now.get(pid, "")
+            with contextlib.suppress(ProcessLookupError):
+                if re.search(r"slurmd -D -N ", cmd):
+                    os.kill(pid, signal.SIGCONT)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+
     def start_slurmd(self, node: str) -> None:
         """Start one node's slurmd again inside the cluster's namespace."""
         if node not in self.node_names:

@@ -31,6 +31,8 @@ from aiohttp import web
 
 from fleetheal import logs, steps
 from fleetheal import taxonomy as taxmod
+from fleetheal.fleet import config as fleetcfg
+from fleetheal.fleet import failover as failmod
 from fleetheal.remediator import alerts
 from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
 from fleetheal.remediator.engine import Engine
@@ -317,12 +319,32 @@ class Service:
             responder=responder,
             dependencies=dependencies.unavailable if dependencies is not None else None,
             settings=self._settings,
+            failover=self._failover_stage(),
         )
         engine.on_fenced = self._fenced
         if self.cfg.leader_election.enabled:
             engine.may_act = lambda: self.elector is not None and self.elector.leading
         self.metrics.attach_gate(engine.gate)
         return engine
+
+    def _failover_stage(self) -> failmod.Stage | None:
+        """The third recovery stage, when `failover.enabled` (it acts through Slurm as the steps do)."""
+        fo = self.cfg.failover
+        if not fo.enabled:
+            return None
+        env = dict(os.environ)
+        if self._settings is not None:
+            env.update(self._settings.slurm_env)
+            if self._settings.slurm_bin_dir:
+                env["PATH"] = f"{self._settings.slurm_bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+        return failmod.Stage(
+            fleetcfg.load(fo.fleet_file, env={}),
+            fo.cluster_name(self.cfg.cluster),
+            default_store=fo.default_store,
+            env=env,
+            wait_s=fo.wait_s,
+            timeout_s=fo.timeout_s,
+        )
 
     @property
     def leading(self) -> bool:

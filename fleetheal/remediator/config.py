@@ -291,6 +291,29 @@ class LifecycleConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class FailoverConfig:
+    """The third recovery stage (fleetheal.fleet.failover): a job this cluster cannot heal moves to a sibling
+    cluster of the Slurm federation that reads its checkpoint store."""
+
+    enabled: bool = False
+    #: The fleet file (docs/fleet.md): the federation's clusters, checkpoint stores and who reads them.
+    fleet_file: str = ""
+    #: This cluster's Slurm ClusterName in the federation; "" = `cluster.name`.
+    slurm_cluster: str = ""
+    #: Checkpoint store of a job whose comment names none (`fleetheal-checkpoint=NAME`, written by
+    #: `fleetheal submit --checkpoint-store`); "" = such a job is never moved (it would lose its progress).
+    default_store: str = ""
+    #: After an isolation that found no standby node to promote, how long a requeued job may stay pending
+    #: here (Slurm may still find it nodes) before it is moved.
+    wait_s: float = 10.0
+    #: How long a moved job has to start on its new cluster before the move counts as failed.
+    timeout_s: float = 120.0
+
+    def cluster_name(self, cluster: ClusterConfig) -> str:
+        return self.slurm_cluster or cluster.name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     listen: ListenConfig = dataclasses.field(default_factory=ListenConfig)
@@ -300,6 +323,7 @@ class Config:
     runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
     gate: GateConfig = dataclasses.field(default_factory=GateConfig)
     lifecycle: LifecycleConfig = dataclasses.field(default_factory=LifecycleConfig)
+    failover: FailoverConfig = dataclasses.field(default_factory=FailoverConfig)
     leader_election: LeaderElectionConfig = dataclasses.field(default_factory=LeaderElectionConfig)
     membership: MembershipConfig = dataclasses.field(default_factory=MembershipConfig)
     #: The bearer token (never printed: repr=False), from FLEETHEAL_REMEDIATOR_TOKEN or auth.token_file.
@@ -422,6 +446,29 @@ def _check(cfg: Config) -> None:
         raise ConfigError("lifecycle: standby_target >= 0 and reconcile_interval_s > 0 are required")
     if lc.repair_webhook_url and not lc.repair_webhook_url.startswith(("http://", "https://")):
         raise ConfigError(f"lifecycle.repair_webhook_url: {lc.repair_webhook_url!r} is not an http(s) URL")
+    _check_failover(cfg)
+
+
+def _check_failover(cfg: Config) -> None:
+    """An enabled failover needs a fleet file that names this cluster and the default store."""
+    fo = cfg.failover
+    if fo.wait_s < 0 or fo.timeout_s <= 0:
+        raise ConfigError("failover: wait_s >= 0 and timeout_s > 0 are required")
+    if not fo.enabled:
+        return
+    if not fo.fleet_file:
+        raise ConfigError("failover.fleet_file: required when failover.enabled is true")
+    from fleetheal.fleet import config as fleetcfg
+
+    fleet = fleetcfg.load(fo.fleet_file, env={})
+    me = fo.cluster_name(cfg.cluster)
+    if me not in fleet.clusters:
+        raise ConfigError(
+            f"failover.slurm_cluster: {me!r} is not a cluster of the fleet file {fo.fleet_file}"
+            f" ({', '.join(fleet.clusters) or 'none'})"
+        )
+    if fo.default_store and fo.default_store not in fleet.checkpoint_stores:
+        raise ConfigError(f"failover.default_store: {fo.default_store!r} is not a checkpoint store of {fo.fleet_file}")
 
 
 def from_mapping(doc: Any, env: Mapping[str, str] | None = None, source: str = "<mapping>") -> Config:

@@ -38,6 +38,7 @@ from typing import Any
 
 from fleetheal import steps
 from fleetheal import taxonomy as taxmod
+from fleetheal.fleet import failover as failmod
 from fleetheal.remediator.config import Config
 from fleetheal.remediator.gate import Gate, Verdict, hold_changed
 from fleetheal.remediator.lifecycle import Lifecycle
@@ -64,6 +65,11 @@ MAX_INTERRUPTIONS = 5
 FULL_RECHECK_S = 30.0
 PLAYBOOK_STEP = "playbook"
 FIRST_STEP = "first_response"
+FAILOVER_STEP = "failover"
+#: The first-response event that says no standby node was left to promote (what starts the failover stage).
+NO_STANDBY = "standby_promote skipped"
+#: Gate holds under which a lost node's jobs move to another cluster: the cluster cannot heal them now.
+FAILOVER_HOLDS = ("budget", "breaker")
 #: The longest a follow-up playbook waits for the first responses in progress to finish.
 FOLLOW_UP_HOLD_S = 20.0
 #: Once a playbook slot is free, how long the attempts of one playbook gather before they run together.
@@ -98,8 +104,12 @@ class Engine:
         responder: FirstResponder | None = None,
         dependencies: Callable[[], dict[str, str]] | None = None,
         settings: steps.Settings | None = None,
+        failover: failmod.Stage | None = None,
     ) -> None:
         self.cfg = cfg
+        #: The third recovery stage (a job moves to a sibling cluster); None: off.
+        self.failover = failover
+        self._failing_over: set[int] = set()
         self.responder = responder
         self.dependencies = dependencies
         self.store = store
@@ -455,6 +465,7 @@ class Engine:
                 if detach:
                     return True
                 await self._respond_first(inc)
+                await self._fail_over(inc)
                 await self._act(inc)
             inc = self.store.get(iid)
         if inc is not None and inc.resolved_at is not None:
@@ -498,6 +509,8 @@ class Engine:
         if verdict.kind != "hold" or hold_changed(inc, verdict):
             self._count_decision(verdict)
         if verdict.kind == "hold":
+            if verdict.reason_kind in FAILOVER_HOLDS:
+                self._fail_over_held(inc)
             return False
         self._observe_step("gate", inc.action, verdict.decision, self._since(step_id))
         if verdict.kind == "deny":
@@ -535,6 +548,71 @@ class Engine:
             self.store.add_event(inc.id, "backoff", f"retry in {delay:g} s (attempt {len(attempts) + 1})")
             await self._sleep(delay)
         await self._run_attempt(inc, len(attempts) + 1)
+
+    async def _fail_over(self, inc: Incident) -> None:
+        """The third recovery stage after an isolation: when the first response found no standby node to
+        promote, the jobs it requeued that Slurm cannot start here move to a sibling cluster (failover.py).
+        Before the playbook, once per incident (a finished failover step is never run again)."""
+        if self.failover is None or self._failed_over(inc.id):
+            return
+        if not any(e.detail.startswith(NO_STANDBY) for e in self.store.events(inc.id)):
+            return
+        self._check_lead()
+        stage = self.failover
+        await self._run_failover(inc, lambda: stage.after_isolation(inc.ref, dry_run=bool(inc.dry_run)))
+
+    def _fail_over_held(self, inc: Incident) -> None:
+        """The gate holds an isolation the cluster cannot afford (budget, breaker): once per incident, the
+        node's jobs move to a sibling cluster if Slurm confirms the node is lost (failover.Stage.while_held)."""
+        if self.failover is None or inc.id in self._failing_over or self._failed_over(inc.id):
+            return
+        if self.may_act is not None and not self.may_act():
+            return
+        self._failing_over.add(inc.id)
+        stage = self.failover
+        dry = bool(inc.dry_run) or self.cfg.gate.dry_run
+
+        async def run() -> None:
+            try:
+                # Not yet lost in Slurm's eyes: nothing is recorded; the held incident's next look asks again.
+                if await asyncio.get_running_loop().run_in_executor(None, stage.node_lost, inc.node):
+                    await self._run_failover(inc, lambda: stage.while_held(inc.node, dry_run=dry))
+            except StoreError as exc:
+                log.warning("failover: database error; tried again when the incident is looked at", extra={
+                    "incident": inc.ref, "error": str(exc)[:200]})  # fmt: skip
+            except Exception:
+                log.exception("failover failed", extra={"incident": inc.ref})
+            finally:
+                self._failing_over.discard(inc.id)
+
+        self._spawn(run(), f"incident-{inc.id}-failover")
+
+    def _failed_over(self, iid: int) -> bool:
+        return any(s.name == FAILOVER_STEP and s.ended_at is not None for s in self.store.steps(iid))
+
+    async def _run_failover(self, inc: Incident, work: Callable[[], list[failmod.Decision]]) -> None:
+        """Run the stage in a thread (it waits on Slurm); each decision is an event, the step's result the
+        most telling one (moved > would-move > noop > refused > failed > none)."""
+        open_step = next((s for s in self.store.steps(inc.id) if s.name == FAILOVER_STEP and s.ended_at is None), None)
+        sid = open_step.id if open_step else self.store.start_step(inc.id, FAILOVER_STEP)
+        started = self.clock()
+        try:
+            decisions = await asyncio.get_running_loop().run_in_executor(None, work)
+        except Exception as exc:  # Slurm did not answer: recorded; the playbook and the gate go on
+            detail = f"failover failed: {type(exc).__name__}: {str(exc)[:300]}"
+            self.store.end_step(sid, "failed", detail)
+            self._observe_step(FAILOVER_STEP, inc.action, "failed", self.clock() - started)
+            return
+        for d in decisions:
+            where = f" to {d.target}" if d.target else ""
+            self.store.add_event(inc.id, "failover", f"job {d.job_id} {d.action}{where}: {d.reason}", sid)
+            if self.metrics is not None:
+                self.metrics.failovers.labels(d.action).inc()
+        actions = {d.action for d in decisions}
+        result = next((a for a in ("moved", "would-move", "noop", "refused", "failed") if a in actions), "none")
+        summary = "; ".join(f"{d.job_id} {d.action}" + (f" to {d.target}" if d.target else "") for d in decisions)
+        self.store.end_step(sid, result, summary or "no job to move")
+        self._observe_step(FAILOVER_STEP, inc.action, result, self.clock() - started)
 
     async def _wait_for_dependencies(self, inc: Incident) -> None:
         """Before a retry: while slurmctld or the Kubernetes API server does not answer, wait for it. The

@@ -222,6 +222,15 @@ class Metrics:
         )
         for result in ("applied", "released", "failed"):
             self.membership_changes.labels(result)
+        self.failovers = Counter(
+            f"{NS}_failovers_total",
+            "Jobs the third recovery stage looked at, by decision: moved to another cluster (moved, would-move in"
+            " dry run), already there (noop), refused (no cluster reads its checkpoint store), failed.",
+            ["result"],
+            registry=r,
+        )
+        for result in ("moved", "would-move", "noop", "refused", "failed"):
+            self.failovers.labels(result)
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
 
     def set_leader(self, leading: bool) -> None:

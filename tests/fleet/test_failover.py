@@ -9,10 +9,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import failover
 from fleetheal.lab import train
@@ -55,7 +56,10 @@ def job_on_a(federation: Federation) -> Iterator[tuple[str, Path]]:
         "--step-time 0.05 --checkpoint-every 0.5\n"
     )
     a = federation.clusters["a"]
-    jid = a.sbatch(script, "-M", "a", "-N1", "--requeue", "--open-mode=append", "-o", str(run_dir / "job.log"))
+    jid = a.sbatch(
+        script, "-M", "a", "-N1", "--requeue", "--open-mode=append", "-o", str(run_dir / "job.log"),
+        f"--comment={CHECKPOINT_WORD}shared",
+    )  # fmt: skip
     try:
         wait_until(lambda: (train.read_checkpoint(run_dir) or {}).get("step", 0) > 0, 60, "a first checkpoint")
         yield jid, run_dir
@@ -93,3 +97,58 @@ def test_job_moves_to_b_when_a_loses_its_leaf_switch(federation: Federation, job
     again = failover.move(jid, "a", "shared", f, env)
     assert (again.action, again.target) == ("noop", "b")
     assert federation.active()[jid] == ["b"]
+
+
+def _resumed_on(run_dir: Path, prefix: str) -> bool:
+    return any(
+        e.get("event") == "start" and e.get("resumed_from", 0) > 0 and str(e.get("host", "")).startswith(prefix)
+        for e in train.read_events(run_dir)
+    )
+
+
+@pytest.mark.federation
+def test_the_remediator_moves_a_job_its_cluster_cannot_heal(
+    federation: Federation, job_on_a: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The third recovery stage end to end: a's leaf switch is lost (both nodes stop answering, the job hangs),
+    the alerts reach a's remediator, which may isolate one node (budget 1) and has no standby: it isolates
+    one, requeues the job, and moves it to b, which reads its checkpoint store. A wrong store is never used."""
+    from fleetheal.lab.federation import ClusterRemediator
+
+    jid, run_dir = job_on_a
+    fleet_file = federation.write_fleet_file(tmp_path / "fleet.yaml", run_dir)
+    a = federation.clusters["a"]
+    with ClusterRemediator(federation, "a", tmp_path / "remediator", fleet_file, budget=1, wait_s=2.0) as rem:
+        frozen = a.freeze_nodes(["a1", "a2"])
+        try:
+            rem.alert(["a1", "a2"], "nic-down")
+            wait_until(lambda: federation.active().get(jid) == ["b"], 120, f"job {jid} to run on b only")
+            wait_until(lambda: _resumed_on(run_dir, "b"), 60, "the job to resume on b from its checkpoint")
+
+            def moves() -> list[dict[str, Any]]:
+                steps = [st for i in rem.incidents() for st in i["steps"] if st["name"] == "failover"]
+                return [st for st in steps if st["ended_at"] is not None and st["result"] == "moved"]
+
+            moved = wait_until(moves, 30, "the remediator to record the move")
+            assert len(moved) == 1 and f"{jid} moved to b" in moved[0]["detail"], moved
+            incidents = {i["node"]: i for i in rem.incidents()}
+            assert set(incidents) == {"a1", "a2"}
+            # the other node's isolation is held by the budget: nothing drained it
+            held = [i for i in incidents.values() if i["state"] == "classified"]
+            assert len(held) == 1 and "budget" in (held[0]["hold_reason"] or ""), incidents
+        finally:
+            a.thaw_nodes(frozen)
+    starts = [e for e in train.read_events(run_dir) if e.get("event") == "start"]
+    assert starts[-1]["host"].startswith("b") and starts[-1]["resumed_from"] > 0
+    log = (run_dir / "job.log").read_text()
+    assert f"resumed from checkpoint step {starts[-1]['resumed_from']}" in log  # one log, continued on b
+
+
+def test_the_checkpoint_store_comes_from_the_comment_and_survives_fleetheals_rewrites() -> None:
+    from fleetheal import steps
+
+    assert failover.checkpoint_store(f"x {CHECKPOINT_WORD}ckpt y") == "ckpt"
+    assert failover.checkpoint_store("fleetheal: requeued", default="shared") == "shared"
+    job = {"comment": f"{CHECKPOINT_WORD}ckpt fleetheal-launch fleetheal-nodes=2"}
+    assert steps._launch_words(job).split()[0] == f"{CHECKPOINT_WORD}ckpt"
+    assert steps._launch_words({"comment": f"user text {CHECKPOINT_WORD}ckpt"}) == f" {CHECKPOINT_WORD}ckpt"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
+from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.errors import UsageError
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import placement
@@ -359,3 +360,34 @@ def test_submit_refuses_clusters_chosen_by_the_user(
     with pytest.raises(UsageError, match="no cluster has GPU type"):
         submit_cli(["--fleet", path, "--gpu-type", "v100", "--", "--gres=gpu:1", script(tmp_path)], capsys)
     assert os.environ["SLURM_CONF"] == str(fed.conf_path)
+
+
+def test_a_job_that_names_its_checkpoint_store_goes_only_where_it_is_read_and_says_so_in_its_comment(
+    fed: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A small job is packed onto a (the busiest), but only b reads the store: it goes to b, and its comment names the store
+    (what cross-cluster failover reads). An unknown store and a user comment are refused."""
+    path = fed.write_fleet_file(tmp_path / "fleet.yaml", tmp_path / "ckpt", readers=("b",))
+    hold(fed, "a", 4, tmp_path)
+    jid, _ = submit_cli(
+        ["--fleet", str(path), "--checkpoint-store", "shared", "--", "--gres=gpu:8", script(tmp_path)], capsys
+    )
+    assert running_on(fed, jid) == "b"
+    comment = fed.run("squeue", "-M", "b", "-h", "-j", jid, "-o", "%k").stdout.strip()
+    assert comment == f"{CHECKPOINT_WORD}shared"
+    with pytest.raises(UsageError, match="not a checkpoint store of the fleet file"):
+        submit_cli(["--fleet", str(path), "--checkpoint-store", "nope", "--", "--gres=gpu:1", script(tmp_path)], capsys)
+    with pytest.raises(UsageError, match="drop --comment"):
+        submit_cli(
+            [
+                "--fleet",
+                str(path),
+                "--checkpoint-store",
+                "shared",
+                "--",
+                "--comment=x",
+                "--gres=gpu:1",
+                script(tmp_path),
+            ],
+            capsys,
+        )

@@ -61,7 +61,8 @@ def scenarios(lab):
     lines: list[str] = []
     outcomes, watcher = run_scenarios(lab, lines.append)
     by_fault = {o.fault: o for o in outcomes}
-    assert [o.fault for o in outcomes] == ["xid-79", "repair", "xid-31", "nccl-timeout", "lemon"], "\n".join(lines)
+    faults = ["xid-79", "repair", "xid-31", "nccl-timeout", "lemon", "leaf-switch"]
+    assert [o.fault for o in outcomes] == faults, "\n".join(lines)
     return by_fault, watcher, "\n".join(lines)
 
 
@@ -193,6 +194,21 @@ def test_nccl_timeout_restarts_in_place(lab, scenarios):
     assert (inc["state"], inc["action"], inc["class"]) == ("done", "RESTART_IN_PLACE", "transient")
     first = [e["detail"] for e in inc["timeline"] if e.get("what") == "first_step"]
     assert any("in its allocation" in d for d in first), first
+
+
+def test_a_lost_leaf_switch_moves_the_job_to_the_sibling_cluster(scenarios):
+    """Scenario 6: cluster a cannot heal the job (no standby, budget one node): its remediator moves it to b,
+    where it resumes from its checkpoint, losing at most the steps since that checkpoint, in the same log."""
+    by_fault, _, text = scenarios
+    o = by_fault["leaf-switch"]
+    assert o.ok, text
+    m = o.milestones
+    assert m["isolated"] <= m["requeued"] <= m["moved"] and m["running"] <= m["resumed"], m
+    assert "held" in m and "no_standby" in m
+    (c,) = o.details["continuity"]
+    assert c["resumed_from"] > 0 and c["lost"] <= 15  # one checkpoint a second, 0.1 s a step
+    assert any("starts on a" in line for line in o.details["log"])
+    assert any("on b" in line and "resumed from checkpoint" in line for line in o.details["log"])
 
 
 def test_one_log_across_restarts(scenarios):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,34 @@ def test_a_site_setting_the_first_responder_cannot_use_is_refused_at_load(tmp_pa
     )
     with pytest.raises(ConfigError, match=r"runner\.site_vars"):
         load(str(path))
+
+
+def test_failover_needs_a_fleet_file_that_names_this_cluster(tmp_path):
+    from fleetheal.remediator.config import ConfigError, load
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("clusters: {a: {checkpoint_stores: [shared]}, b: {}}\ncheckpoint_stores: {shared: {path: /c}}\n")
+    path = tmp_path / "r.yaml"
+    for failover, error in (
+        ({"enabled": True}, "failover.fleet_file: required"),
+        ({"enabled": True, "fleet_file": str(fleet)}, "failover.slurm_cluster: 'default' is not a cluster"),
+        (
+            {"enabled": True, "fleet_file": str(fleet), "slurm_cluster": "a", "default_store": "x"},
+            "'x' is not a checkpoint store",
+        ),
+        ({"enabled": True, "fleet_file": str(tmp_path / "none.yaml"), "slurm_cluster": "a"}, "none.yaml"),
+        ({"wait_s": -1}, "failover: wait_s >= 0"),
+    ):
+        path.write_text(yaml.safe_dump({"cluster": {"nodes": {"a1": "leaf-1"}}, "failover": failover}))
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            load(path, env={"FLEETHEAL_REMEDIATOR_TOKEN": "x" * 20})
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "cluster": {"nodes": {"a1": "leaf-1"}},
+                "failover": {"enabled": True, "fleet_file": str(fleet), "slurm_cluster": "a"},
+            }
+        )
+    )
+    cfg = load(path, env={"FLEETHEAL_REMEDIATOR_TOKEN": "x" * 20})
+    assert cfg.failover.cluster_name(cfg.cluster) == "a"

@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 from fleetheal import taxonomy
+from fleetheal.fleet import failover
+from fleetheal.fleet.config import FleetConfig
 from fleetheal.remediator.alerts import validate_alert
 from fleetheal.remediator.engine import Engine
 from fleetheal.remediator.runner import RunnerInputError
@@ -299,5 +301,53 @@ def test_attempts_waiting_for_a_playbook_slot_run_together(tmp_path):
             assert store.get(iid).state == "done"
             (attempt,) = [s for s in store.steps(iid) if s.name == "playbook"]
             assert attempt.result == "successful"
+
+    asyncio.run(main())
+
+
+class _SlurmlessStage(failover.Stage):
+    """The failover stage with Slurm's answers given (a test double of Slurm only: the engine's use of the
+    stage is what is tested; tests/fleet/test_failover.py runs the real one on a real federation)."""
+
+    def __init__(self, lost: set[str]) -> None:
+        super().__init__(FleetConfig(), "lab")
+        self.lost = lost
+        self.held: list[str] = []
+
+    def node_lost(self, node: str) -> bool:
+        return node in self.lost
+
+    def while_held(self, node: str, *, dry_run: bool = False) -> list[failover.Decision]:
+        self.held.append(node)
+        return [failover.Decision("41", "moved", "lab", "b", f"{node} does not respond")]
+
+
+def test_a_held_isolation_moves_the_jobs_of_a_lost_node_once_and_only_when_slurm_confirms(tmp_path):
+    """Budget spent (one isolation allowed): the second node's incident is held. Its jobs move only once Slurm
+    says the node is lost (an alert alone moves nothing), and once."""
+    cfg = make_config(tmp_path, gate={"budget": {"max_isolated": 1, "max_isolated_fraction": 1.0}})
+
+    async def main():
+        store = Store(cfg.store.path)
+        stage = _SlurmlessStage(lost=set())
+        engine = Engine(cfg, store, RecordingRunner(), TAX, failover=stage)
+        await engine.start(workers=2)
+        first, second = await send(store, engine, cfg, alert(node="gpu-001"), alert(node="gpu-002"))
+        assert store.get(second).hold_reason and store.get(second).state == "classified"
+        assert stage.held == [] and not [s for s in store.steps(second) if s.name == "failover"]
+        stage.lost.add("gpu-002")  # Slurm now says so
+        for _ in range(3):  # looked at again, several times
+            engine.submit([second])
+            await engine.wait_idle()
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+        await engine.stop()
+        assert stage.held == ["gpu-002"]
+        (step,) = [s for s in store.steps(second) if s.name == "failover"]
+        assert step.result == "moved" and step.detail == "41 moved to b"
+        assert any(e.kind == "failover" and "41 moved to b" in e.detail for e in store.events(second))
+        assert not [
+            s for s in store.steps(first) if s.name == "failover"
+        ]  # allowed; no first response found the standby pool empty
 
     asyncio.run(main())
