@@ -501,7 +501,6 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
         a = fed.clusters["a"]
         job = a.sbatch(script, "-M", "a", "-N1", "--requeue", "--open-mode=append", "-o", str(store / "train.log"),
                        f"--comment={CHECKPOINT_WORD}shared")  # fmt: skip
-        o.details["incident"] = "-"
         wait_until(lambda: (read_checkpoint(store) or {}).get("step", 0) >= 30, 60, "the job's checkpoint of step 30")
         nodes = a.squeue("-h", "-j", job, "-o", "%N").strip()
         out(f"  job {job} runs on a ({nodes}), checkpoints every second; its comment {CHECKPOINT_WORD}shared "
@@ -565,6 +564,7 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
                 missing = [label for key, label, _ in checks if key not in o.milestones]
                 raise LabError(f"leaf switch: timed out after 180s; not seen: {', '.join(missing)}")
             time.sleep(0.25)
+        o.details["incident"] = (moved() or "-").split()[0]
         lines = (store / "train.log").read_text(errors="replace").splitlines()
         o.details["log"] = [line for line in lines if "starts on" in line or "resumed from" in line]
         o.details["continuity"] = continuity(store)
