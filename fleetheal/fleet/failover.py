@@ -205,7 +205,8 @@ class Stage:
     - `while_held`: the gate holds an isolation (budget spent, breaker open: many nodes at once, a leaf
       switch) and Slurm says the node does not respond: the node's jobs move.
 
-    Moves of one job are serialised (`move` is idempotent: the second finds it gone and waits for it).
+    Moves of one job are serialised (`move` is idempotent: the second finds it gone and waits for it); moves
+    of different jobs run side by side.
     """
 
     def __init__(
@@ -226,7 +227,8 @@ class Stage:
         self.wait_s = wait_s
         self.timeout_s = timeout_s
         self._sleep = sleep
-        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def jobs(self, *, node: str = "") -> list[Job]:
         """This cluster's live jobs (on `node` only, when given); the comment comes last: it is free text."""
@@ -269,7 +271,9 @@ class Stage:
             d = Decision(job.job_id, "refused", self.cluster, "", f"{why}; the job names no checkpoint store")
             log.warning("failover refused: %s", d)
             return d
-        with self._lock:
+        with self._locks_lock:
+            lock = self._locks.setdefault(job.job_id, threading.Lock())
+        with lock:
             try:
                 d = move(job.job_id, self.cluster, store, self.fleet, self.env, dry_run=dry_run, timeout=self.timeout_s)
             except FailoverError as exc:

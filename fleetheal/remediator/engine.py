@@ -110,6 +110,8 @@ class Engine:
         #: The third recovery stage (a job moves to a sibling cluster); None: off.
         self.failover = failover
         self._failing_over: set[int] = set()
+        #: Moves wait on Slurm for up to failover.timeout_s: their own threads, never the loop's default pool.
+        self._failover_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="failover")
         self.responder = responder
         self.dependencies = dependencies
         self.store = store
@@ -211,6 +213,7 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._failover_pool.shutdown(wait=False, cancel_futures=True)
         if self.responder is not None:
             self.responder.close()
 
@@ -575,7 +578,7 @@ class Engine:
         async def run() -> None:
             try:
                 # Not yet lost in Slurm's eyes: nothing is recorded; the held incident's next look asks again.
-                if await asyncio.get_running_loop().run_in_executor(None, stage.node_lost, inc.node):
+                if await asyncio.get_running_loop().run_in_executor(self._failover_pool, stage.node_lost, inc.node):
                     await self._run_failover(inc, lambda: stage.while_held(inc.node, dry_run=dry))
             except StoreError as exc:
                 log.warning("failover: database error; tried again when the incident is looked at", extra={
@@ -597,7 +600,7 @@ class Engine:
         sid = open_step.id if open_step else self.store.start_step(inc.id, FAILOVER_STEP)
         started = self.clock()
         try:
-            decisions = await asyncio.get_running_loop().run_in_executor(None, work)
+            decisions = await asyncio.get_running_loop().run_in_executor(self._failover_pool, work)
         except Exception as exc:  # Slurm did not answer: recorded; the playbook and the gate go on
             detail = f"failover failed: {type(exc).__name__}: {str(exc)[:300]}"
             self.store.end_step(sid, "failed", detail)
