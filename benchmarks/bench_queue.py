@@ -1,7 +1,11 @@
-"""Queues: fifo, EASY backfill and lending+aging on one trace and pool, as ratios from one run.
+"""Queues: fifo, EASY backfill and lend (backfill in aging priority order with lending) on one trace and pool,
+as ratios from one run.
 
-Trace: benchmarks/traces/*.csv when one is shipped (submit_s,gpus,duration_s); otherwise a seeded
-synthetic trace (named as such in the notes), because no public trace has been cut into this repository yet.
+Trace: benchmarks/traces/*.csv when one is shipped (submit_s,gpus,duration_s); otherwise a seeded synthetic
+trace, named as such in the notes. No public trace of real GPU jobs is shipped: the ones found do not allow
+redistribution here (Alibaba's GPU traces in alibaba/clusterdata carry no licence file and allow use "for
+research or study purpose"; Microsoft's Philly trace carries no licence and is a 1 GB Git LFS archive).
+`fleetheal queue replay` reads a site's own `sacct` output instead (docs/queues.md).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def _trace() -> tuple[list[queues.Job], str]:
         t += rng.expovariate(1 / 400.0)
         gpus = rng.choice((1, 1, 1, 2, 4, 8, 16, 32)) if rng.random() < 0.97 else 64
         jobs.append(queues.Job(t, gpus, rng.lognormvariate(7.0, 1.2)))
-    return jobs, "SYNTHETIC seeded trace (no public trace shipped)"
+    return jobs, "SYNTHETIC seeded trace (no public trace may be shipped: licences, see the module)"
 
 
 def run() -> list[dict[str, Any]]:

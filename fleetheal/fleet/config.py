@@ -80,7 +80,8 @@ class Placement:
 
 @dataclass(frozen=True)
 class Queues:
-    """The large-job and small-job queues of each cluster and the lending between them (fleetheal.fleet.queues)."""
+    """The large-job and small-job queues of each cluster and the lending between them (fleetheal.fleet.queues).
+    Which jobs are small is `placement.small_job_max_gpus`, one threshold for placement and queues."""
 
     #: QOS of the large-job queue.
     large_qos: str = "large"
@@ -90,8 +91,13 @@ class Queues:
     small_guaranteed_gpus: int = 8
     #: Seconds between two lending decisions.
     interval_s: float = 5.0
-    #: A job asking for more than this many GPUs belongs to the large queue.
-    small_job_max_gpus: int = 8
+    #: Take lent GPUs back through the small QOS too: once a large job has waited `reclaim_after_s`, lending
+    #: shrinks by its size (no small job is stopped; those that end give their GPUs to it). Off by default:
+    #: Slurm's backfill reservation for the highest-priority waiting job already keeps small jobs from
+    #: delaying it, and shrinking the QOS as well leaves GPUs idle (docs/queues.md, measured). For a
+    #: scheduler without backfill reservations (SchedulerType=sched/builtin).
+    reclaim: bool = False
+    reclaim_after_s: float = 3600.0
     #: Idle large-queue GPUs kept unlent (so a large job that arrives need not wait for small ones).
     lend_reserve_gpus: int = 0
     #: Aging: priority points per hour a job has waited.

@@ -17,12 +17,15 @@ import argparse
 import heapq
 import json
 import math
-from collections.abc import Iterable, Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from fleetheal.fleet.config import Queues
+from fleetheal.fleet.config import Placement, Queues
 
 POLICIES = ("fifo", "backfill", "lend")
 
@@ -44,9 +47,13 @@ class Job:
 # -- policy (pure) -----------------------------------------------------------------------------------
 
 
-def is_large(gpus: int, cfg: Queues) -> bool:
-    """A job is large when it asks for more than `small_job_max_gpus` GPUs."""
-    return gpus > cfg.small_job_max_gpus
+#: The default size threshold (the fleet file's `placement.small_job_max_gpus`, the one definition of "small").
+SMALL_JOB_MAX_GPUS = Placement().small_job_max_gpus
+
+
+def is_large(gpus: int, small_max: int = SMALL_JOB_MAX_GPUS) -> bool:
+    """A job is large when it asks for more than `small_max` GPUs (`placement.small_job_max_gpus`)."""
+    return gpus > small_max
 
 
 def priority(gpus: int, waited_s: float, cfg: Queues) -> float:
@@ -192,14 +199,18 @@ def _pct(sorted_vals: Sequence[float], p: float) -> float:
     return float(sorted_vals[k])
 
 
-def simulate(jobs: Sequence[Job], total_gpus: int, policy: str, cfg: Queues) -> Result:
+def simulate(
+    jobs: Sequence[Job], total_gpus: int, policy: str, cfg: Queues, small_max: int = SMALL_JOB_MAX_GPUS
+) -> Result:
     """Replay `jobs` on one pool of `total_gpus` GPUs with `policy` (fifo, backfill, lend).
 
-    fifo: strict submit order, the head blocks. backfill: EASY backfill (the head gets a reservation at
-    the earliest time enough GPUs free; a later job starts now if it fits and does not delay that
-    reservation; durations are known exactly). lend: `small_limit` caps the small queue, large jobs go in
-    `priority` order (head blocks, no backfill), small jobs in submit order. GPUs are one pool (no
-    node fragmentation). Jobs larger than the pool are skipped and counted."""
+    fifo: strict submit order, the head blocks. backfill: EASY backfill in submit order (the head gets a
+    reservation at the earliest time enough GPUs free; a later job starts now if it fits and does not
+    delay that reservation; durations are known exactly). lend: what a cluster runs with this module's
+    controller: Slurm's backfill (an EASY reservation for the highest-priority job that cannot start) in
+    `priority` order (age and size), and the small queue capped by `small_limit`, which lends the large
+    queue's idle GPUs and stops lending while a large job waits. Non-preemptive throughout. GPUs are one
+    pool (no node fragmentation). Jobs larger than the pool are skipped and counted."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
     fit = [j for j in jobs if j.gpus <= total_gpus]
@@ -219,12 +230,23 @@ def simulate(jobs: Sequence[Job], total_gpus: int, policy: str, cfg: Queues) -> 
         j = fit[i]
         start[i] = now
         free -= j.gpus
-        big = is_large(j.gpus, cfg)
+        big = is_large(j.gpus, small_max)
         if big:
             large_used += j.gpus
         else:
             small_used += j.gpus
         heapq.heappush(running, (now + j.duration, j.gpus, int(big)))
+
+    def reservation(gpus: int) -> tuple[float, int]:
+        """When a job of `gpus` GPUs can start at the earliest (running jobs end on time), and the GPUs free
+        then beyond it: what EASY backfill protects."""
+        avail, shadow = free, now
+        for end, g, _ in sorted(running):
+            if avail >= gpus:
+                break
+            avail += g
+            shadow = end
+        return shadow, avail - gpus
 
     def schedule() -> None:
         nonlocal pending
@@ -236,14 +258,7 @@ def simulate(jobs: Sequence[Job], total_gpus: int, policy: str, cfg: Queues) -> 
                 launch(pending.pop(0))
             if not pending:
                 return
-            head = fit[pending[0]]
-            avail, shadow = free, now
-            for end, g, _ in sorted(running):
-                avail += g
-                if avail >= head.gpus:
-                    shadow = end
-                    break
-            extra = avail - head.gpus
+            shadow, extra = reservation(fit[pending[0]].gpus)
             keep = [pending[0]]
             for i in pending[1:]:
                 j = fit[i]
@@ -255,23 +270,46 @@ def simulate(jobs: Sequence[Job], total_gpus: int, policy: str, cfg: Queues) -> 
                     keep.append(i)
             pending = keep
         else:
-            large = [i for i in pending if is_large(fit[i].gpus, cfg)]
-            large.sort(key=lambda i: (-priority(fit[i].gpus, now - fit[i].submit, cfg), fit[i].submit, i))
+            ordered = sorted(
+                pending, key=lambda i: (-priority(fit[i].gpus, now - fit[i].submit, cfg), fit[i].submit, i)
+            )
+            large_waiting = [i for i in ordered if is_large(fit[i].gpus, small_max)]
             started: set[int] = set()
-            for i in large:
-                if fit[i].gpus > free:
-                    break
-                launch(i)
-                started.add(i)
-            head_gpus = next((fit[i].gpus for i in large if i not in started), 0)
-            limit = small_limit(total_gpus, large_used, head_gpus, cfg)
-            for i in pending:
+            at = 0
+
+            def lent_limit() -> int:
+                """The small queue's limit now; with `reclaim`, lending stops by the size of the first large job
+                waiting once it has waited `reclaim_after_s` (until then its backfill reservation protects it)."""
+                nonlocal at
+                while at < len(large_waiting) and large_waiting[at] in started:
+                    at += 1
+                head = fit[large_waiting[at]] if at < len(large_waiting) else None
+                reclaim = cfg.reclaim and head is not None and now - head.submit > cfg.reclaim_after_s
+                return small_limit(total_gpus, large_used, head.gpus if head and reclaim else 0, cfg)
+
+            def may_start(i: int) -> bool:
                 j = fit[i]
-                if i in started or is_large(j.gpus, cfg):
-                    continue
-                if j.gpus <= free and small_used + j.gpus <= limit:
+                return j.gpus <= free and (is_large(j.gpus, small_max) or small_used + j.gpus <= lent_limit())
+
+            blocked: int | None = None
+            for i in ordered:  # priority order while jobs start; the first large job that cannot blocks
+                if may_start(i):
                     launch(i)
                     started.add(i)
+                elif is_large(fit[i].gpus, small_max):
+                    blocked = i
+                    break
+            if blocked is not None:  # it gets a reservation; the others backfill without delaying it
+                shadow, extra = reservation(fit[blocked].gpus)
+                for i in ordered:
+                    j = fit[i]
+                    if i in started or i == blocked or not may_start(i):
+                        continue
+                    if now + j.duration <= shadow or j.gpus <= extra:
+                        if now + j.duration > shadow:
+                            extra -= j.gpus
+                        launch(i)
+                        started.add(i)
             pending = [i for i in pending if i not in started]
 
     while nxt < len(order) or running or pending:
@@ -296,7 +334,7 @@ def simulate(jobs: Sequence[Job], total_gpus: int, policy: str, cfg: Queues) -> 
     first = min((j.submit for j in fit), default=0.0)
     last = first
     for i, j in enumerate(fit):
-        waits["large" if is_large(j.gpus, cfg) else "small"].append(start[i] - j.submit)
+        waits["large" if is_large(j.gpus, small_max) else "small"].append(start[i] - j.submit)
         busy += j.gpus * j.duration
         last = max(last, start[i] + j.duration)
     span = last - first
@@ -315,9 +353,11 @@ def parse_clusters(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def replay(jobs: Sequence[Job], total_gpus: int, cfg: Queues) -> list[dict[str, Any]]:
+def replay(
+    jobs: Sequence[Job], total_gpus: int, cfg: Queues, small_max: int = SMALL_JOB_MAX_GPUS
+) -> list[dict[str, Any]]:
     """All three policies on the same trace and pool, with ratios to fifo and backfill."""
-    res = [simulate(jobs, total_gpus, p, cfg).summary() for p in POLICIES]
+    res = [simulate(jobs, total_gpus, p, cfg, small_max).summary() for p in POLICIES]
     by = {r["policy"]: r for r in res}
     for r in res:
         for base in ("fifo", "backfill"):
@@ -326,6 +366,114 @@ def replay(jobs: Sequence[Job], total_gpus: int, cfg: Queues) -> list[dict[str, 
             bl = b["large_wait_max_s"]
             r[f"large_wait_max_vs_{base}"] = round(r["large_wait_max_s"] / bl, 4) if bl else None
     return res
+
+
+# -- the live controller -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Load:
+    """One cluster's GPUs as the controller reads them (one `sinfo` and one `squeue`)."""
+
+    total_gpus: int
+    large_running: int
+    small_running: int
+    #: GPUs of the highest-priority pending large job (0: none waits), and how long it has waited.
+    head_gpus: int = 0
+    head_waited_s: float = 0.0
+
+
+def _count(gres: str) -> int:
+    """GPUs in a gres string as sinfo and squeue print it: `gpu:h100:8(S:0-1)`, `gres:gpu:8`, `gres/gpu:2`."""
+    total = 0
+    for item in gres.split(","):
+        parts = item.split("(", 1)[0].strip().replace("/", ":").split(":")
+        if "gpu" in parts and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def parse_load(sinfo: str, squeue: str, cfg: Queues, now: float) -> Load:
+    """`sinfo -h -N -o %N|%G` and `squeue -h -t R,PD -o %T|%q|%D|%b|%Q|%V` -> Load. A job's GPUs are its
+    per-node gres times its nodes; its queue is its QOS (`queues.large_qos`, `queues.small_qos`)."""
+    nodes: dict[str, int] = {}
+    for line in sinfo.splitlines():
+        name, sep, gres = line.strip().partition("|")
+        if sep:
+            nodes[name] = _count(gres)
+    large = small = 0
+    waiting: list[tuple[int, float, int]] = []  # (priority, submit, gpus)
+    for line in squeue.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 6:
+            continue
+        state, qos, n, gres, prio, submit = parts
+        gpus = _count(gres) * (int(n) if n.isdigit() else 1)
+        if state == "RUNNING":
+            if qos == cfg.large_qos:
+                large += gpus
+            elif qos == cfg.small_qos:
+                small += gpus
+        elif state == "PENDING" and qos == cfg.large_qos and gpus:
+            with_time = _time(submit) if submit[:1].isdigit() else now
+            waiting.append((int(prio) if prio.isdigit() else 0, with_time, gpus))
+    head = max(waiting, key=lambda w: (w[0], -w[1]), default=None)
+    if head is None:
+        return Load(sum(nodes.values()), large, small)
+    return Load(sum(nodes.values()), large, small, head[2], max(0.0, now - head[1]))
+
+
+def decide(load: Load, cfg: Queues) -> int:
+    """The small QOS's GrpTRES gres/gpu for `load`: `small_limit`, with the waiting large job's size taken
+    back only with `reclaim` and once it has waited `reclaim_after_s` (the simulator's `lend` rule)."""
+    reclaim = cfg.reclaim and load.head_gpus > 0 and load.head_waited_s > cfg.reclaim_after_s
+    return small_limit(load.total_gpus, load.large_running, load.head_gpus if reclaim else 0, cfg)
+
+
+class LendError(RuntimeError):
+    """Slurm refused a read or the QOS change; the message says which command and why."""
+
+
+def _slurm(env: Mapping[str, str] | None, *argv: str) -> str:
+    try:
+        proc = subprocess.run(list(argv), env=dict(env) if env else None, capture_output=True, text=True,
+                              timeout=30, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LendError(f"{argv[0]}: {exc}") from None
+    if proc.returncode != 0:
+        raise LendError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def qos_limit(qos: str, env: Mapping[str, str] | None = None) -> int | None:
+    """The QOS's GrpTRES gres/gpu now (None: no limit); LendError when the QOS does not exist."""
+    out = _slurm(env, "sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,GrpTRES")
+    for line in out.splitlines():
+        name, _, tres = line.partition("|")
+        if name == qos:
+            for item in tres.split(","):
+                key, _, val = item.partition("=")
+                if key == "gres/gpu" and val.lstrip("-").isdigit():
+                    return int(val) if int(val) >= 0 else None
+            return None
+    raise LendError(f"QOS {qos!r} does not exist in slurmdbd (sacctmgr show qos): create it, or set queues.small_qos")
+
+
+def lend_once(
+    cluster: str, cfg: Queues, env: Mapping[str, str] | None = None, *, dry_run: bool = False
+) -> tuple[Load, int | None, int, bool]:
+    """Read `cluster`, decide the small QOS's limit, apply it when it changed (idempotent).
+    Returns (load, limit before, limit now, changed)."""
+    now = time.time()
+    sinfo = _slurm(env, "sinfo", "-M", cluster, "-h", "-N", "-o", "%N|%G")
+    squeue = _slurm(env, "squeue", "-M", cluster, "-h", "-t", "R,PD", "-o", "%T|%q|%D|%b|%Q|%V")
+    load = parse_load(sinfo, squeue, cfg, now)
+    before = qos_limit(cfg.small_qos, env)
+    want = decide(load, cfg)
+    changed = before != want
+    if changed and not dry_run:
+        _slurm(env, "sacctmgr", "-i", "modify", "qos", cfg.small_qos, "set", f"GrpTRES=gres/gpu={want}")
+    return load, before, want, changed
 
 
 # -- CLI ---------------------------------------------------------------------------------------------
@@ -346,6 +494,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     r.add_argument("--fleet", metavar="FILE", help="fleet file for the Queues thresholds (default: built-in)")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
     r.set_defaults(func=_replay_cmd)
+    lend = sub.add_parser(
+        "lend",
+        help="lend the large queue's idle GPUs to the small queue (the small QOS's GrpTRES), live",
+        description="Every queues.interval_s, read the cluster's jobs by QOS and set the small QOS's GrpTRES "
+        "gres/gpu to what the policy lends (docs/queues.md). Never stops a running job.",
+    )
+    lend.add_argument("--fleet", metavar="FILE", help="the fleet file (default: $FLEETHEAL_FLEET_CONFIG)")
+    lend.add_argument("--cluster", required=True, metavar="NAME", help="the cluster (its Slurm ClusterName)")
+    lend.add_argument("--once", action="store_true", help="decide and apply once, then exit")
+    lend.add_argument("--dry-run", action="store_true", help="say what it would set; change nothing")
+    lend.set_defaults(func=_lend_cmd)
 
 
 def _replay_cmd(args: argparse.Namespace) -> int:
@@ -356,7 +515,8 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         sizes = parse_clusters(args.clusters)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    cfg = config.load(args.fleet).queues if args.fleet else Queues()
+    fleet = config.load(args.fleet) if args.fleet else config.FleetConfig()
+    cfg, small_max = fleet.queues, fleet.placement.small_job_max_gpus
     try:
         with open(args.trace, encoding="utf-8") as fh:
             jobs = (parse_sacct if args.format == "sacct" else parse_csv)(fh)
@@ -366,7 +526,7 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.trace}: {exc}") from None
     out = []
     for nodes, gpn in sizes:
-        for r in replay(jobs, nodes * gpn, cfg):
+        for r in replay(jobs, nodes * gpn, cfg, small_max):
             out.append({"cluster": f"{nodes}:{gpn}", **r})
     if args.json:
         print(json.dumps(out, indent=2))
@@ -379,3 +539,41 @@ def _replay_cmd(args: argparse.Namespace) -> int:
                 f"{r['large_wait_max_s']:>9.0f} {r['skipped_too_large']:>8}"
             )
     return 0
+
+
+def _lend_cmd(args: argparse.Namespace) -> int:
+    from fleetheal.errors import UsageError
+    from fleetheal.fleet import config
+    from fleetheal.settings import ConfigError
+
+    try:
+        fleet = config.load(args.fleet)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if args.cluster not in fleet.clusters:
+        raise UsageError(f"--cluster {args.cluster}: not a cluster of the fleet file ({', '.join(fleet.clusters)})")
+    cfg = fleet.queues
+    while True:
+        try:
+            load, before, want, changed = lend_once(args.cluster, cfg, dry_run=args.dry_run)
+        except LendError as exc:
+            if args.once:
+                raise UsageError(str(exc)) from None
+            print(f"fleetheal queue lend: {args.cluster}: {exc}; next try in {cfg.interval_s:g} s", file=sys.stderr)
+        else:
+            if changed or args.once:
+                word = ("would set" if args.dry_run else "set") if changed else "keeps"
+                waiting = (
+                    f"a {load.head_gpus}-GPU large job waiting {load.head_waited_s:.0f} s"
+                    if load.head_gpus
+                    else "no large job waiting"
+                )
+                print(
+                    f"{args.cluster}: QOS {cfg.small_qos} {word} GrpTRES=gres/gpu={want} (was "
+                    f"{'none' if before is None else before}): {load.total_gpus} GPUs, large running "
+                    f"{load.large_running}, small running {load.small_running}, {waiting}",
+                    flush=True,
+                )
+        if args.once:
+            return 0
+        time.sleep(cfg.interval_s)

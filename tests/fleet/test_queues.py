@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from fleetheal.fleet import queues
 from fleetheal.fleet.config import Queues
 from fleetheal.fleet.queues import Job, TraceError
 
-CFG = Queues(small_guaranteed_gpus=4, small_job_max_gpus=4, age_weight_per_hour=1.0, size_weight_per_gpu=0.1)
+CFG = Queues(small_guaranteed_gpus=4, age_weight_per_hour=1.0, size_weight_per_gpu=0.1)
+#: A job of more than 4 GPUs is large here (the fleet file's placement.small_job_max_gpus).
+SMALL = 4
 
 
 def test_lends_idle_large_gpus_when_no_large_job_waits() -> None:
@@ -73,25 +76,29 @@ TRACE = [Job(0, 4, 10), Job(1, 8, 10), Job(2, 4, 5), Job(3, 4, 100)]
 
 
 def test_fifo_by_hand() -> None:
-    r = queues.simulate(TRACE, 8, "fifo", CFG)
+    r = queues.simulate(TRACE, 8, "fifo", CFG, SMALL)
     # fifo: large starts at 10 (waits 9), then both smalls at 20.
     assert r.starts == [0, 10, 20, 20]
 
 
 def test_backfill_by_hand() -> None:
-    r = queues.simulate(TRACE, 8, "backfill", CFG)
+    r = queues.simulate(TRACE, 8, "backfill", CFG, SMALL)
     # head (large) reserved at 10; the 5 s small fits in 2..7 < 10, so it backfills; the 100 s one would
     # delay the head and waits until 20.
     assert r.starts == [0, 10, 2, 20]
 
 
 def test_lending_never_preempts_and_reclaims_by_hand() -> None:
-    r = queues.simulate(TRACE, 8, "lend", CFG)
-    # A large job waits from 1, so small is held at its guarantee (4): the smalls at 2 and 3 cannot start
-    # beside the running small (4+4 > 4); the running one is not stopped. Large at 10, smalls at 20.
-    assert r.starts == [0, 10, 20, 20]
+    r = queues.simulate(TRACE, 8, "lend", CFG, SMALL)
+    # The large job waiting from 1 gets the reservation at 10 (when the running small ends; it is not
+    # stopped). The 5 s small at 2 ends by then and backfills; the 100 s one would delay it and waits.
+    assert r.starts == [0, 10, 2, 20]
+    # With `reclaim`, the small QOS also shrinks to its guarantee (4) while the large job waits: neither
+    # small starts beside the running one.
+    reclaim = dataclasses.replace(CFG, reclaim=True, reclaim_after_s=0.0)
+    assert queues.simulate(TRACE, 8, "lend", reclaim, SMALL).starts == [0, 10, 20, 20]
     # No large job waiting: small borrows the whole pool.
-    r2 = queues.simulate([Job(0, 4, 10), Job(0, 4, 10)], 8, "lend", CFG)
+    r2 = queues.simulate([Job(0, 4, 10), Job(0, 4, 10)], 8, "lend", CFG, SMALL)
     assert r2.starts == [0, 0]
     assert r2.utilisation == 1.0
 
@@ -101,20 +108,20 @@ def test_aging_large_job_not_starved_by_small_stream() -> None:
     # greed; the 8-GPU large job still gets in once the running smalls end.
     stream = [Job(float(t), 4, 10.0) for t in range(0, 200, 5)]
     jobs = [*stream, Job(1.0, 8, 10.0)]
-    r = queues.simulate(jobs, 8, "lend", CFG)
+    r = queues.simulate(jobs, 8, "lend", CFG, SMALL)
     assert r.waits["large"][0] <= 10.0
     assert r.waits["large"] == [r.starts[-1] - 1.0]
 
 
 def test_utilisation_and_summary_by_hand() -> None:
-    r = queues.simulate([Job(0, 4, 10), Job(10, 8, 10)], 8, "fifo", CFG)
+    r = queues.simulate([Job(0, 4, 10), Job(10, 8, 10)], 8, "fifo", CFG, SMALL)
     assert r.utilisation == pytest.approx((40 + 80) / (8 * 20))
     s = r.summary()
     assert s["large_wait_max_s"] == 0.0 and s["small_jobs"] == 1 and s["large_jobs"] == 1
 
 
 def test_too_large_jobs_are_skipped() -> None:
-    r = queues.simulate([Job(0, 16, 1), Job(0, 1, 1)], 8, "lend", CFG)
+    r = queues.simulate([Job(0, 16, 1), Job(0, 1, 1)], 8, "lend", CFG, SMALL)
     assert r.skipped == 1 and r.jobs == 1
 
 
