@@ -165,7 +165,8 @@ class FederationSpec:
     clusters: tuple[FederatedCluster, ...] = ()
     qos: tuple[FederatedQos, ...] = ()
     accounts: tuple[FederatedAccount, ...] = ()
-    #: manager: the fleet file (fleetheal.fleet.config format), validated; rendered as a ConfigMap.
+    #: The fleet file (fleetheal.fleet.config format), validated; rendered as a ConfigMap. A worker's is its
+    #: manager stack's (`managerStack`); empty for a worker that names none.
     fleet_file: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     #: manager: prefix of the cluster features that say a cluster holds a dataset (the fleet's placement section).
     data_feature_prefix: str = "data-"
@@ -421,7 +422,7 @@ _FEATURE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$")
 _FED_KEYS = {
     "none": ("role",),
-    "worker": ("role", "manager"),
+    "worker": ("role", "manager", "managerStack"),
     "manager": (
         "role",
         "name",
@@ -557,7 +558,31 @@ def _fleet_file(
     return doc, fleet.placement.data_feature_prefix
 
 
-def _federation(raw: Mapping[str, Any], cluster_name: str) -> FederationSpec:
+def _manager_fleet_file(
+    key: str, manager_stack: Any, cluster_name: str, project_file: Path
+) -> tuple[str, dict[str, Any]]:
+    """A worker's (federation name, fleet file): the manager stack's, built from that stack's own file beside
+    this one (the federation is declared once, in the manager's stack). ("", {}) without `managerStack`, or
+    when the manager does not list this cluster."""
+    if manager_stack is None:
+        return "", {}
+    if not isinstance(manager_stack, str) or not manager_stack:
+        raise ConfigError(f"{key}.managerStack: {manager_stack!r} is not accepted; name the manager's stack")
+    try:
+        manager = from_values(stack_values(manager_stack, project_file.parent), project_file)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}.managerStack: stack {manager_stack!r} cannot be read: {exc}") from None
+    spec = manager.federation
+    if spec.role != "manager":
+        raise ConfigError(f"{key}.managerStack: stack {manager_stack!r} is not a federation manager (role {spec.role})")
+    if cluster_name not in {c.name for c in spec.clusters}:
+        # Not (yet) declared by the manager: no fleet file, so no failover to or from it; `fleetheal fleet
+        # drift` reports the cluster as outside the federation.
+        return "", {}
+    return spec.name, dict(spec.fleet_file)
+
+
+def _federation(raw: Mapping[str, Any], cluster_name: str, project_file: Path = PROJECT_FILE) -> FederationSpec:
     key = f"{PROJECT}:federation"
     role = raw.get("role", "none" if not raw else None)
     if role is None:
@@ -577,7 +602,10 @@ def _federation(raw: Mapping[str, Any], cluster_name: str) -> FederationSpec:
         return FederationSpec()
     if role == "worker":
         host, port = parse_manager_address(f"{key}.manager", raw.get("manager"))
-        return FederationSpec(role="worker", manager_host=host, manager_port=port)
+        name, fleet = _manager_fleet_file(key, raw.get("managerStack"), cluster_name, project_file)
+        return FederationSpec(
+            role="worker", name=name, manager_host=host, manager_port=port, fleet_file=MappingProxyType(fleet)
+        )
 
     name = raw.get("name", "fleet")
     if not isinstance(name, str) or not _SLURM_CLUSTER.match(name):
@@ -740,7 +768,7 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
         )
 
     cluster_name = _dns_label("clusterName", v["clusterName"], 40)
-    federation = _federation(v["federation"], cluster_name)
+    federation = _federation(v["federation"], cluster_name, project_file)
     accounting_database = v["accountingDatabase"]
     if federation.member:
         if not _SLURM_CLUSTER.match(cluster_name):

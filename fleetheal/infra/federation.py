@@ -236,6 +236,25 @@ class ManagerObjects:
     job_name: str
 
 
+def build_fleet_file(cfg: StackConfig, opts: Any) -> Any:
+    """The ConfigMap `fleetheal-fleet` (key fleet.yaml) of a federation member: the fleet file every member
+    renders alike (a worker from its manager's stack), which its remediator's failover reads."""
+    import pulumi_kubernetes as k8s
+
+    from fleetheal.infra import common, policy
+
+    return k8s.core.v1.ConfigMap(
+        "federation-fleet-file",
+        metadata={
+            "name": FLEET_CONFIGMAP,
+            "namespace": cfg.system_namespace,
+            "labels": common.labels("fleet", FLEET_CONFIGMAP, {policy.LABEL_FEDERATION_ROLE: cfg.federation.role}),
+        },
+        data={FLEET_FILE_KEY: fleet_file_text(cfg.federation)},
+        opts=opts,
+    )
+
+
 def build_manager(cfg: StackConfig, depends_on: Sequence[Any]) -> ManagerObjects:
     """Register the federation's ConfigMaps and Job in the manager stack (after `depends_on`: the namespaces
     and the Slurm cluster, whose slurmdbd the Job waits for)."""
@@ -330,16 +349,7 @@ def build_manager(cfg: StackConfig, depends_on: Sequence[Any]) -> ManagerObjects
         },
         opts=pulumi.ResourceOptions(depends_on=[*depends_on, script_cm]),
     )
-    fleet_cm = k8s.core.v1.ConfigMap(
-        "federation-fleet-file",
-        metadata={
-            "name": FLEET_CONFIGMAP,
-            "namespace": cfg.system_namespace,
-            "labels": common.labels("fleet", FLEET_CONFIGMAP, {policy.LABEL_FEDERATION_ROLE: "manager"}),
-        },
-        data={FLEET_FILE_KEY: fleet_file_text(spec)},
-        opts=opts,
-    )
+    fleet_cm = build_fleet_file(cfg, opts)
     return ManagerObjects(script_cm, job, fleet_cm, job_name)
 
 
@@ -356,9 +366,10 @@ CATEGORIES = (
     "alert rule",
     "partition",
     "slurm.conf",
+    "fleet file",
 )
 #: Objects that belong to the manager's slurmdbd, not to what a job needs on its cluster.
-_MANAGER_ONLY_COMPONENTS = ("accounting-db", "federation", "fleet")
+_MANAGER_ONLY_COMPONENTS = ("accounting-db", "federation")
 _SECRET_REF_KEYS = ("secretKeyRef", "slurmKeyRef", "jwtHs256KeyRef", "jwtKeyRef", "credentials", "bearerTokenSecret")
 _PER_CLUSTER_CONF = ("Nodes",)  # partition fields that name the cluster's own nodes
 
@@ -468,11 +479,6 @@ def read_stack(source: str, objects: Iterable[Mapping[str, Any]]) -> tuple[Membe
             data = o.get("data") or {}
             if kind == "ConfigMap" and policy.FEDERATION_SCRIPT_KEY in data:
                 declared = _read_manager(source, str(data[policy.FEDERATION_SCRIPT_KEY]), str(data.get("address", "")))
-            elif kind == "ConfigMap" and FLEET_FILE_KEY in data:
-                fleet = yaml.safe_load(str(data[FLEET_FILE_KEY])) or {}
-                fleet_gpus = {
-                    str(c): str((v or {}).get("gpu_type", "")) for c, v in (fleet.get("clusters") or {}).items()
-                }
             continue
         if kind == "Accounting":
             spec = o.get("spec") or {}
@@ -480,6 +486,12 @@ def read_stack(source: str, objects: Iterable[Mapping[str, Any]]) -> tuple[Membe
                 ext = spec.get("externalConfig") or {}
                 manager_addr = f"{ext.get('host', '')}:{ext.get('port', '')}"
             continue  # the manager's own slurmdbd is not something a job needs on every cluster
+        if kind == "ConfigMap" and name == FLEET_CONFIGMAP and FLEET_FILE_KEY in (o.get("data") or {}):
+            text = str(o["data"][FLEET_FILE_KEY])
+            needs["fleet file"][FLEET_FILE_KEY] = _digest(yaml.safe_load(text) or {})
+            fleet = yaml.safe_load(text) or {}
+            fleet_gpus = {str(c): str((v or {}).get("gpu_type", "")) for c, v in (fleet.get("clusters") or {}).items()}
+            continue
         if kind == "Namespace":
             needs["namespace"][name] = ""
         elif kind == "Secret":

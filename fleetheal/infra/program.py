@@ -17,10 +17,10 @@ from fleetheal.infra.agent import HealthAgent
 from fleetheal.infra.alerting import AlertRouting
 from fleetheal.infra.config import StackConfig
 from fleetheal.infra.dcgm import DcgmExporter
-from fleetheal.infra.federation import ManagerObjects, build_manager
+from fleetheal.infra.federation import FLEET_CONFIGMAP, ManagerObjects, build_fleet_file, build_manager
 from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
-from fleetheal.infra.remediator import Remediator, RemediatorStore
+from fleetheal.infra.remediator import Remediator, RemediatorArgs, RemediatorStore
 from fleetheal.infra.slinky import SlinkyCluster
 from fleetheal.infra.storage import SharedStorage
 
@@ -199,6 +199,8 @@ def build(cfg: StackConfig) -> Fleet:
     manager = None
     if cfg.federation.role == "manager":
         manager = build_manager(cfg, [ns_slurm, ns_system, slinky])
+    elif cfg.federation.fleet_file:  # a worker: its manager's fleet file, for its remediator's failover
+        build_fleet_file(cfg, in_system)
     agent = HealthAgent(
         "agent",
         {
@@ -223,22 +225,23 @@ def build(cfg: StackConfig) -> Fleet:
             },
             opts=in_system,
         )
+    remediator_args: RemediatorArgs = {
+        "namespace": cfg.system_namespace,
+        "image": cfg.remediator_image,
+        "cluster_name": cfg.cluster_name,
+        "slurm_namespace": cfg.slurm_namespace,
+        "token_secret": cfg.remediator_token_secret,
+        "nodes": node_domains(cfg),
+        "dry_run": cfg.remediator_dry_run,
+        "standby_target": sum(pool.standby_nodes for pool in cfg.gpu_pools),
+        "replicas": cfg.remediator_replicas,
+        "store": remediator_store(cfg),
+        "membership": cfg.node_provider == "existing",
+    }
+    if cfg.federation.fleet_file:  # a federation member: cross-cluster failover by the fleet file
+        remediator_args["fleet_configmap"] = FLEET_CONFIGMAP
     remediator = Remediator(
-        "remediator",
-        {
-            "namespace": cfg.system_namespace,
-            "image": cfg.remediator_image,
-            "cluster_name": cfg.cluster_name,
-            "slurm_namespace": cfg.slurm_namespace,
-            "token_secret": cfg.remediator_token_secret,
-            "nodes": node_domains(cfg),
-            "dry_run": cfg.remediator_dry_run,
-            "standby_target": sum(pool.standby_nodes for pool in cfg.gpu_pools),
-            "replicas": cfg.remediator_replicas,
-            "store": remediator_store(cfg),
-            "membership": cfg.node_provider == "existing",
-        },
-        opts=pulumi.ResourceOptions(depends_on=[ns_system, ns_slurm]),
+        "remediator", remediator_args, opts=pulumi.ResourceOptions(depends_on=[ns_system, ns_slurm])
     )
     alerting = AlertRouting(
         "alerting",

@@ -12,7 +12,7 @@ get, create and update its Lease.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Required, TypedDict
+from typing import Any, NotRequired, Required, TypedDict
 from urllib.parse import quote
 
 import pulumi
@@ -28,6 +28,8 @@ WEBHOOK_PATH = "/webhook"  # fleetheal.remediator.app.WEBHOOK_PATH (a test keeps
 TOKEN_MOUNT = "/var/run/secrets/fleetheal"  # noqa: S105 - a mount path
 STORE_MOUNT = "/var/run/secrets/fleetheal-store"
 CONFIG_MOUNT = "/etc/fleetheal"
+#: Where a federation member's fleet file (the ConfigMap fleetheal-fleet) is mounted: cross-cluster failover.
+FLEET_MOUNT = "/etc/fleetheal/fleet"
 STATE_DIR = "/var/lib/fleetheal"
 LEASE_NAME = NAME
 #: How the incident store is kept: SQLite on a PVC; the operator's PostgreSQL; a PostgreSQL deployed here.
@@ -61,6 +63,10 @@ class RemediatorStore(TypedDict, total=False):
     None: that Secret must exist already."""
 
 
+#: RemediatorArgs' NotRequired keys (with postponed annotations TypedDict counts every key as required).
+_OPTIONAL = ("fleet_configmap",)
+
+
 class RemediatorArgs(TypedDict):
     namespace: str
     """Namespace of the remediator (the fleetheal system namespace; must exist)."""
@@ -82,6 +88,9 @@ class RemediatorArgs(TypedDict):
     """Remediator pods (>= 1); more than one needs a PostgreSQL store (they elect a leader)."""
     store: RemediatorStore
     """Where the incident store lives (see RemediatorStore)."""
+    fleet_configmap: NotRequired[str]
+    """A federation member: the ConfigMap holding the fleet file (key fleet.yaml). The remediator mounts it and
+    runs its cross-cluster failover stage (failover.enabled, slurm_cluster = cluster_name)."""
     membership: bool
     """Apply the GPU pools' membership ConfigMaps in `namespace` to the Nodes (existing-nodes provider):
     the remediator gets read access to ConfigMaps there and runs its membership controller."""
@@ -95,12 +104,14 @@ def remediator_config(
     *,
     lease_namespace: str | None = None,
     membership_namespace: str | None = None,
+    fleet_file: str | None = None,
 ) -> dict[str, Any]:
     """The remediator's YAML config (fleetheal/remediator/config.py schema).
 
     `lease_namespace` set: the store is PostgreSQL (the URI in the mounted store Secret) and the replicas
     elect a leader through the Lease LEASE_NAME there; None: SQLite in the state directory.
     `membership_namespace` set: the leader applies the pool membership ConfigMaps there to the Nodes.
+    `fleet_file` set (its path in the pod): cross-cluster failover is on, for this cluster of the federation.
     """
     cfg: dict[str, Any] = {
         "cluster": {"name": cluster, "nodes": dict(sorted(nodes.items()))},
@@ -117,6 +128,8 @@ def remediator_config(
         cfg["leader_election"] = {"enabled": True, "namespace": lease_namespace, "lease_name": LEASE_NAME}
     if membership_namespace is not None:
         cfg["membership"] = {"enabled": True, "namespace": membership_namespace}
+    if fleet_file is not None:
+        cfg["failover"] = {"enabled": True, "fleet_file": fleet_file, "slurm_cluster": cluster}
     return cfg
 
 
@@ -165,7 +178,10 @@ class Remediator(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: RemediatorArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         a: dict[str, Any] = dict(args)
-        common.require(a, COMPONENT, RemediatorArgs.__annotations__)
+        common.require(a, COMPONENT, [k for k in RemediatorArgs.__annotations__ if k not in _OPTIONAL])
+        fleet_cm = a.get("fleet_configmap")
+        if fleet_cm is not None:
+            common.dns_label(COMPONENT, "fleet_configmap", fleet_cm, 253)
         ns = common.dns_label(COMPONENT, "namespace", a["namespace"])
         common.dns_label(COMPONENT, "slurm_namespace", a["slurm_namespace"])
         common.dns_label(COMPONENT, "token_secret", a["token_secret"], 253)
@@ -248,6 +264,7 @@ class Remediator(pulumi.ComponentResource):
                         int(a["standby_target"]),
                         lease_namespace=ns if shared else None,
                         membership_namespace=ns if a["membership"] else None,
+                        fleet_file=f"{FLEET_MOUNT}/fleet.yaml" if fleet_cm is not None else None,
                     ),
                     sort_keys=True,
                 )
@@ -271,6 +288,9 @@ class Remediator(pulumi.ComponentResource):
                 "secret": {"secretName": a["token_secret"], "items": [{"key": "token", "path": "token"}]},
             },
         ]
+        if fleet_cm is not None:
+            mounts.append({"name": "fleet", "mountPath": FLEET_MOUNT, "readOnly": True})
+            volumes.append({"name": "fleet", "configMap": {"name": fleet_cm}})
         pod_extra: dict[str, Any] = {}
         container_extra: dict[str, Any] = {}
         if not shared:

@@ -179,10 +179,41 @@ def test_worker_controller_points_at_the_managers_slurmdbd(
     assert "FederationParameters=fed_display" in controller["spec"]["extraConf"].splitlines()
     acct = _one(records, "Accounting", controller["spec"]["accountingRef"]["name"])
     assert acct["spec"] == {"external": True, "externalConfig": {"host": "slurmdbd.fleet.example.com", "port": 6819}}
-    # no slurmdbd, database, federation Job or fleet file of its own
+    # no slurmdbd, database or federation Job of its own
     assert not by_kind(records, "StatefulSet") and not by_kind(records, "Job")
     names = {o["metadata"]["name"] for o in by_kind(records, "ConfigMap")}
-    assert federation.SCRIPT_CONFIGMAP not in names and federation.FLEET_CONFIGMAP not in names
+    assert federation.SCRIPT_CONFIGMAP not in names
+    # the manager's fleet file, read from the manager's stack file (managerStack), not a copy
+    fleet_cm = _one(records, "ConfigMap", federation.FLEET_CONFIGMAP)
+    manager_cm = _one(stack_records["fleet-manager"], "ConfigMap", federation.FLEET_CONFIGMAP)
+    assert fleet_cm["data"] == manager_cm["data"]
+    # and its remediator fails over by it, as this cluster of the federation
+    rem_cfg = yaml.safe_load(_one(records, "ConfigMap", "fleetheal-remediator")["data"]["remediator.yaml"])
+    assert rem_cfg["failover"] == {
+        "enabled": True,
+        "fleet_file": "/etc/fleetheal/fleet/fleet.yaml",
+        "slurm_cluster": cluster,
+    }
+    pod = _one(records, "Deployment", "fleetheal-remediator")["spec"]["template"]["spec"]
+    assert {"name": "fleet", "configMap": {"name": federation.FLEET_CONFIGMAP}} in pod["volumes"]
+    assert {"name": "fleet", "mountPath": "/etc/fleetheal/fleet", "readOnly": True} in pod["containers"][0][
+        "volumeMounts"
+    ]
+
+
+def test_the_failover_config_the_stacks_render_is_one_the_remediator_accepts(
+    stack_records: dict[str, list[mocks.Recorded]], tmp_path: Path
+) -> None:
+    from fleetheal.remediator import config as rcfg
+
+    for stack in STACKS:
+        records = stack_records[stack]
+        fleet = tmp_path / f"{stack}-fleet.yaml"
+        fleet.write_text(_one(records, "ConfigMap", federation.FLEET_CONFIGMAP)["data"][federation.FLEET_FILE_KEY])
+        doc = yaml.safe_load(_one(records, "ConfigMap", "fleetheal-remediator")["data"]["remediator.yaml"])
+        doc["failover"]["fleet_file"] = str(fleet)  # the mount, here
+        cfg = rcfg.from_mapping(doc, env={"FLEETHEAL_REMEDIATOR_TOKEN": "t" * 20})
+        assert cfg.failover.enabled and cfg.failover.cluster_name(cfg.cluster) == cfg.cluster.name
 
 
 def test_every_cluster_renders_what_a_job_needs(stack_records: dict[str, list[mocks.Recorded]]) -> None:
@@ -381,7 +412,8 @@ def _worker(**fed: Any) -> dict[str, Any]:
         ),
         (
             _worker(role="worker", manager="dbd", clusters=[]),
-            "fleetheal:federation: field(s) clusters not accepted for role worker (accepted: role, manager); "
+            "fleetheal:federation: field(s) clusters not accepted for role worker (accepted: role, manager, "
+            "managerStack); "
             "clusters belongs to role manager. The federation (clusters, QOS, accounts, data) is declared once, in "
             "the manager's stack",
         ),
@@ -444,6 +476,15 @@ def _worker(**fed: Any) -> dict[str, Any]:
             "fleetheal:federation.datasets.c4: unknown field(s) size; accepted fields: sizeGb, clusters",
         ),
         (
+            _worker(role="worker", manager="dbd", managerStack="nope"),
+            "fleetheal:federation.managerStack: stack 'nope' cannot be read: stack 'nope': "
+            f"{REPO}/Pulumi.nope.yaml does not exist; stacks here: {', '.join(config.list_stacks(REPO))}",
+        ),
+        (
+            _worker(role="worker", manager="dbd", managerStack="fleet-a"),
+            "fleetheal:federation.managerStack: stack 'fleet-a' is not a federation manager (role worker)",
+        ),
+        (
             _manager_values(manager="dbd"),
             "fleetheal:federation: field(s) manager not accepted for role manager (accepted: role, name, address, "
             "serviceType, clusters, qos, accounts, datasets, checkpointStores, placement, queues); manager belongs "
@@ -455,6 +496,21 @@ def test_bad_federation_config_names_the_key(values: dict[str, Any], message: st
     with pytest.raises(config.ConfigError) as exc:
         config.from_values(values)
     assert str(exc.value) == message
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        _worker(role="worker", manager="dbd"),  # no managerStack
+        {**_worker(role="worker", manager="dbd", managerStack="fleet-manager"), "clusterName": "z"},  # not declared
+    ],
+)
+def test_a_worker_outside_the_declared_federation_has_no_fleet_file_and_no_failover(values: dict[str, Any]) -> None:
+    records = _records(values)
+    names = {o["metadata"]["name"] for o in by_kind(records, "ConfigMap")}
+    assert federation.FLEET_CONFIGMAP not in names
+    rem_cfg = yaml.safe_load(_one(records, "ConfigMap", "fleetheal-remediator")["data"]["remediator.yaml"])
+    assert "failover" not in rem_cfg
 
 
 def test_a_stand_alone_stack_is_unchanged(dev_config: config.StackConfig) -> None:
