@@ -4,7 +4,8 @@ as ratios from one run.
 Trace: benchmarks/traces/*.csv when one is shipped (submit_s,gpus,duration_s); otherwise a seeded synthetic
 trace, named as such in the notes. No public trace of real GPU jobs is shipped: the ones found do not allow
 redistribution here (Alibaba's GPU traces in alibaba/clusterdata carry no licence file and allow use "for
-research or study purpose"; Microsoft's Philly trace carries no licence and is a 1 GB Git LFS archive).
+research or study purpose"; Microsoft's Philly trace carries no licence and is a 1 GB Git LFS archive;
+SenseTime's Helios traces are "for academic purposes"; InternLM's AcmeTrace repository holds no job log).
 `fleetheal queue replay` reads a site's own `sacct` output instead (docs/queues.md).
 """
 
