@@ -30,7 +30,8 @@ from fleetheal.wait import WaitTimeout, wait_until
 
 log = logging.getLogger(__name__)
 
-LIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED")
+#: States of a copy that is still the job (a held federated requeue waits in REQUEUE_FED).
+LIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD")
 
 
 class FailoverError(RuntimeError):
