@@ -126,6 +126,6 @@ def test_a_missing_qos_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
     def fake_run(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(argv, 0, "normal|\nlarge|\n", "")
 
-    monkeypatch.setattr(queues.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     with pytest.raises(queues.LendError, match="QOS 'small' does not exist"):
         queues.qos_limit("small")
