@@ -299,6 +299,28 @@ def test_drift_finds_an_alert_rule_that_differs(
     assert finding["problem"].startswith("differs from core, a: ")
 
 
+def test_drift_finds_a_worker_whose_fleet_file_differs(
+    rendered: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _copy_render(rendered, tmp_path)
+    path = out / "fleet-a" / "fleetheal-system" / f"ConfigMap-{federation.FLEET_CONFIGMAP}.yaml"
+    header, body = path.read_text().split("---\n", 1)
+    doc = yaml.safe_load(body)
+    fleet = yaml.safe_load(doc["data"][federation.FLEET_FILE_KEY])
+    fleet["datasets"]["c4"]["clusters"] = ["a", "b"]  # an older or hand-edited copy on a
+    doc["data"][federation.FLEET_FILE_KEY] = yaml.safe_dump(fleet)
+    path.write_text(header + "---\n" + yaml.safe_dump(doc))
+    code, report = _drift([out], capsys)
+    assert code == 1
+    (finding,) = report["findings"]
+    assert (finding["cluster"], finding["category"], finding["item"]) == (
+        "a",
+        "fleet file",
+        federation.FLEET_FILE_KEY,
+    )
+    assert finding["problem"].startswith("differs from core, b: ")
+
+
 def _project(tmp_path: Path, edits: dict[str, Callable[[dict[str, Any]], None]]) -> Path:
     """A copy of the project's Pulumi.yaml and the example federation's stack files, each edited."""
     root = tmp_path / "project"
