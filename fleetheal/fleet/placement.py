@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.errors import UsageError
+from fleetheal.fleet.status import run_checked
 from fleetheal.settings import ConfigError
 
 if TYPE_CHECKING:
@@ -514,12 +515,7 @@ def sync_features(cfg: FleetConfig, env: Mapping[str, str] | None = None, timeou
     not touched). Returns the clusters changed, with their new features."""
 
     def sacctmgr(*args: str) -> str:
-        proc = subprocess.run(
-            ["sacctmgr", "-i", *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
-        )
-        if proc.returncode != 0:
-            raise PlacementError(f"sacctmgr {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
-        return proc.stdout
+        return run_checked(["sacctmgr", "-i", *args], env, timeout, PlacementError)
 
     current = parse_features(sacctmgr("-n", "-P", "show", "cluster", "format=cluster,features"))
     changed = {}

@@ -17,7 +17,6 @@ import argparse
 import heapq
 import json
 import math
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,7 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from fleetheal.fleet.config import Placement, Queues
+from fleetheal.fleet.config import FleetConfig, Placement, Queues
+from fleetheal.fleet.status import ClusterStatus, read_cluster, run_checked
+from fleetheal.slurm_nodes import SEP
 
 POLICIES = ("fifo", "backfill", "lend")
 
@@ -373,7 +374,7 @@ def replay(
 
 @dataclass(frozen=True)
 class Load:
-    """One cluster's GPUs as the controller reads them (one `sinfo` and one `squeue`)."""
+    """One cluster's GPUs as the controller sees them (fleetheal.fleet.status's reads of the cluster)."""
 
     total_gpus: int
     large_running: int
@@ -383,44 +384,28 @@ class Load:
     head_waited_s: float = 0.0
 
 
-def _count(gres: str) -> int:
-    """GPUs in a gres string as sinfo and squeue print it: `gpu:h100:8(S:0-1)`, `gres:gpu:8`, `gres/gpu:2`."""
-    total = 0
-    for item in gres.split(","):
-        parts = item.split("(", 1)[0].strip().replace("/", ":").split(":")
-        if "gpu" in parts and parts[-1].isdigit():
-            total += int(parts[-1])
-    return total
+#: Pending large jobs by priority, for `reclaim` (the fleet status reads have neither priority nor submit time).
+_HEAD_FIELDS = ("JobID", "PriorityLong", "SubmitTime")
 
 
-def parse_load(sinfo: str, squeue: str, cfg: Queues, now: float) -> Load:
-    """`sinfo -h -N -o %N|%G` and `squeue -h -t R,PD -o %T|%q|%D|%b|%Q|%V` -> Load. A job's GPUs are its
-    per-node gres times its nodes; its queue is its QOS (`queues.large_qos`, `queues.small_qos`)."""
-    nodes: dict[str, int] = {}
-    for line in sinfo.splitlines():
-        name, sep, gres = line.strip().partition("|")
-        if sep:
-            nodes[name] = _count(gres)
-    large = small = 0
+def load_of(cluster: ClusterStatus, cfg: Queues, heads: str = "", now: float = 0.0) -> Load:
+    """The Load of a cluster as fleetheal.fleet.status reads it. `heads`: `squeue -O JobID,PriorityLong,
+    SubmitTime` of its pending large jobs (read only with `reclaim`), for the head and its wait."""
+    total = sum(g.total for g in cluster.gpus.values())
+    running = [j for j in cluster.jobs if j.state == "running"]
+    large = sum(j.gpus for j in running if j.qos == cfg.large_qos)
+    small = sum(j.gpus for j in running if j.qos == cfg.small_qos)
+    gpus = {j.id: j.gpus for j in cluster.jobs if j.state == "pending" and j.qos == cfg.large_qos and j.gpus}
     waiting: list[tuple[int, float, int]] = []  # (priority, submit, gpus)
-    for line in squeue.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) != 6:
-            continue
-        state, qos, n, gres, prio, submit = parts
-        gpus = _count(gres) * (int(n) if n.isdigit() else 1)
-        if state == "RUNNING":
-            if qos == cfg.large_qos:
-                large += gpus
-            elif qos == cfg.small_qos:
-                small += gpus
-        elif state == "PENDING" and qos == cfg.large_qos and gpus:
-            with_time = _time(submit) if submit[:1].isdigit() else now
-            waiting.append((int(prio) if prio.isdigit() else 0, with_time, gpus))
+    for line in heads.splitlines():
+        parts = [f.strip() for f in line.split(SEP)]
+        if len(parts) >= len(_HEAD_FIELDS) and parts[0] in gpus and parts[1].isdigit():
+            submit = _time(parts[2]) if parts[2][:1].isdigit() else now
+            waiting.append((int(parts[1]), submit, gpus[parts[0]]))
     head = max(waiting, key=lambda w: (w[0], -w[1]), default=None)
     if head is None:
-        return Load(sum(nodes.values()), large, small)
-    return Load(sum(nodes.values()), large, small, head[2], max(0.0, now - head[1]))
+        return Load(total, large, small)
+    return Load(total, large, small, head[2], max(0.0, now - head[1]))
 
 
 def decide(load: Load, cfg: Queues) -> int:
@@ -434,20 +419,9 @@ class LendError(RuntimeError):
     """Slurm refused a read or the QOS change; the message says which command and why."""
 
 
-def _slurm(env: Mapping[str, str] | None, *argv: str) -> str:
-    try:
-        proc = subprocess.run(list(argv), env=dict(env) if env else None, capture_output=True, text=True,
-                              timeout=30, check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LendError(f"{argv[0]}: {exc}") from None
-    if proc.returncode != 0:
-        raise LendError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout
-
-
 def qos_limit(qos: str, env: Mapping[str, str] | None = None) -> int | None:
     """The QOS's GrpTRES gres/gpu now (None: no limit); LendError when the QOS does not exist."""
-    out = _slurm(env, "sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,GrpTRES")
+    out = run_checked(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,GrpTRES"], env, 30, LendError)
     for line in out.splitlines():
         name, _, tres = line.partition("|")
         if name == qos:
@@ -460,19 +434,26 @@ def qos_limit(qos: str, env: Mapping[str, str] | None = None) -> int | None:
 
 
 def lend_once(
-    cluster: str, cfg: Queues, env: Mapping[str, str] | None = None, *, dry_run: bool = False
+    fleet: FleetConfig, cluster: str, env: Mapping[str, str] | None = None, *, dry_run: bool = False
 ) -> tuple[Load, int | None, int, bool]:
     """Read `cluster`, decide the small QOS's limit, apply it when it changed (idempotent).
     Returns (load, limit before, limit now, changed)."""
-    now = time.time()
-    sinfo = _slurm(env, "sinfo", "-M", cluster, "-h", "-N", "-o", "%N|%G")
-    squeue = _slurm(env, "squeue", "-M", cluster, "-h", "-t", "R,PD", "-o", "%T|%q|%D|%b|%Q|%V")
-    load = parse_load(sinfo, squeue, cfg, now)
+    cfg = fleet.queues
+    seen = read_cluster(fleet, cluster, env=env)
+    if not seen.up:
+        raise LendError(f"cluster {cluster}: {seen.error}")
+    heads = ""
+    if cfg.reclaim:
+        fields = ",".join(f"{f}:{SEP}" for f in _HEAD_FIELDS)
+        argv = ["squeue", "-M", cluster, "-h", "-t", "PENDING", "-q", cfg.large_qos, "-O", fields]
+        heads = run_checked(argv, env, 30, LendError)
+    load = load_of(seen, cfg, heads, time.time())
     before = qos_limit(cfg.small_qos, env)
     want = decide(load, cfg)
     changed = before != want
     if changed and not dry_run:
-        _slurm(env, "sacctmgr", "-i", "modify", "qos", cfg.small_qos, "set", f"GrpTRES=gres/gpu={want}")
+        argv = ["sacctmgr", "-i", "modify", "qos", cfg.small_qos, "set", f"GrpTRES=gres/gpu={want}"]
+        run_checked(argv, env, 30, LendError)
     return load, before, want, changed
 
 
@@ -555,7 +536,7 @@ def _lend_cmd(args: argparse.Namespace) -> int:
     cfg = fleet.queues
     while True:
         try:
-            load, before, want, changed = lend_once(args.cluster, cfg, dry_run=args.dry_run)
+            load, before, want, changed = lend_once(fleet, args.cluster, dry_run=args.dry_run)
         except LendError as exc:
             if args.once:
                 raise UsageError(str(exc)) from None

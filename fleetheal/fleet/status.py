@@ -428,6 +428,42 @@ def run_read(argv: Sequence[str], env: Mapping[str, str] | None, timeout: float)
     return Read(proc.stdout, first if proc.returncode else "")
 
 
+def run_checked(
+    argv: Sequence[str], env: Mapping[str, str] | None, timeout: float, error: type[Exception] = RuntimeError
+) -> str:
+    """Run a Slurm client that must succeed (a change, or a read that is useless in part); its output, or
+    `error` naming the command and what it said."""
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise error(f"{argv[0]}: {exc}") from None
+    if proc.returncode != 0:
+        said = proc.stderr.strip() or proc.stdout.strip()
+        raise error(f"{' '.join(argv)} exited {proc.returncode}: {said}")
+    return proc.stdout
+
+
+def _one_cluster(args: Sequence[str], name: str) -> list[str]:
+    """SINFO_ARGS/SQUEUE_ARGS for cluster `name` only (`-M name`, the CLUSTER line kept)."""
+    out = list(args)
+    out[out.index("-M") + 1] = name
+    return out
+
+
+def read_cluster(
+    cfg: FleetConfig,
+    name: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> ClusterStatus:
+    """One cluster of the fleet, read as `collect` reads every cluster (no remediator)."""
+    nodes_read = run_read(["sinfo", *_one_cluster(SINFO_ARGS, name)], env, timeout)
+    jobs_read = run_read(["squeue", *_one_cluster(SQUEUE_ARGS, name)], env, timeout)
+    view = build(cfg, nodes_read, jobs_read)
+    return next(c for c in view.clusters if c.name == name)
+
+
 def build(
     cfg: FleetConfig,
     nodes_read: Read,

@@ -14,8 +14,10 @@ import pytest
 import yaml
 
 from fleetheal.errors import UsageError
-from fleetheal.fleet import queues
+from fleetheal.fleet import config as fleetcfg
+from fleetheal.fleet import queues, status
 from fleetheal.fleet.config import Queues
+from fleetheal.slurm_nodes import SEP
 from fleetheal.wait import wait_until
 
 if TYPE_CHECKING:
@@ -23,24 +25,29 @@ if TYPE_CHECKING:
 
 CFG = Queues(small_guaranteed_gpus=4)
 
-SINFO = "a1|gpu:h100:8(S:0)\na2|gpu:h100:8(S:0)\na1|gpu:h100:8(S:0)\n"  # a1 in two partitions: counted once
-SQUEUE = "\n".join(
-    [
-        "RUNNING|small|1|gres:gpu:4|100|2026-12-05T10:00:00",
-        "RUNNING|large|2|gres:gpu:2|100|2026-12-05T10:00:00",
-        "PENDING|large|2|gres:gpu:8|900|2026-12-05T10:00:30",
-        "PENDING|large|1|gres:gpu:8|500|2026-12-05T09:00:00",
-        "PENDING|small|1|gres:gpu:1|999|2026-12-05T10:00:00",
-        "garbage",
-    ]
+#: Cluster a as fleetheal.fleet.status reads it: 16 GPUs, 4 running small and 4 running large, two large
+#: jobs and a small one waiting.
+CLUSTER = status.ClusterStatus(
+    "a",
+    True,
+    gpus={"h100": status.Gpus(allocated=8, free=8)},
+    jobs=(
+        status.Job("1", "running", "small", 4),
+        status.Job("2", "running", "large", 4),
+        status.Job("3", "pending", "large", 16),
+        status.Job("4", "pending", "large", 8),
+        status.Job("5", "pending", "small", 1),
+    ),
 )
+#: `squeue -O JobID,PriorityLong,SubmitTime` of the pending large jobs (and a line that is not one).
+HEADS = f"3{SEP}900{SEP}2026-12-05T10:00:30{SEP}\n4{SEP}500{SEP}2026-12-05T09:00:00{SEP}\ngarbage\n"
 
 
-def test_the_load_is_read_from_sinfo_and_squeue() -> None:
+def test_the_load_comes_from_the_fleet_status_read_and_the_head_from_its_priority() -> None:
     now = queues._time("2026-12-05T10:01:00")
-    load = queues.parse_load(SINFO, SQUEUE, CFG, now)
     # the highest-priority pending large job is the head (not the oldest)
-    assert load == queues.Load(16, 4, 4, head_gpus=16, head_waited_s=30.0)
+    assert queues.load_of(CLUSTER, CFG, HEADS, now) == queues.Load(16, 4, 4, head_gpus=16, head_waited_s=30.0)
+    assert queues.load_of(CLUSTER, CFG) == queues.Load(16, 4, 4)  # without reclaim, no head is read
 
 
 def test_decide_lends_idle_gpus_and_takes_them_back_only_with_reclaim() -> None:
@@ -70,7 +77,6 @@ def test_lending_on_real_slurm_takes_back_for_a_waiting_large_job_without_stoppi
     doc = yaml.safe_load(fleet_file.read_text())
     doc["queues"] = {"small_guaranteed_gpus": 4, "reclaim": True, "reclaim_after_s": 0}
     fleet_file.write_text(yaml.safe_dump(doc))
-    cfg = dataclasses.replace(CFG, reclaim=True, reclaim_after_s=0.0)
     a = federation.clusters["a"]
     ids: list[str] = []
 
@@ -89,7 +95,7 @@ def test_lending_on_real_slurm_takes_back_for_a_waiting_large_job_without_stoppi
     before = queues.qos_limit("small", env)
     try:
         assert "QOS small" in lend_cli("--dry-run")
-        load, _, want, _ = queues.lend_once("a", cfg, env)
+        load, _, want, _ = queues.lend_once(fleetcfg.load(fleet_file, env={}), "a", env)
         assert (load.total_gpus, want) == (16, 16)  # idle: the large queue's GPUs are all lent
         smalls = [sbatch("--qos=small", "--gres=gpu:4") for _ in range(3)]
         wait_until(lambda: set(_states(federation, smalls).values()) == {"RUNNING"}, 30, "3 small jobs to run")
