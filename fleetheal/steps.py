@@ -730,6 +730,7 @@ def requeue_now(
     slurm.scontrol_seq(commands)
     for job in jobs:
         where = " on " + ",".join(job["nodes"]) if same_nodes else ""
+        # fleetheal.remediator.engine.REQUEUED reads the job id back from this text: keep them in step.
         detail = f"sent {s.grace_signal} to job {job['job_id']}, requeued it{where} with priority {plan.priority}"
         results.append(StepResult("slurm_requeue", "done", detail, changed=True))
     return results

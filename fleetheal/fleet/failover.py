@@ -15,17 +15,15 @@ without its checkpoint silently loses its progress.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from fleetheal import slurm_nodes
 from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.fleet.config import FleetConfig
+from fleetheal.fleet.status import run_checked, run_read
 from fleetheal.wait import WaitTimeout, wait_until
 
 log = logging.getLogger(__name__)
@@ -50,13 +48,10 @@ class Decision:
 
 
 def _run(env: Mapping[str, str] | None, *argv: str, check: bool = True) -> str:
-    exe = shutil.which(argv[0], path=(env or os.environ).get("PATH")) or argv[0]
-    proc = subprocess.run(
-        [exe, *argv[1:]], env=dict(env) if env else None, capture_output=True, text=True, timeout=30, check=False
-    )
-    if check and proc.returncode != 0:
-        raise FailoverError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
-    return proc.stdout
+    """A Slurm client's output; with `check`, FailoverError when it fails (fleetheal.fleet.status's runners)."""
+    if check:
+        return run_checked(argv, env, 30, FailoverError)
+    return run_read(argv, env, 30).out
 
 
 def where(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -202,7 +197,7 @@ class Stage:
     Two moments, both corroborated by Slurm itself (a wrong alert alone never moves a job):
 
     - `after_isolation`: the node was isolated and its jobs requeued here, but no standby node was left to
-      promote; a requeued job still pending after `wait_s` moves.
+      promote; a job the first response requeued that is still pending after `wait_s` moves.
     - `while_held`: the gate holds an isolation (budget spent, breaker open: many nodes at once, a leaf
       switch) and Slurm says the node does not respond: the node's jobs move.
 
@@ -219,7 +214,6 @@ class Stage:
         env: Mapping[str, str] | None = None,
         wait_s: float = 10.0,
         timeout_s: float = 120.0,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.fleet = fleet
         self.cluster = cluster
@@ -227,7 +221,6 @@ class Stage:
         self.env = env
         self.wait_s = wait_s
         self.timeout_s = timeout_s
-        self._sleep = sleep
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -250,16 +243,16 @@ class Stage:
         found = slurm_nodes.read(out).get(node)
         return found is not None and not found.responding
 
-    def after_isolation(self, incident: str, *, dry_run: bool = False) -> list[Decision]:
-        """Move the jobs requeued for `incident` that did not start here within `wait_s`."""
-        word = f"incident={incident}"
+    def after_isolation(self, incident: str, job_ids: Collection[str], *, dry_run: bool = False) -> list[Decision]:
+        """Move the jobs the first response of `incident` requeued (`job_ids`, from the remediator's own record:
+        a job comment is the user's to write) that did not start here within `wait_s`."""
         deadline = time.monotonic() + self.wait_s
         while True:
             # Not RUNNING: pending, or still completing on a node that does not answer.
-            waiting = [j for j in self.jobs() if word in j.comment.split() and j.state != "RUNNING"]
+            waiting = [j for j in self.jobs() if j.job_id in job_ids and j.state != "RUNNING"]
             if not waiting or time.monotonic() >= deadline:
                 break
-            self._sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return [self._move(j, dry_run, f"still pending {self.wait_s:g} s after {incident}") for j in waiting]
 
     def while_held(self, node: str, *, dry_run: bool = False) -> list[Decision]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import sys
 import threading
 import time
@@ -68,6 +69,9 @@ FIRST_STEP = "first_response"
 FAILOVER_STEP = "failover"
 #: The first-response event that says no standby node was left to promote (what starts the failover stage).
 NO_STANDBY = "standby_promote skipped"
+#: The first-response event of a job it requeued (fleetheal.steps.requeue_now's detail): the jobs failover
+#: may move are those, never jobs whose comment merely names the incident (a user writes their comment).
+REQUEUED = re.compile(r"^slurm_requeue done: sent \S+ to job (\S+), requeued it")
 #: Gate holds under which a lost node's jobs move to another cluster: the cluster cannot heal them now.
 FAILOVER_HOLDS = ("budget", "breaker")
 #: The longest a follow-up playbook waits for the first responses in progress to finish.
@@ -558,11 +562,14 @@ class Engine:
         Before the playbook, once per incident (a finished failover step is never run again)."""
         if self.failover is None or self._failed_over(inc.id):
             return
-        if not any(e.detail.startswith(NO_STANDBY) for e in self.store.events(inc.id)):
+        events = [e.detail for e in self.store.events(inc.id)]
+        requeued = [m.group(1) for d in events if (m := REQUEUED.match(d))]
+        if not requeued or not any(d.startswith(NO_STANDBY) for d in events):
             return
         self._check_lead()
         stage = self.failover
-        await self._run_failover(inc, lambda: stage.after_isolation(inc.ref, dry_run=bool(inc.dry_run)))
+        dry = bool(inc.dry_run)
+        await self._run_failover(inc, lambda: stage.after_isolation(inc.ref, requeued, dry_run=dry))
 
     def _fail_over_held(self, inc: Incident) -> None:
         """The gate holds an isolation the cluster cannot afford (budget, breaker): once per incident, the

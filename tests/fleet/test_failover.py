@@ -174,3 +174,43 @@ def test_a_move_interrupted_after_its_hold_finishes_on_the_next_call(
         assert federation.active()[jid] == ["b"]
     finally:
         a.thaw_nodes(frozen)
+
+
+class _ListedStage(failover.Stage):
+    """The stage with Slurm's job list given and its moves recorded (a test double of Slurm only)."""
+
+    def __init__(self, jobs: list[failover.Job]) -> None:
+        super().__init__(fleet("/shared"), "a", default_store="shared", wait_s=0.0)
+        self.listed = jobs
+        self.moved: list[str] = []
+
+    def jobs(self, *, node: str = "") -> list[failover.Job]:
+        return self.listed
+
+    def _move(self, job: failover.Job, dry_run: bool, why: str) -> failover.Decision:
+        self.moved.append(job.job_id)
+        return failover.Decision(job.job_id, "moved", "a", "b", why)
+
+
+def test_only_jobs_the_first_response_requeued_move_not_those_whose_comment_names_the_incident() -> None:
+    """A local user can write `incident=inc-000001` into their own job's comment; that does not make the
+    remediator move (or wait on) their job: the requeued jobs come from its own record."""
+    word = "fleetheal: requeued after nic-down on a1 incident=inc-000001"
+    stage = _ListedStage([
+        failover.Job("11", "PENDING", "", word),  # requeued by the first response
+        failover.Job("12", "PENDING", "", word),  # forged by its owner
+        failover.Job("13", "RUNNING", "a2", word),  # requeued, but Slurm started it again here
+    ])  # fmt: skip
+    decisions = stage.after_isolation("inc-000001", ["11", "13"])
+    assert stage.moved == ["11"] and [d.job_id for d in decisions] == ["11"]
+
+
+def test_the_engine_reads_the_requeued_job_from_the_first_responses_own_words() -> None:
+    from fleetheal import steps
+    from fleetheal.remediator.engine import REQUEUED
+
+    result = steps.StepResult("slurm_requeue", "done", "sent USR1 to job 67108865, requeued it with priority 1281")
+    event = f"{result.step} {result.outcome}: {result.detail}"  # as the engine records a first-response step
+    m = REQUEUED.match(event)
+    assert m is not None and m.group(1) == "67108865"
+    assert REQUEUED.match("slurm_requeue skipped: job 5 is not active on a1") is None
