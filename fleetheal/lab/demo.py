@@ -129,36 +129,56 @@ class Watcher:
         ident = self.lab.inject(outcome.node, outcome.fault, outcome.gpu)
         where = f"GPU {outcome.gpu}" if outcome.gpu is not None else "node-wide"
         self.out(f"  +  0.0s  injected {outcome.fault} on {outcome.node} {where} ({ident})")
-        last_note = time.monotonic()
-        while True:
-            now = time.time() - t0
-            for key, label, probe in checks:
-                if key in outcome.milestones:
-                    continue
-                try:
-                    detail = probe()
-                except Exception:
-                    detail = None
-                if detail is not None:
-                    outcome.milestones[key] = now
-                    self.out(f"  + {now:5.1f}s  {label}: {detail}")
+
+        def note(now: float) -> None:
+            info = self.job_info()
+            self.out(
+                f"      ... {now:.0f}s: job {self.job} {info.get('JobState')} on {info.get('NodeList')}, "
+                f"restarts {info.get('Restarts')}"
+            )
+
+        follow(outcome, t0, checks, done=done, timeout=timeout, out=self.out, note=note)
+
+
+def follow(
+    outcome: Outcome,
+    t0: float,
+    checks: list[tuple[str, str, Callable[[], str | None]]],
+    *,
+    done: Callable[[], bool],
+    timeout: float,
+    out: Callable[[str], None],
+    note: Callable[[float], None] | None = None,
+) -> None:
+    """Poll `checks` (key, label, probe -> detail or None) every half second, printing each milestone with its
+    time since `t0` when first seen, until `done()`; `note(seconds)` every 10 s; LabError naming what was not
+    seen after `timeout` seconds."""
+    last_note = time.monotonic()
+    while True:
+        now = time.time() - t0
+        for key, label, probe in checks:
+            if key in outcome.milestones:
+                continue
             try:
-                is_done = done()
+                detail = probe()
             except Exception:
-                is_done = False
-            if is_done:
-                return
-            if now > timeout:
-                missing = [label for key, label, _ in checks if key not in outcome.milestones]
-                raise LabError(f"{outcome.name}: timed out after {timeout:g}s; not seen: {', '.join(missing)}")
-            if time.monotonic() - last_note > 10:
-                last_note = time.monotonic()
-                info = self.job_info()
-                self.out(
-                    f"      ... {now:.0f}s: job {self.job} {info.get('JobState')} on {info.get('NodeList')}, "
-                    f"restarts {info.get('Restarts')}"
-                )
-            time.sleep(0.5)
+                detail = None
+            if detail is not None:
+                outcome.milestones[key] = now
+                out(f"  + {now:5.1f}s  {label}: {detail}")
+        try:
+            is_done = done()
+        except Exception:
+            is_done = False
+        if is_done:
+            return
+        if now > timeout:
+            missing = [label for key, label, _ in checks if key not in outcome.milestones]
+            raise LabError(f"{outcome.name}: timed out after {timeout:g}s; not seen: {', '.join(missing)}")
+        if note is not None and time.monotonic() - last_note > 10:
+            last_note = time.monotonic()
+            note(now)
+        time.sleep(0.5)
 
 
 def _starts(run_dir: Path) -> list[dict[str, Any]]:
@@ -547,23 +567,7 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
             ("running", "running again", on_b),
             ("resumed", "resumed on b", resumed),
         ]
-        while True:
-            now = time.time() - t0
-            for key, label, probe in checks:
-                if key in o.milestones:
-                    continue
-                detail = None
-                with contextlib.suppress(Exception):
-                    detail = probe()
-                if detail is not None:
-                    o.milestones[key] = now
-                    out(f"  + {now:5.1f}s  {label}: {detail}")
-            if all(key in o.milestones for key, _, _ in checks):
-                break
-            if now > 180:
-                missing = [label for key, label, _ in checks if key not in o.milestones]
-                raise LabError(f"leaf switch: timed out after 180s; not seen: {', '.join(missing)}")
-            time.sleep(0.25)
+        follow(o, t0, checks, done=lambda: all(key in o.milestones for key, _, _ in checks), timeout=180, out=out)
         o.details["incident"] = (moved() or "-").split()[0]
         lines = (store / "train.log").read_text(errors="replace").splitlines()
         o.details["log"] = [line for line in lines if "starts on" in line or "resumed from" in line]

@@ -740,14 +740,8 @@ class ClusterRemediator:
     def stop(self) -> None:
         if self._proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._proc.pid, signal.SIGTERM)
-        try:
-            self._proc.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait(5)
+        procs.stop_pid(self._proc.pid, timeout=15.0)  # its process group: the playbooks it started too
+        self._proc.wait(5)
         self._proc = None
 
     def __enter__(self) -> Self:
