@@ -15,8 +15,10 @@ read.
 one; this module is the one place that knows its shapes: `sinfo --json` of Slurm 22.05 (openapi v0.0.38:
 `state` a lower-case word, `state_flags` a list) and `scontrol --json show node` of 23.02 and later (data
 parser v0.0.39+: `state` a list of upper-case words, base state and flags together; `reason_changed_at`
-an integer, from v0.0.40 `{"set", "infinite", "number"}`). A newer `sinfo --json` prints partition rows
-(`"sinfo": [...]`, 24.11) instead of nodes: refused, not read as an empty cluster.
+an integer, from v0.0.40 `{"set", "infinite", "number"}`), up to 26.05's v0.0.45. A newer `sinfo --json`
+prints partition rows (`"sinfo": [...]`, 24.11) instead of nodes: refused, not read as an empty cluster.
+`number`, `job_state` and `job_nodes` read the same versions' fields for `fleetheal.steps`' jobs of
+`squeue --json`: these are the only places that know how a data parser shapes a field.
 
 Standard library only (and fleetheal.contracts): the agent imports it.
 """
@@ -155,10 +157,42 @@ def parse_text(text: str) -> Nodes:
     return nodes
 
 
+def number(value: Any, unset: int = 0) -> int:
+    """A JSON number field of any data parser: a plain integer (v0.0.38, v0.0.39), or from v0.0.40 on
+    `{"set": true, "infinite": false, "number": 7}`; `unset` when not set or infinite."""
+    if isinstance(value, Mapping):
+        value = value.get("number") if value.get("set") and not value.get("infinite") else None
+    return unset if value is None or value == "" else int(value)
+
+
+#: A job's state flags that Slurm's own text shows instead of its base state, first match wins (the order of
+#: `job_state_string` in Slurm's slurm_protocol_defs.c): a requeued job that is still completing is COMPLETING.
+_JOB_FLAG_NAMES = (
+    "COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+    "SPECIAL_EXIT", "STOPPED", "REVOKED", "RESV_DEL_HOLD", "SIGNALING",
+)  # fmt: skip
+
+
+def job_state(value: Any) -> str:
+    """A job's state as one upper-case word, as `squeue -o %T` prints it: v0.0.38 gives that word
+    (`"RUNNING"`); from v0.0.39 a list of the base state and its flags (`["PENDING", "REQUEUED"]`)."""
+    if isinstance(value, list):
+        words = [str(w).upper() for w in value]
+        return next((f for f in _JOB_FLAG_NAMES if f in words), words[0] if words else "")
+    return str(value or "").upper()
+
+
+def job_nodes(job: Mapping[str, Any]) -> list[str]:
+    """The nodes a job of `squeue --json` holds: v0.0.38 `job_resources.allocated_nodes[].nodename`; from
+    v0.0.40 `job_resources.nodes.allocation[].name`."""
+    resources = job.get("job_resources") or {}
+    if isinstance(resources.get("nodes"), Mapping):
+        return [str(a["name"]) for a in resources["nodes"].get("allocation") or [] if a.get("name")]
+    return [str(n["nodename"]) for n in resources.get("allocated_nodes") or [] if n.get("nodename")]
+
+
 def _time(value: Any) -> str:
-    if isinstance(value, Mapping):  # v0.0.40+: {"set": true, "infinite": false, "number": 1796429576}
-        value = value.get("number") if value.get("set") and not value.get("infinite") else 0
-    seconds = int(value or 0)
+    seconds = number(value)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(seconds)) if seconds > 0 else ""
 
 

@@ -122,7 +122,8 @@ class Settings:
 
 # --- Slurm's JSON -------------------------------------------------------------------------------------
 # Debian's Slurm 22.05 (openapi v0.0.38): `squeue --json` ignores its filter options and prints every job,
-# so selection happens here, by exact job id and node name. Nodes are read by `fleetheal.slurm_nodes`.
+# so selection happens here, by exact job id and node name. The fields whose shape a data parser changes
+# (22.05's v0.0.38 to 26.05's v0.0.45) are read by `fleetheal.slurm_nodes`, which also reads the nodes.
 
 
 def _doc(value: Any) -> dict[str, Any]:
@@ -149,38 +150,42 @@ def _memo(doc: dict[str, Any], key: str, build: Callable[[dict[str, Any]], Any])
 
 
 def _stdout_path(job: dict[str, Any]) -> str:
-    """The job's output file with Slurm's filename patterns (%j %A %a %x %u %%) expanded."""
-    path = str(job.get("standard_output") or "")
+    """The job's output file with Slurm's filename patterns (%j %A %a %x %u %%) expanded. Slurm's default
+    when the job named none (22.05 prints "", 26.05 the pattern itself) is `slurm-%j.out`, `slurm-%A_%a.out`
+    for an array task; a relative path is relative to the job's working directory."""
     job_id = str(job.get("job_id", ""))
-    if not path:
-        cwd = str(job.get("current_working_directory") or "")
-        return f"{cwd}/slurm-{job_id}.out" if cwd else ""
+    task = slurm_nodes.number(job.get("array_task_id"), -1)
+    path = str(job.get("standard_output") or "") or ("slurm-%A_%a.out" if task >= 0 else "slurm-%j.out")
     subst = {
         "j": job_id,
-        "A": str(job.get("array_job_id") or job_id),
-        "a": str(job.get("array_task_id") or ""),
+        "A": str(slurm_nodes.number(job.get("array_job_id")) or job_id),
+        "a": "" if task < 0 else str(task),
         "x": str(job.get("name") or ""),
         "u": str(job.get("user_name") or ""),
         "%": "%",
     }
-    return re.sub(r"%([jAaxu%])", lambda m: subst[m.group(1)], path)
+    path = re.sub(r"%([jAaxu%])", lambda m: subst[m.group(1)], path)
+    if not path.startswith("/"):
+        cwd = str(job.get("current_working_directory") or "")
+        return f"{cwd.rstrip('/')}/{path}" if cwd else ""
+    return path
 
 
 def _summary(job: dict[str, Any]) -> dict[str, Any]:
-    allocated = (job.get("job_resources") or {}).get("allocated_nodes") or []
     uid = job.get("user_id")
     return {
         "job_id": str(job.get("job_id")),
         "name": str(job.get("name") or ""),
         "user": str(job.get("user_name") or ""),
-        "state": str(job.get("job_state") or "").upper(),
+        "state": slurm_nodes.job_state(job.get("job_state")),
         "state_reason": str(job.get("state_reason") or ""),
-        "nodes": [str(n.get("nodename")) for n in allocated if n.get("nodename")],
+        "nodes": slurm_nodes.job_nodes(job),
         "batch_host": str(job.get("batch_host") or ""),
         "required_nodes": str(job.get("required_nodes") or ""),
+        "excluded_nodes": str(job.get("excluded_nodes") or ""),
         "requeue": bool(job.get("requeue")),
-        "priority": int(job.get("priority") or 0),
-        "restart_cnt": int(job.get("restart_cnt") or 0),
+        "priority": slurm_nodes.number(job.get("priority")),
+        "restart_cnt": slurm_nodes.number(job.get("restart_cnt")),
         "comment": str(job.get("comment") or ""),
         "stdout": _stdout_path(job),
         "uid": -1 if uid is None else int(uid),
@@ -221,10 +226,10 @@ def slurm_jobs_on_node(squeue: Any, node: str) -> list[dict[str, Any]]:
 def _max_priority(doc: dict[str, Any]) -> int:
     best = 0
     for job in doc.get("jobs", []):
-        state = str(job.get("job_state") or "").upper()
+        state = slurm_nodes.job_state(job.get("job_state"))
         if state != "PENDING" and state not in _ACTIVE_JOB_STATES:
             continue
-        best = max(best, int(job.get("priority") or 0))
+        best = max(best, slurm_nodes.number(job.get("priority")))
     return best
 
 

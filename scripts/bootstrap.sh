@@ -15,6 +15,7 @@ DEB_PACKAGES=(
   prometheus prometheus-alertmanager         # real alerting path; promtool tests the generated rules
   postgresql                                 # the remediator's production store, started by the tests on loopback
   podman runc debootstrap uidmap             # Molecule targets: systemd containers built locally
+  patchelf                                   # Slurm 26.05 relocated from a sid root (scripts/slurm-tree.sh)
   python3-venv python3-dev build-essential   # the virtualenv
   dpkg-dev fakeroot                          # the dcgm role's local apt repository (a test double)
   iproute2 procps util-linux psmisc curl     # network namespaces, pkill/unshare, health probes

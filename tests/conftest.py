@@ -16,7 +16,7 @@ import pytest
 from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built, tools_dir
 from fleetheal.lab.federation import Federation
 from fleetheal.lab.postgres import Postgres, PostgresError
-from fleetheal.lab.slurm import SlurmError
+from fleetheal.lab.slurm import Release, SlurmError, find_tool
 
 # The Pulumi tests run gRPC servers in this process (the Automation API's language host), and gRPC's
 # event engine then takes part in every fork: now and then (3 in 1,000 pexpect spawns, measured) the child
@@ -30,16 +30,27 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("FLEETHEAL_SHARED", REPO.parent / "shared"))
 
 
+def pytest_report_header() -> str:
+    """Which Slurm the Slurm-facing tests run: the first on PATH (`make unit`/`integration`: 26.05 from
+    scripts/slurm-tree.sh; `make compat`: Debian's 22.05)."""
+    try:
+        release = Release.of(find_tool("slurmctld"))
+    except SlurmError as exc:
+        return f"slurm: none ({exc})"
+    return f"slurm: {release.name} (root {release.root})"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that takes the real control plane (`kube`, built by `make tools`) carries the `kube` marker,
     so `make unit` (-m "not (kube or ...)") leaves it to `make integration` whether or not it is marked.
     One that takes the shared Slurm `federation` carries `federation` and `slurm`, so `-m federation`
-    selects every test that needs it."""
+    selects every test that needs it; one that takes the playbook tests' `slurm` cluster carries `slurm`, so
+    `make compat` (-m "slurm or federation") runs every Slurm-facing test on 22.05 as well."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
-        for name, marks in (("kube", ("kube",)), ("federation", ("federation", "slurm"))):
+        for name, marks in (("kube", ("kube",)), ("federation", ("federation", "slurm")), ("slurm", ("slurm",))):
             defs = info.name2fixturedefs.get(name, ()) if info is not None else ()
-            if defs and Path(inspect.getfile(defs[-1].func)) == Path(__file__):  # not a test's own fake
+            if defs and Path(inspect.getfile(defs[-1].func)).name == "conftest.py":  # not a test's own fake
                 for mark in marks:
                     item.add_marker(getattr(pytest.mark, mark))
 

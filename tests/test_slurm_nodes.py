@@ -4,11 +4,25 @@ and the drained / responding / owned-reason rules. The text is what Slurm 22.05 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
-from fleetheal.slurm_nodes import NODES_ARGS, Node, parse_json, parse_text, read, sinfo_argv, slurm_node
+from fleetheal import steps
+from fleetheal.slurm_nodes import (
+    NODES_ARGS,
+    Node,
+    job_nodes,
+    job_state,
+    number,
+    parse_json,
+    parse_text,
+    read,
+    sinfo_argv,
+    slurm_node,
+)
 
 S = "\x1f"
 #: `sinfo NODES_ARGS` of Slurm 22.05.8: n1 drained with an owned reason holding `key=value` words and
@@ -151,3 +165,37 @@ def test_refuses_what_is_no_node_read():
             read(value)
     with pytest.raises(ValueError, match="`nodes` list"):
         read({"sinfo": [{"nodes": {"nodes": ["n1"]}, "node": {"state": ["IDLE"]}}]})  # sinfo --json of 24.11
+
+
+# --- jobs of `squeue --json`, read by fleetheal.steps through slurm_nodes' field readers -----------------
+#: `squeue --json` of the same three jobs on 22.05.8 (openapi v0.0.38) and 26.05.5 (data_parser v0.0.45),
+#: trimmed to the fields fleetheal reads: job 1 on n1 with a comment and an output pattern, array tasks 2_1
+#: (job 3) and 2_2 (job 2) on n2 with Slurm's default output.
+SQUEUE = Path(__file__).parent / "data" / "slurm"
+
+
+@pytest.mark.parametrize("release", ["22.05", "26.05"])
+def test_each_data_parser_reads_to_the_same_jobs(release: str) -> None:
+    doc = json.loads((SQUEUE / f"squeue-{release}.json").read_text())
+    cap = f"/tmp/cap{release[:2]}"  # where the capture ran
+    first, task2, task1 = (steps.slurm_job(doc, j) for j in ("1", "2", "3"))
+    assert (first["state"], first["nodes"], first["comment"], first["restart_cnt"], first["uid"]) == (
+        "RUNNING", ["n1"], "hello", 0, 0,
+    )  # fmt: skip
+    assert first["stdout"] == f"{cap}/out-1-{first['name']}.txt"
+    assert (task1["stdout"], task2["stdout"]) == (f"{cap}/jobs/slurm-2_1.out", f"{cap}/jobs/slurm-2_2.out")
+    assert [j["job_id"] for j in steps.slurm_jobs_on_node(doc, "n2")] == ["2", "3"]
+    assert first["priority"] > 0 and steps.slurm_max_priority(doc) == max(j["priority"] for j in (first, task1, task2))
+
+
+def test_field_shapes_of_every_data_parser() -> None:
+    assert [number(v) for v in (7, "7", None, {"set": True, "infinite": False, "number": 7})] == [7, 7, 0, 7]
+    assert number({"set": False, "infinite": False, "number": 0}, -1) == -1
+    assert number({"set": True, "infinite": True, "number": 0}, -1) == -1
+    # v0.0.38 prints one word; v0.0.39+ a list, where a flag Slurm's text shows wins over the base state.
+    assert job_state("RUNNING") == "RUNNING" and job_state("completing") == "COMPLETING"
+    assert job_state(["PENDING", "REQUEUED"]) == "REQUEUED" and job_state(["RUNNING", "COMPLETING"]) == "COMPLETING"
+    assert job_state(["RUNNING"]) == "RUNNING" and job_state([]) == "" and job_state(None) == ""
+    old = {"job_resources": {"allocated_nodes": [{"nodename": "a1"}, {"nodename": "a2"}]}}
+    new = {"job_resources": {"nodes": {"allocation": [{"index": 0, "name": "a1"}, {"index": 1, "name": "a2"}]}}}
+    assert job_nodes(old) == job_nodes(new) == ["a1", "a2"] and job_nodes({}) == []

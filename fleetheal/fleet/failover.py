@@ -134,7 +134,8 @@ def move(
             _run(env, *sc, "requeue", job_id, check=False)  # a running job is stopped; its checkpoint remains
         # Only a pending job changes clusters: one still completing on a node that does not answer stays so
         # until Slurm declares the node down (SlurmdTimeout). Slurm 22.05 keeps a held federated job it
-        # requeued in REQUEUE_FED; released, it turns PENDING, and held again it may change clusters.
+        # requeued in REQUEUE_FED; released, it turns PENDING, and held again it may change clusters (26.05
+        # leaves it PENDING at once).
         if _wait_state(job_id, source, ("PENDING", "REQUEUE_FED"), env, deadline - time.monotonic()) != "PENDING":
             _run(env, *sc, "release", job_id)
             _wait_state(job_id, source, ("PENDING",), env, deadline - time.monotonic())

@@ -33,13 +33,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import re
 import secrets
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -56,7 +56,7 @@ import yaml
 from fleetheal import httpjson, procs
 from fleetheal import taxonomy as taxmod
 from fleetheal.fleet.config import NAME, Cluster, FleetConfig
-from fleetheal.lab.slurm import SlurmCluster, SlurmError
+from fleetheal.lab.slurm import Release, SlurmCluster, SlurmError, find_tool
 from fleetheal.procs import free_ports
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -164,10 +164,12 @@ class Federation:
 
     @staticmethod
     def _tool(name: str) -> str:
-        found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
-        if not found:
-            raise SlurmError(f"{name} not found: install Debian's slurmdbd, mariadb-server, slurm-client and munge")
-        return found
+        return find_tool(name)
+
+    @functools.cached_property
+    def release(self) -> Release:
+        """The Slurm the federation runs (`fleetheal.lab.slurm.Release`)."""
+        return Release.of(self._tool("slurmctld"))
 
     def run(self, *argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         """Run a Slurm client against the federation (`env`)."""
@@ -216,6 +218,7 @@ class Federation:
             "GresTypes=gpu",
             f"NodeName=placeholder NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={self.cpus_per_node} State=UNKNOWN",
             "PartitionName=gpu Nodes=ALL Default=YES State=UP",
+            *self.release.conf_lines(),
         ]
         self.conf_path.write_text("\n".join(lines) + "\n")
 
@@ -246,6 +249,7 @@ class Federation:
             f"StorageUser={_DB_USER}",
             f"StoragePass={_DB_PASS}",
             f"StorageLoc={_DB_NAME}",
+            *self.release.conf_lines(),
         ]
         path = b / "etc" / "slurmdbd.conf"
         path.write_text("\n".join(dbd) + "\n")

@@ -354,7 +354,7 @@ class Lab:
                 "update", f"nodename={','.join(self.standby_nodes)}", "state=drain", f"reason={STANDBY_REASON}"
             )
         self.log(
-            f"  slurm       slurmctld + {len(names)} slurmd ({gpus} fake GPUs each), "
+            f"  slurm       Slurm {cluster.release.name}: slurmctld + {len(names)} slurmd ({gpus} fake GPUs each), "
             f"{len(self.standby_nodes)} standby drained '{STANDBY_REASON}'  [{time.monotonic() - t0:.1f}s]"
         )
 

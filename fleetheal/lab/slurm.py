@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -49,16 +51,72 @@ from fleetheal.scontrol import parse_kv_line
 from fleetheal.slurm_nodes import Node, read, sinfo_argv
 from fleetheal.wait import WaitTimeout, wait_until
 
-__all__ = ["IDLE", "Node", "SlurmCluster", "SlurmError", "parse_kv_line"]
+__all__ = ["IDLE", "Node", "Release", "SlurmCluster", "SlurmError", "find_tool", "parse_kv_line"]
 
 #: A base state Slurm reports (`fleetheal.slurm_nodes.BASE_STATES`).
 IDLE = "IDLE"
 
 _META_FILE = "cluster.json"
+#: The command line of a node's slurmd (`SlurmCluster.slurmd_argv` + `-D -N NODE`).
+_SLURMD = re.compile(r"(^|/)slurmd -d \S+ -D -N ")
 
 
 class SlurmError(RuntimeError):
     """A Slurm command failed, or the cluster did not reach the expected state in time."""
+
+
+def find_tool(name: str, bin_dir: str | os.PathLike[str] | None = None) -> str:
+    """A Slurm or munge program: in `bin_dir`, else the first on PATH (a relocated Slurm tree's `bin`, put
+    first on PATH by the Makefile, wins over Debian's), else in the system directories."""
+    if bin_dir is not None:
+        return str(Path(bin_dir) / name)
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+    if not found:
+        raise SlurmError(f"{name} not found: run `make setup` (Debian's Slurm) or scripts/slurm-tree.sh (Slurm 26.05)")
+    return found
+
+
+@dataclass(frozen=True)
+class Release:
+    """A Slurm release on this machine: Debian's own (installed under /usr), or a relocated tree that
+    scripts/slurm-tree.sh unpacked from a newer Debian under `root` (its programs load their libraries and
+    plugins from `root`, so several releases live side by side)."""
+
+    version: tuple[int, int, int]
+    #: `/` for Debian's Slurm; the tree's root file system for a relocated one.
+    root: Path
+
+    @classmethod
+    def of(cls, slurmctld: str) -> Release:
+        """The release of a `slurmctld` program (`slurmctld -V` prints `slurm-wlm 26.05.5`)."""
+        out = subprocess.run([slurmctld, "-V"], capture_output=True, text=True, timeout=30, check=False).stdout
+        found = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
+        if not found:
+            raise SlurmError(f"{slurmctld} -V printed no version: {out.strip()!r}")
+        real = Path(os.path.realpath(slurmctld))  # <root>/usr/sbin/slurmctld-wlm
+        root = real.parents[2] if real.parent.name == "sbin" and real.parent.parent.name == "usr" else Path("/")
+        major, minor, patch = (int(g) for g in found.groups())
+        return cls((major, minor, patch), root)
+
+    @property
+    def name(self) -> str:
+        """As Slurm prints it: `26.05.5`."""
+        major, minor, patch = self.version
+        return f"{major}.{minor:02d}.{patch}"
+
+    @property
+    def plugin_dir(self) -> Path:
+        return self.root / "usr" / "lib" / "x86_64-linux-gnu" / "slurm-wlm"
+
+    def conf_lines(self) -> list[str]:
+        """slurm.conf lines this release needs: a relocated tree's plugins are not where its programs were
+        built to look."""
+        return [f"PluginDir={self.plugin_dir}"] if self.root != Path("/") else []
+
+    def cgroup_conf(self) -> str:
+        """cgroup.conf: from 24.11 slurmd loads a cgroup plugin even with proctrack/linuxproc and fails in a
+        container without a delegated cgroup file system unless told not to (measured on 26.05.5)."""
+        return "CgroupPlugin=disabled\n" if self.version >= (24, 11, 0) else ""
 
 
 def _recorded_holder(state_dir: Path) -> int | None:
@@ -146,12 +204,16 @@ class SlurmCluster:
         return [self.state_dir / "dev" / node / f"nvidia{i}" for i in range(self.gpus_per_node)]
 
     def _tool(self, name: str) -> str:
-        if self._bin is not None:
-            return str(self._bin / name)
-        found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
-        if not found:
-            raise SlurmError(f"{name} not found: install Debian's slurmctld, slurmd, slurm-client and munge")
-        return found
+        return find_tool(name, self._bin)
+
+    def slurmd_argv(self) -> list[str]:
+        """slurmd and the slurmstepd of its own release (slurmd runs the one it was built for otherwise)."""
+        return [self._tool("slurmd"), "-d", self._tool("slurmstepd")]
+
+    @functools.cached_property
+    def release(self) -> Release:
+        """The Slurm this cluster runs (`Release.of` its slurmctld)."""
+        return Release.of(self._tool("slurmctld"))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -224,6 +286,7 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none",
+            *self.release.conf_lines(),
             *self.extra_conf,
         ]
         for node, port in zip(self.node_names, node_ports, strict=True):
@@ -241,8 +304,7 @@ class SlurmCluster:
                 kind = f" Type={self.gpu_type}" if self.gpu_type else ""
                 gres_lines.append(f"NodeName={node} Name=gpu{kind} File={devs}")
         (d / "etc" / "gres.conf").write_text("\n".join(gres_lines) + "\n")
-        # Slurm reads cgroup.conf only with cgroup plugins; an empty one silences a warning.
-        (d / "etc" / "cgroup.conf").write_text("")
+        (d / "etc" / "cgroup.conf").write_text(self.release.cgroup_conf())
 
     def _init_script(self) -> str:
         d = self.state_dir
@@ -253,7 +315,7 @@ class SlurmCluster:
             f" --log-file={q(str(d / 'log' / 'munged.log'))} --pid-file={q(str(d / 'run' / 'munged.pid'))}"
             f" --seed-file={q(str(d / 'munge' / 'munged.seed'))}"
         )
-        slurmd = q(self._tool("slurmd"))
+        slurmd = shlex.join(self.slurmd_argv())
         slurmds = "\n".join(
             f'{slurmd} -D -N {q(n)} >>{q(str(d / "log" / f"slurmd-{n}.out"))} 2>&1 &\npids="$pids $!"'
             for n in self.node_names
@@ -382,7 +444,7 @@ while :; do wait; sleep 1; done
     def kill_slurmd(self, node: str, sig: int = signal.SIGKILL) -> None:
         """Kill one node's slurmd (its jobs keep running, as on a real node): the node goes
         NOT_RESPONDING, then DOWN after SlurmdTimeout."""
-        pids = [p for p, cmd in self.processes().items() if re.search(rf"slurmd -D -N {re.escape(node)}$", cmd)]
+        pids = [p for p, cmd in self.processes().items() if _SLURMD.search(cmd) and cmd.endswith(f" -N {node}")]
         if not pids:
             raise SlurmError(f"no slurmd running for node {node}")
         for pid in pids:
@@ -395,7 +457,7 @@ while :; do wait; sleep 1; done
         jobs = {j for j in self.run("squeue", "-h", "-w", node, "-o", "%i", check=False).stdout.split() if j}
         found = []
         for pid, cmd in self.processes().items():
-            if re.search(rf"slurmd -D -N {re.escape(node)}$", cmd):
+            if _SLURMD.search(cmd) and cmd.endswith(f" -N {node}"):
                 found.append(pid)
                 continue
             step = re.match(r"slurmstepd: \[(\d+)\.", cmd)
@@ -425,7 +487,7 @@ while :; do wait; sleep 1; done
         for pid in pids:
             cmd = procs_now.get(pid, "")
             with contextlib.suppress(ProcessLookupError):
-                if re.search(r"slurmd -D -N ", cmd):
+                if _SLURMD.search(cmd):
                     os.kill(pid, signal.SIGCONT)
                 else:
                     os.kill(pid, signal.SIGKILL)
@@ -440,7 +502,7 @@ while :; do wait; sleep 1; done
         out = self.log_dir / f"slurmd-{node}.out"
         with open(out, "ab") as log:
             subprocess.Popen(
-                ["nsenter", f"--target={init}", "--pid", "--mount", "--", self._tool("slurmd"), "-D", "-N", node],
+                ["nsenter", f"--target={init}", "--pid", "--mount", "--", *self.slurmd_argv(), "-D", "-N", node],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -1,4 +1,5 @@
-"""The agent against a real slurmctld + slurmd (Debian's Slurm 22.05), with the simulated GPU backend.
+"""The agent against a real slurmctld + slurmd (Slurm 26.05 under `make unit`, 22.05 under `make compat`), with
+the simulated GPU backend.
 
 The agent runs as its own process (`python -m fleetheal agent run`), exactly as systemd starts it; faults
 go in through `fleetheal.agent.simulated.inject`, the kernel log file and the training socket, and the
@@ -8,6 +9,7 @@ outcome is read where an operator would read it: `scontrol show node` and the /m
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -197,6 +199,8 @@ def test_check_as_slurm_health_check_program_drains_only_its_node(tmp_path):
     )
     hc.write_text(
         "#!/bin/sh\n"
+        # slurmd runs the program with a bare PATH: give it the Slurm clients this test runs (26.05 or 22.05).
+        f"export PATH={shlex.quote(os.environ['PATH'])}\n"
         f'export FLEETHEAL_AGENT_BACKEND__SIMULATED__STATE_FILE="{state_dir}/$SLURMD_NODENAME.json"\n'
         f'cd {REPO} && exec {sys.executable} -m fleetheal agent check --config {cfg} >>"{tmp_path}/hc-$SLURMD_NODENAME.log" 2>&1\n'
     )

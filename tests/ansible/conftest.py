@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fleetheal import steps
 from fleetheal.lab.slurm import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,23 +144,17 @@ def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
 
 
 def job_json(cluster: SlurmCluster, job: str) -> dict[str, Any]:
-    """The job as `squeue --json` reports it (scontrol's key=value text cannot hold a comment with `=`)."""
-    for entry in json.loads(cluster.run("squeue", "--json").stdout)["jobs"]:
-        if str(entry["job_id"]) == str(job):
-            return dict(entry)
-    raise AssertionError(f"job {job} not listed by squeue")
-
-
-def allocated_nodes(entry: Mapping[str, Any]) -> list[str]:
-    return [n["nodename"] for n in (entry.get("job_resources") or {}).get("allocated_nodes", [])]
+    """The job as `squeue --json` reports it, read as the playbooks read it (`fleetheal.steps.slurm_job`:
+    state, nodes, priority, restart_cnt, comment...; scontrol's key=value text cannot hold a comment with `=`)."""
+    entry = steps.slurm_job(cluster.run("squeue", "--json").stdout, job)
+    if not entry:
+        raise AssertionError(f"job {job} not listed by squeue")
+    return entry
 
 
 def node_json(cluster: SlurmCluster, node: str) -> dict[str, Any]:
-    """The node as `sinfo --json` reports it (state, state_flags, reason, comment)."""
-    for entry in json.loads(cluster.run("sinfo", "--json").stdout)["nodes"]:
-        if entry["name"] == node:
-            return dict(entry)
-    raise AssertionError(f"node {node} not listed by sinfo")
+    """The node as the playbooks read it (`fleetheal.slurm_nodes`: state, flags, reason, comment)."""
+    return cluster.node(node).as_dict()
 
 
 def responder_incident(ref: str, node: str) -> types.SimpleNamespace:

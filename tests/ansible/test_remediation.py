@@ -11,7 +11,7 @@ import pytest
 from fleetheal import contracts, taxonomy
 from fleetheal.lab.slurm import SlurmCluster
 
-from .conftest import FIXTURE_BIN, Playbooks, allocated_nodes, job_json, job_log, node_json, submit_running, wait_until
+from .conftest import FIXTURE_BIN, Playbooks, job_json, job_log, node_json, submit_running, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -44,8 +44,8 @@ def test_isolate_and_relocate_drains_requeues_boosts_and_promotes(slurm: SlurmCl
 
     entry = job_json(slurm, job)
     assert entry["restart_cnt"] == 1
-    assert entry["job_state"] in ("PENDING", "RUNNING")
-    assert node not in allocated_nodes(entry)
+    assert entry["state"] in ("PENDING", "RUNNING")
+    assert node not in entry["nodes"]
     assert "incident=inc-1" in entry["comment"].split()
     # The boost puts the requeued job above every other job.
     assert entry["priority"] > job_json(slurm, other)["priority"]
@@ -78,7 +78,7 @@ def test_dry_run_reports_would_and_changes_nothing(slurm: SlurmCluster, playbook
     assert run.steps("slurm_requeue")[0]["detail"].startswith(f"would send USR1 to job {job}")
     assert not slurm.node(node).drained
     entry = job_json(slurm, job)
-    assert (entry["job_state"], entry["restart_cnt"]) == ("RUNNING", 0)
+    assert (entry["state"], entry["restart_cnt"]) == ("RUNNING", 0)
     assert "got USR1" not in job_log(slurm, job)
 
 
@@ -175,7 +175,7 @@ def test_refuse_and_report_tells_the_job_and_keeps_the_node(slurm: SlurmCluster,
     entry = job_json(slurm, job)
     assert entry["comment"].startswith("fleetheal: not requeued: xid-31 (user)")
     assert "incident=inc-1" in entry["comment"].split()
-    assert (entry["job_state"], entry["restart_cnt"]) == ("RUNNING", 0)
+    assert (entry["state"], entry["restart_cnt"]) == ("RUNNING", 0)
     assert not slurm.node(node).drained
     assert "check array bounds" in job_log(slurm, job)
 
@@ -198,10 +198,10 @@ def test_restart_in_place_requeues_on_the_same_node_within_the_limit(slurm: Slur
     run = playbooks.run("restart_in_place.yml", playbooks.base_vars(**base))
     assert run.rc == 0, run.stdout[-4000:]
     assert not slurm.node(node).drained
-    assert wait_until(lambda: job_json(slurm, job)["job_state"] == "RUNNING", timeout=20)
+    assert wait_until(lambda: job_json(slurm, job)["state"] == "RUNNING", timeout=20)
     entry = job_json(slurm, job)
     assert entry["restart_cnt"] == 1
-    assert allocated_nodes(entry) == [node]
+    assert entry["nodes"] == [node]
 
     # A second incident on the same job is over the per-job limit: no requeue.
     limited = playbooks.run("restart_in_place.yml", playbooks.base_vars(fleetheal_incident_id="inc-2", **base))
@@ -348,7 +348,8 @@ def test_refuse_and_report_without_a_job_tells_no_one_on_a_shared_node(
         assert "not requeued" not in job_json(slurm, job)["comment"]
         assert "not requeued" not in job_log(slurm, job)
     slurm.run("scancel", second)
-    wait_until(lambda: job_json(slurm, second)["job_state"] not in ("RUNNING", "COMPLETING"))
+    # scontrol, not squeue: from 23.02 `squeue --json` no longer lists a finished job.
+    wait_until(lambda: slurm.job(second)["JobState"] not in ("RUNNING", "COMPLETING"))
     alone = playbooks.run("refuse_and_report.yml", _refuse_vars(playbooks, node, fleetheal_incident_id="inc-2"))
     assert alone.rc == 0, alone.stdout[-4000:]
     assert "incident=inc-2" in job_json(slurm, first)["comment"].split()

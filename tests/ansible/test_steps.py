@@ -16,7 +16,9 @@ import yaml
 
 from fleetheal import slurm_nodes, steps
 from fleetheal.lab.slurm import SlurmCluster
-from tests.ansible.conftest import allocated_nodes, job_json, wait_until
+from tests.ansible.conftest import job_json, wait_until
+
+pytestmark = pytest.mark.slurm  # a real Slurm: `make compat` runs these on 22.05 too
 
 #: Logs each grace signal with its arrival time, then runs until it is killed or requeued.
 SIGNAL_SCRIPT = """#!/bin/sh
@@ -52,7 +54,7 @@ def submit(cluster: SlurmCluster, log: Path, *args: str) -> str:
 
 
 def running(cluster: SlurmCluster, job: str, timeout: float = 30.0) -> dict:
-    assert wait_until(lambda: job_json(cluster, job)["job_state"] == "RUNNING", timeout), job_json(cluster, job)
+    assert wait_until(lambda: job_json(cluster, job)["state"] == "RUNNING", timeout), job_json(cluster, job)
     return job_json(cluster, job)
 
 
@@ -67,12 +69,12 @@ def test_restart_in_place_on_the_same_nodes_right_after_a_requeue(cluster: Slurm
     three restarts in place in a row, each right after the previous one, all RUNNING again on the same nodes."""
     slurm = steps.Slurm(settings(cluster))
     job = submit(cluster, tmp_path / "sig", "--nodes=2", "--gres=gpu:8", "--exclusive")
-    nodes = allocated_nodes(running(cluster, job))
+    nodes = running(cluster, job)["nodes"]
     for n in range(1, 4):
         results = steps.requeue_jobs(slurm, nodes[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
         assert [r.outcome for r in results] == ["done", "done"], results
         entry = running(cluster, job)
-        assert allocated_nodes(entry) == nodes
+        assert entry["nodes"] == nodes
         assert entry["restart_cnt"] == n
         assert f"incident=inc-{n}" in entry["comment"]
     assert "credential revoked" not in (cluster.log_dir / "slurmctld.log").read_text().lower()
@@ -114,7 +116,7 @@ def test_a_job_scoped_fault_leaves_the_other_job_on_the_node_alone(cluster: Slur
     assert [r.outcome for r in results] == ["done", "done"]
     assert job_json(cluster, a)["restart_cnt"] == 1
     entry_b = job_json(cluster, b)
-    assert entry_b["job_state"] == "RUNNING" and entry_b["restart_cnt"] == 0
+    assert entry_b["state"] == "RUNNING" and entry_b["restart_cnt"] == 0
     assert "USR1" not in (log / f"{b}.sig").read_text()
     # A job id that does not run on the node acts on nothing.
     assert [r.outcome for r in steps.requeue_jobs(slurm, "n1", "inc-x", "nan-loss", job_id=b)] == ["skipped"]
@@ -183,7 +185,7 @@ def test_a_job_run_by_fleetheal_launch_restarts_in_its_allocation_once_per_incid
     slurm = steps.Slurm(settings(cluster))
     log = tmp_path / "launch"
     job = submit_launch(cluster, log)
-    nodes = allocated_nodes(running(cluster, job))
+    nodes = running(cluster, job)["nodes"]
     assert wait_until(lambda: "fleetheal-launch" in job_json(cluster, job)["comment"].split(), 15)
     lines = log / f"{job}.launch"
     assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 15)
@@ -193,8 +195,8 @@ def test_a_job_run_by_fleetheal_launch_restarts_in_its_allocation_once_per_incid
         assert "in its allocation" in results[1].detail, results
         assert wait_until(lambda n=n: f"start {n} inc-{n}" in lines.read_text(), 15), lines.read_text()
         entry = job_json(cluster, job)
-        assert entry["job_state"] == "RUNNING" and entry["restart_cnt"] == 0
-        assert allocated_nodes(entry) == nodes
+        assert entry["state"] == "RUNNING" and entry["restart_cnt"] == 0
+        assert entry["nodes"] == nodes
     again = steps.requeue_jobs(slurm, nodes[0], "inc-2", "nccl-timeout", same_nodes=True)
     assert [r.outcome for r in again] == ["done"] and "already" in again[0].detail
     text = lines.read_text().split("\n")
@@ -208,7 +210,7 @@ def test_fleetheal_launch_under_a_shell_leaves_the_job_to_a_requeue(cluster: Slu
     slurm = steps.Slurm(settings(cluster))
     log = tmp_path / "launch"
     job = submit_launch(cluster, log, exec_=False)
-    nodes = allocated_nodes(running(cluster, job))
+    nodes = running(cluster, job)["nodes"]
     lines = log / f"{job}.launch"
     assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 15)
     assert "fleetheal-launch" not in job_json(cluster, job)["comment"]
@@ -239,7 +241,7 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     script = SPARE_SCRIPT.format(repo=Path(__file__).resolve().parents[2], python=sys.executable, log=log)
     job = cluster.sbatch(script, "--requeue", "--nodes=3", "--exclusive", f"--output={log}/%j.out")
     entry = running(cluster, job)
-    assert allocated_nodes(entry) == ["n1", "n2", "n3"] and entry["batch_host"] == "n1"
+    assert entry["nodes"] == ["n1", "n2", "n3"] and entry["batch_host"] == "n1"
     assert wait_until(lambda: "fleetheal-nodes=2" in job_json(cluster, job)["comment"].split(), 15)
     step_log = log / f"{job}.step"
     assert wait_until(lambda: step_log.exists() and sorted(step_log.read_text().split()) == ["n1", "n2"], 15)
@@ -254,8 +256,8 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     assert wait_until(lambda: "start 1 inc-1 n[1,3] 2" in lines.read_text(), 20), lines.read_text()
     assert wait_until(lambda: step_log.read_text().split()[2:] and "n3" in step_log.read_text().split()[2:], 15)
     entry = job_json(cluster, job)
-    assert entry["job_state"] == "RUNNING" and entry["restart_cnt"] == 0, entry
-    assert allocated_nodes(entry) == ["n1", "n3"]
+    assert entry["state"] == "RUNNING" and entry["restart_cnt"] == 0, entry
+    assert entry["nodes"] == ["n1", "n3"]
     assert {"fleetheal-launch", "fleetheal-nodes=2", "fleetheal-restarts=1"} <= set(entry["comment"].split())
     again = steps.requeue_jobs(slurm, "n2", "inc-1", "xid-79")
     assert [r.outcome for r in again] == ["skipped"], again
@@ -293,15 +295,17 @@ def test_a_shared_read_taken_since_a_moment_serves_every_caller_who_needs_no_new
     assert shared.get()[1] == 3
 
 
-def test_the_text_node_read_agrees_with_sinfo_json(cluster: SlurmCluster) -> None:
+def test_the_text_node_read_agrees_with_slurms_json(cluster: SlurmCluster) -> None:
     """Nodes are read with `sinfo -O` text (a fraction of the JSON's cost at fleet size): every node, its
-    reason's time included, reads the same from it as from `sinfo --json`, whatever the reason holds, and
-    a read of one node (`-n`) the same as from the read of all."""
+    reason's time included, reads the same from it as from Slurm's JSON of nodes (`sinfo --json` on 22.05,
+    `scontrol --json show node` from 23.02), whatever the reason holds, and a read of one node (`-n`) the
+    same as from the read of all."""
     cluster.run("scontrol", "update", "nodename=n1", "state=DRAIN", "reason=fleetheal: a|b,c  d=e")
     cluster.run("scontrol", "update", "nodename=n2", "comment=fleetheal: promoted for n9 incident=inc-7")
     cluster.run("scontrol", "update", "nodename=n3", "state=DOWN", "reason=none of ours")
     text = slurm_nodes.read(cluster.run(*slurm_nodes.sinfo_argv()).stdout)
-    doc = cluster.run("sinfo", "--json").stdout
+    json_read = ("sinfo", "--json") if cluster.release.version < (23, 2, 0) else ("scontrol", "--json", "show", "node")
+    doc = cluster.run(*json_read).stdout
     assert text == slurm_nodes.read(doc)
     assert set(text) == {"n1", "n2", "n3"} and text["n1"].reason_time
     for name in ("n1", "n2", "n3", "nX"):

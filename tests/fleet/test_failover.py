@@ -158,8 +158,9 @@ def test_the_checkpoint_store_comes_from_the_comment_and_survives_fleetheals_rew
 def test_a_move_interrupted_after_its_hold_finishes_on_the_next_call(
     federation: Federation, job_on_a: tuple[str, Path]
 ) -> None:
-    """A remediator killed mid-move leaves the job held and requeued on nodes that do not answer: Slurm 22.05
-    keeps it in REQUEUE_FED. The next call (the resumed incident) still sees the job and moves it."""
+    """A remediator killed mid-move leaves the job held and requeued on nodes that do not answer. Once Slurm
+    lets go of it (COMPLETING until SlurmdTimeout), 22.05 keeps it in REQUEUE_FED and 26.05 PENDING (held).
+    The next call (the resumed incident) still sees the job and moves it."""
     jid, run_dir = job_on_a
     a = federation.clusters["a"]
     frozen = a.freeze_nodes(["a1", "a2"])
@@ -167,7 +168,9 @@ def test_a_move_interrupted_after_its_hold_finishes_on_the_next_call(
         a.scontrol("hold", jid)
         a.scontrol("requeue", jid, check=False)
         wait_until(
-            lambda: failover.where(jid, federation.env).get("a") == "REQUEUE_FED", 90, "the job to wait in REQUEUE_FED"
+            lambda: failover.where(jid, federation.env).get("a") in ("REQUEUE_FED", "PENDING"),
+            90,
+            "Slurm to let go of the requeued job",
         )
         d = failover.move(jid, "a", "shared", fleet(str(run_dir)), federation.env, timeout=60)
         assert (d.action, d.target) == ("moved", "b"), d

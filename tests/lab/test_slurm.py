@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
 from fleetheal.contracts import drain_reason
-from fleetheal.lab.slurm import SlurmCluster, SlurmError, parse_kv_line
+from fleetheal.lab.slurm import Release, SlurmCluster, SlurmError, parse_kv_line
 from fleetheal.procs import alive, wait_gone
 
 
@@ -25,6 +26,29 @@ def test_rejects_bad_sizes(tmp_path):
         SlurmCluster(tmp_path, nodes=0)
     with pytest.raises(ValueError, match="gpus_per_node"):
         SlurmCluster(tmp_path, gpus_per_node=-1)
+
+
+def test_release_of_debians_slurm_and_of_a_relocated_tree(tmp_path):
+    """`Release.of` reads `slurmctld -V` and finds a relocated tree's root from the program's real path: only a
+    tree gets a PluginDir, and only 24.11+ gets `CgroupPlugin=disabled`."""
+    root = tmp_path / "tree" / "root"
+    (root / "usr" / "sbin").mkdir(parents=True)
+    real = root / "usr" / "sbin" / "slurmctld-wlm"
+    real.write_text("#!/bin/sh\necho 'slurm-wlm 26.05.5'\n")
+    real.chmod(0o755)
+    (tmp_path / "tree" / "bin").mkdir()
+    (tmp_path / "tree" / "bin" / "slurmctld").symlink_to(real)
+    tree = Release.of(str(tmp_path / "tree" / "bin" / "slurmctld"))
+    assert (tree.version, tree.root, tree.name) == ((26, 5, 5), root, "26.05.5")
+    assert tree.conf_lines() == [f"PluginDir={root}/usr/lib/x86_64-linux-gnu/slurm-wlm"]
+    assert tree.cgroup_conf() == "CgroupPlugin=disabled\n"
+    debian = Release((22, 5, 8), Path("/"))
+    assert debian.conf_lines() == [] and debian.cgroup_conf() == "" and debian.name == "22.05.8"
+    silent = tmp_path / "silent"
+    silent.write_text("#!/bin/sh\necho nothing\n")
+    silent.chmod(0o755)
+    with pytest.raises(SlurmError, match="printed no version"):
+        Release.of(str(silent))
 
 
 def _need_slurm() -> None:
@@ -71,7 +95,7 @@ def test_cluster_schedules_fake_gpus_and_reports_drain(cluster):
 @pytest.mark.slurm
 def test_a_killed_slurmd_goes_not_responding_and_comes_back(cluster):
     cluster.kill_slurmd("n1")
-    assert not any(cmd.endswith("slurmd -D -N n1") for cmd in cluster.processes().values())
+    assert not any(cmd.endswith(" -D -N n1") for cmd in cluster.processes().values())
     cluster.scontrol("ping")  # slurmctld is unaffected
     cluster.start_slurmd("n1")
     cluster.wait_nodes("IDLE", timeout=20)
@@ -87,7 +111,7 @@ def test_stop_leaves_nothing_behind_and_state_survives_a_restart(tmp_path):
         pids = set(c.processes())
         cmds = " ".join(c.processes().values())
         assert "slurmctld" in cmds
-        assert cmds.count("slurmd -D -N") == 3
+        assert cmds.count(" -D -N ") == 3
         assert "munged" in cmds
         c.scontrol("update", "nodename=n3", "state=drain", "reason=fleetheal:test incident=i")
         holder = c.holder_pid
