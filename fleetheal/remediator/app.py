@@ -273,6 +273,9 @@ class Service:
         #: Leader election (several replicas on a shared store): None when off (this process always acts).
         self.elector: LeaderElector | None = None
         self._roles: asyncio.Queue[bool] | None = None
+        #: The lead is taken in the database too (its epoch written) and the engine acts: what `/healthz`
+        #: calls leader. The lease alone comes first, while the epoch is still being written.
+        self._acting = False
         self._roles_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._elector_stop = threading.Event()
@@ -408,13 +411,13 @@ class Service:
                 if not self.elector.leading:  # the lease went while the epoch was being written
                     self.store.follow()
                     continue
-                leading = True
+                leading = self._acting = True
                 self.metrics.set_leader(True)
                 log.info("leading: resuming the incidents", extra={"epoch": epoch, "identity": self.elector.identity})
                 await self.engine.start()
                 self._start_membership()
             elif not lead and leading:
-                leading = False
+                leading = self._acting = False
                 old, self.engine = self.engine, self._new_engine()
                 await old.stop(grace_s=0)
                 log.info("following", extra={"identity": self.elector.identity if self.elector else ""})
@@ -599,7 +602,7 @@ class Service:
                 "status": "degraded" if degraded else "ok",
                 "degraded": degraded,
                 "cluster": self.cfg.cluster.name,
-                "role": "leader" if self.leading else "follower",
+                "role": "leader" if self.leading and (self.elector is None or self._acting) else "follower",
                 "leader": self.elector.holder if self.elector is not None else None,
                 "unfinished_incidents": unfinished,
                 "queue_depth": held,
