@@ -55,7 +55,7 @@ class _Rest:
 
 def run() -> list[dict[str, Any]]:
     from fleetheal import slurm_nodes
-    from fleetheal.lab.slurm import SlurmCluster
+    from fleetheal.lab.slurm import SlurmCluster, find_tool
     from fleetheal.procs import free_ports
     from fleetheal.wait import wait_until
 
@@ -82,7 +82,7 @@ def run() -> list[dict[str, Any]]:
         env = {**cluster.env, "SLURM_JWT": "daemon"}
         with open(base / "slurmrestd.log", "wb") as log:
             rest_proc = subprocess.Popen(
-                [cluster._tool("slurmrestd"), "-a", "rest_auth/jwt", "-u", "65534", "-g", "65534", f"127.0.0.1:{port}"],
+                [find_tool("slurmrestd"), "-a", "rest_auth/jwt", "-u", "65534", "-g", "65534", f"127.0.0.1:{port}"],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -99,7 +99,7 @@ def run() -> list[dict[str, Any]]:
             return True
 
         wait_until(answers, 15, "slurmrestd to answer /ping", interval=0.1)
-        sinfo = slurm_nodes.sinfo_argv(shutil.which("sinfo") or "sinfo")
+        sinfo = slurm_nodes.sinfo_argv(find_tool("sinfo"))
         assert slurm_nodes.read(rest.call("GET", "/nodes")) == cluster.nodes(), "REST and sinfo read different nodes"
 
         for _ in range(ROUNDS):
