@@ -1,6 +1,7 @@
 """Where `make tools` (scripts/build-tools.sh) puts the programs it builds from Go modules: etcd,
-kube-apiserver, kube-controller-manager (the lab's control plane), pulumi and its Kubernetes provider
-(`fleetheal infra`). `$FLEETHEAL_TOOLS` names another build directory."""
+kube-apiserver, kube-controller-manager, kube-scheduler and kwok (the lab's control plane), Slinky's
+slurm-operator, pulumi and its Kubernetes provider (`fleetheal infra`), and the files that come with them
+(`share/`). `$FLEETHEAL_TOOLS` names another build directory."""
 
 from __future__ import annotations
 
@@ -14,3 +15,8 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 def tools_dir() -> Path:
     """The directory holding the built programs: `$FLEETHEAL_TOOLS/bin`, else the checkout's .tools/bin."""
     return Path(os.environ.get("FLEETHEAL_TOOLS", CHECKOUT / ".tools")) / "bin"
+
+
+def tools_share() -> Path:
+    """Files that come with the built programs (kwok's stages, the slurm-operator's CRDs): beside `tools_dir()`."""
+    return tools_dir().parent / "share"

@@ -9,13 +9,14 @@ logs, the admin kubeconfig (client certificate in `system:masters`) and `control
 PIDs, so `KubeControlPlane.attach(state_dir).stop()` finds a running one again. Everything speaks TLS
 on 127.0.0.1 only.
 
-There is no kubelet and no scheduler: `add_nodes` creates Node objects and sets their status Ready
-(nothing changes it afterwards: the node-lifecycle controller, which would mark them NotReady for
-want of heartbeats, is not run). A small process, `kubelet_stand_in`, plays the two parts of the
-kubelets that a drain depends on: it marks pods bound to a node Running and Ready, and it confirms
-the deletion of a terminating pod (without that, an evicted pod stays Terminating for ever). The
-controller manager runs garbage collection, the disruption controller (PodDisruptionBudget status,
-which eviction obeys), service accounts and namespaces.
+The kubelets are kwok's (sigs.k8s.io/kwok, `--manage-all-nodes`, with the default stages kwokctl gives
+it): it makes a new Node Ready and a pod bound to a node Running and Ready, and it removes a pod once it is
+marked for deletion (without that, an evicted pod stays Terminating for ever). It sends no heartbeats, so
+the node-lifecycle controller does not run and `add_nodes` does its one part (the not-ready taint). The
+controller manager runs garbage collection, the disruption controller (PodDisruptionBudget status, which
+eviction obeys), service accounts, namespaces and the volume binder (a claim binds to a matching volume).
+kube-scheduler runs when asked (`scheduler=True`): the lab binds its own pods, Slinky's operator leaves its
+pods to the scheduler.
 
 Example::
 
@@ -33,7 +34,6 @@ import json
 import os
 import ssl
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -51,23 +51,22 @@ from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir
 from fleetheal.wait import WaitTimeout, wait_until
 
-#: etcd, kube-apiserver and kube-controller-manager, in start order.
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
-#: Controllers of kube-controller-manager that run. Not node-lifecycle (there is no kubelet to send
-#: heartbeats), nor taint-eviction (it needs node-lifecycle's pod index), nor the workload controllers
-#: (with no scheduler their pods would never run; the lab creates the pods it needs itself, owned by
-#: real DaemonSet and StatefulSet objects).
+#: The daemons, in start order; kube-controller-manager and kube-scheduler only when asked.
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+#: Controllers of kube-controller-manager that run. Not node-lifecycle (kwok sends no heartbeats here),
+#: nor taint-eviction (it needs node-lifecycle's pod index), nor the workload controllers (the lab creates
+#: the pods it needs itself, owned by real DaemonSet and StatefulSet objects).
 CONTROLLERS = (
     "garbage-collector-controller",
     "disruption-controller",
     "serviceaccount-controller",
     "namespace-controller",
+    "persistentvolume-binder-controller",
 )
-#: The process that plays the kubelets' part for pods (see `kubelet_stand_in`).
-KUBELET = "kubelet-stand-in"
 #: The CRD folders under ../shared/schemas that the lab and the Pulumi stack need.
 CRD_DIRS = ("slinky/crds", "kueue", "prometheus-operator")
 SERVICE_CIDR = "10.96.0.0/24"
+KUBELET_LABELS = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
 _META_FILE = "controlplane.json"
 #: How long a request keeps retrying the API server's 429 (Too Many Requests) before it fails.
 TOO_MANY_REQUESTS_S = 30.0
@@ -87,8 +86,13 @@ class KubeApiError(RuntimeError):
 
 
 def tools_built() -> bool:
-    """True when `make tools` has built etcd, kube-apiserver and kube-controller-manager."""
-    return all(os.access(tools_dir() / b, os.X_OK) for b in BINARIES)
+    """True when `make tools` has built the control plane's programs and kwok's stages."""
+    return all(os.access(tools_dir() / b, os.X_OK) for b in BINARIES) and kwok_stages().is_file()
+
+
+def kwok_stages(bin_dir: Path | None = None) -> Path:
+    """kwok's stages, copied from its module by `make tools` beside `bin_dir` (default: `tools_dir()`)."""
+    return (bin_dir or tools_dir()).parent / "share" / "kwok" / "stages.yaml"
 
 
 def default_crds(shared: Path) -> list[Path]:
@@ -210,11 +214,12 @@ def _kubeconfig(path: Path, server: str, pki: Path, cert: str, user: str) -> Pat
 
 
 class KubeControlPlane:
-    """etcd + kube-apiserver + kube-controller-manager on 127.0.0.1, TLS everywhere.
+    """etcd + kube-apiserver + kube-controller-manager + kwok on 127.0.0.1, TLS everywhere.
 
     Args:
         state_dir: every file lives here (created if missing; its etcd data is wiped on start).
         controller_manager: also run kube-controller-manager (PDB status, garbage collection, ...).
+        scheduler: also run kube-scheduler (pods without a nodeName get one).
         bin_dir: where the binaries are (default: `tools_dir()`).
     """
 
@@ -223,10 +228,12 @@ class KubeControlPlane:
         state_dir: str | os.PathLike[str],
         *,
         controller_manager: bool = True,
+        scheduler: bool = False,
         bin_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.controller_manager = controller_manager
+        self.scheduler = scheduler
         self.bin_dir = Path(bin_dir) if bin_dir else tools_dir()
         self.pids: dict[str, int] = {}
         self.url = ""
@@ -249,6 +256,8 @@ class KubeControlPlane:
     # life cycle
     def start(self, timeout: float = 90.0) -> Self:
         missing = [b for b in BINARIES if not os.access(self.bin_dir / b, os.X_OK)]
+        if not kwok_stages(self.bin_dir).is_file():
+            missing.append(str(kwok_stages(self.bin_dir)))
         if missing:
             raise ControlPlaneError(
                 f"{', '.join(missing)} not found in {self.bin_dir}: run `make tools` (scripts/build-tools.sh)"
@@ -263,6 +272,7 @@ class KubeControlPlane:
         pki.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
         pki.issue("admin", "fleetheal-admin", org="system:masters", client=True)
         pki.issue("controller-manager", "system:kube-controller-manager", client=True)
+        pki.issue("scheduler", "system:kube-scheduler", client=True)
         pki.service_account_key()
         etcd_port, peer_port, api_port = free_ports(3)
         self.url = f"https://127.0.0.1:{api_port}"
@@ -275,19 +285,18 @@ class KubeControlPlane:
             self._wait_ready(deadline)
             if self.controller_manager:
                 self._start_controller_manager()
-            self._spawn_python(KUBELET, ["-m", "fleetheal.lab.controlplane", "kubelet", str(self.state_dir)])
+            if self.scheduler:
+                self._start_scheduler()
+            self._start_kwok()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _spawn_python(self, name: str, args: list[str]) -> None:
-        self._spawn(name, args, exe=sys.executable)
-
-    def _spawn(self, name: str, args: list[str], exe: str | None = None) -> None:
+    def _spawn(self, name: str, args: list[str]) -> None:
         with open(self.log(name), "ab") as log:
             proc = subprocess.Popen(
-                [exe or str(self.bin_dir / name), *args],
+                [str(self.bin_dir / name), *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -410,6 +419,35 @@ class KubeControlPlane:
             ],
         )
 
+    def _start_scheduler(self) -> None:
+        kubeconfig = _kubeconfig(
+            self.state_dir / "scheduler.kubeconfig", self.url, self.pki, "scheduler", "system:kube-scheduler"
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--bind-address=127.0.0.1",
+                "--secure-port=0",
+                "--leader-elect=false",
+                "--v=0",
+            ],
+        )
+
+    def _start_kwok(self) -> None:
+        # Admin credentials: kwok writes the status of every Node and pod, as the kubelets would.
+        self._spawn(
+            "kwok",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                f"--config={kwok_stages(self.bin_dir)}",
+                "--manage-all-nodes=true",
+                "--node-ip=127.0.0.1",
+            ],
+        )
+
     def _check_alive(self, name: str) -> None:
         if not alive(self.pids[name]):
             raise ControlPlaneError(
@@ -424,7 +462,7 @@ class KubeControlPlane:
 
     def stop(self) -> None:
         """Stop every daemon (controller manager first, etcd last); return once they are gone."""
-        for name in (KUBELET, *reversed(BINARIES)):
+        for name in reversed(BINARIES):
             pid = self.pids.pop(name, None)
             if pid is not None:
                 stop_pid(pid, timeout=15)
@@ -463,7 +501,7 @@ class KubeControlPlane:
         return self._admin_ssl
 
     def _api(self, token: str | None) -> Any:
-        """The admin ApiClient (made once: the stand-in kubelet polls with it), or one with a bearer `token`."""
+        """The admin ApiClient (made once), or one with a bearer `token`."""
         if token is not None:
             return token_client(self.url, token, str(self.pki / "ca.crt"))
         if self._admin_api is None:
@@ -519,47 +557,52 @@ class KubeControlPlane:
         labels: Mapping[str, str] | None = None,
         gpus: int = 8,
         taints: list[dict[str, str]] | None = None,
+        timeout: float = 30.0,
     ) -> None:
-        """Create Node objects, Ready, with `gpus` nvidia.com/gpu each (there is no kubelet: the status
-        is written here once and nothing changes it)."""
+        """Register Nodes with `gpus` nvidia.com/gpu each, as their kubelets would, and return once kwok has
+        made each Ready."""
         capacity = {"cpu": "64", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+        names = list(names)
         for name in names:
             body = {
                 "apiVersion": "v1",
                 "kind": "Node",
-                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+                # The labels a kubelet registers its Node with (workloads select on kubernetes.io/os).
+                "metadata": {
+                    "name": name,
+                    "labels": {**KUBELET_LABELS, "kubernetes.io/hostname": name, **(labels or {})},
+                },
                 "spec": {"taints": list(taints or [])},
+                "status": {"capacity": capacity, "allocatable": capacity},
             }
             self.request("POST", "/api/v1/nodes", body)
-            now = _now()
-            ready = {
-                "type": "Ready",
-                "status": "True",
-                "reason": "FleethealLab",
-                "message": "no kubelet: the lab keeps this node Ready",
-                "lastHeartbeatTime": now,
-                "lastTransitionTime": now,
-            }
-            status = {
-                "capacity": capacity,
-                "allocatable": capacity,
-                "conditions": [ready],
-                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
-            }
-            self.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": status}, _MERGE)
             # The API server taints a new Node not-ready until the node-lifecycle controller sees it Ready;
             # that controller does not run here, so do its part: the Node keeps only the taints asked for.
             self.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": list(taints or []) or None}}, _MERGE)
+        self.wait_ready("nodes", [f"/api/v1/nodes/{n}" for n in names], timeout)
 
-    def set_pod_running(self, namespace: str, name: str) -> None:
-        """Mark a pod Running and Ready, as its kubelet would (so PodDisruptionBudgets count it healthy)."""
-        now = _now()
-        conditions = [
-            {"type": t, "status": "True", "lastTransitionTime": now}
-            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
-        ]
-        status = {"phase": "Running", "conditions": conditions, "startTime": now}
-        self.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": status}, _MERGE)
+    def wait_pods_running(self, namespace: str, names: Iterable[str], timeout: float = 30.0) -> None:
+        """Until kwok has marked each pod Running and Ready (so PodDisruptionBudgets count it healthy)."""
+        self.wait_ready("pods", [f"/api/v1/namespaces/{namespace}/pods/{n}" for n in names], timeout)
+
+    def wait_ready(self, what: str, paths: list[str], timeout: float) -> None:
+        """Until each object at `paths` has the condition Ready=True; ControlPlaneError with kwok's log if not."""
+        pending = set(paths)
+
+        def ready() -> bool:
+            for path in sorted(pending):
+                conds = self.request("GET", path).get("status", {}).get("conditions") or []
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
+                    pending.discard(path)
+            return not pending
+
+        try:
+            wait_until(ready, timeout, f"{what} to be Ready", interval=0.1)
+        except WaitTimeout as e:
+            raise ControlPlaneError(
+                f"{what} not Ready in {timeout:.0f} s: {', '.join(sorted(pending))}; last lines of "
+                f"{self.log('kwok')}:\n{self._tail('kwok')}"
+            ) from e
 
     def service_account_token(self, namespace: str, name: str, seconds: int = 3600, *, node: str | None = None) -> str:
         """A bound token of ServiceAccount namespace/name (TokenRequest API), creating the account if missing.
@@ -642,47 +685,3 @@ def _plain_string(loader: yaml.SafeLoader, node: yaml.Node) -> str:
 
 
 _CrdLoader.add_constructor("tag:yaml.org,2002:value", _plain_string)
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def kubelet_stand_in(cp: KubeControlPlane, interval: float = 0.3) -> None:
-    """Play the kubelets' part for pods, for ever: a pod bound to a node that is still Pending is marked
-    Running and Ready; a pod bound to a node that is terminating is deleted for good (as a kubelet does
-    once its containers have stopped: DELETE with grace period 0 and the pod's UID as precondition)."""
-    while True:
-        try:
-            pods = cp.request("GET", "/api/v1/pods")["items"]
-        except (OSError, KubeApiError):
-            time.sleep(interval)
-            continue
-        for pod in pods:
-            meta, spec = pod["metadata"], pod.get("spec", {})
-            if not spec.get("nodeName"):
-                continue
-            path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
-            try:
-                if meta.get("deletionTimestamp"):
-                    body = {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}
-                    cp.request("DELETE", path, body)
-                elif pod.get("status", {}).get("phase", "Pending") == "Pending":
-                    cp.set_pod_running(meta["namespace"], meta["name"])
-            except KubeApiError as e:
-                if e.status not in (404, 409):
-                    print(f"kubelet-stand-in: {path}: {e}", file=sys.stderr, flush=True)
-        time.sleep(interval)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[1] != "kubelet":
-        print("usage: python -m fleetheal.lab.controlplane kubelet STATE_DIR", file=sys.stderr)
-        return 2
-    cp = KubeControlPlane.attach(argv[2])
-    kubelet_stand_in(cp)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -72,7 +72,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
 CLUSTER = "lab"
 STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
-#: The lab's pods never run a container (there is no kubelet); the image is never pulled.
+#: The lab's pods never run a container (kwok plays their kubelets); the image is never pulled.
 PLACEHOLDER_IMAGE = "fleetheal-lab/placeholder:0"
 #: Namespace of the agents' ServiceAccount `fleetheal-agent` on the real API server.
 AGENT_NAMESPACE = "kube-system"

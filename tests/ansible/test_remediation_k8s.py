@@ -10,10 +10,10 @@ Slurm nodes and its own namespace (the playbooks' `fleetheal_slurm_namespace`) h
 - a DaemonSet `fleetheal-agent` whose controller made its pod on n1 (a drain leaves it alone).
 
 n1 and n2 are pool=active, n3 is a warm standby (pool=standby, standby taint; drained in Slurm with the
-owned standby reason). There is no kubelet, no scheduler and no workload controller: the pods are made
-here as their controllers would make them, `set_pod_running` marks them Running and Ready so the
-disruption controller counts them, and the control plane's kubelet stand-in ends a pod the API server
-has marked terminating (an evicted pod), as the node's kubelet would once its containers stopped.
+owned standby reason). There is no scheduler and no workload controller: the pods are made here as
+their controllers would make them, bound to their node. kwok plays the nodes' kubelets: it marks the pods
+Running and Ready (`wait_pods_running` waits for that, so the disruption controller counts them) and ends
+a pod the API server has marked terminating (an evicted pod), as the node's kubelet would.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def _build_scene(kube: KubeControlPlane, min_available: int) -> Scene:
                 },
             },
         )
-        kube.set_pod_running(ns, name)
+        kube.wait_pods_running(ns, [name])
         workload[node] = name
     policy.create_namespaced_pod_disruption_budget(
         ns,
@@ -281,7 +281,7 @@ def _build_scene(kube: KubeControlPlane, min_available: int) -> Scene:
             },
         },
     )
-    kube.set_pod_running(ns, agent)
+    kube.wait_pods_running(ns, [agent])
 
     def pdb_settled() -> bool:
         pdb = policy.read_namespaced_pod_disruption_budget("slurmd", ns)
@@ -315,7 +315,7 @@ def scene(kube: KubeControlPlane) -> Iterator[Callable[..., Scene]]:
     core = client.CoreV1Api(kube.client())
     for s in made:
         s.pods.stop()
-        # The namespace controller deletes its pods; the control plane's kubelet stand-in ends them.
+        # The namespace controller deletes its pods; kwok ends them, as their kubelets would.
         core.delete_namespace(s.ns)
 
         def gone(ns: str = s.ns) -> bool:

@@ -3,7 +3,8 @@ provider and a real kube-apiserver: `preview --policy-pack policies`, `up`, a se
 
 The engine, the provider, etcd, kube-apiserver and kube-controller-manager come from `make tools`
 (.tools/bin); without them these tests fail, naming it. State lives in a file backend under tmp_path.
-The control plane has no kubelet and no scheduler, so the stack runs with awaitReadiness=false.
+The control plane runs no workload controllers (nothing makes the pods of a Deployment, StatefulSet or
+DaemonSet), so the stack runs with awaitReadiness=false.
 The tests run in file order against one control plane and one stack.
 """
 
@@ -82,7 +83,7 @@ def api(kube: KubeControlPlane) -> Any:
 
 @pytest.fixture(scope="module")
 def membership(kube: KubeControlPlane) -> Iterator[MembershipController]:
-    """The remediator's membership controller, as its leader runs it (no pod runs here: no kubelet)."""
+    """The remediator's membership controller, as its leader runs it (its Deployment makes no pod here)."""
     from kubernetes import client
 
     core = client.CoreV1Api(api_client(str(kube.kubeconfig)))

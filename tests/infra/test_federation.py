@@ -604,7 +604,7 @@ def test_the_federation_script_is_idempotent_on_a_real_slurmdbd(tmp_path: Path) 
 @pytest.mark.pulumi
 def test_manager_stack_previews_with_the_pack_and_deploys(tmp_path: Path, shared: Path) -> None:
     """`preview --policy-pack policies` (the new rules in the real analyzer) and `up` of the manager stack
-    into a kube-apiserver (no kubelet: awaitReadiness=false), which accepts the federation's Job and
+    into a kube-apiserver (no workload controllers: awaitReadiness=false), which accepts the federation's Job and
     ConfigMaps as rendered, and a worker's external Accounting and its Controller."""
     bin_dir = controlplane.tools_dir()
     missing = [b for b in controlplane.BINARIES if not os.access(bin_dir / b, os.X_OK)]

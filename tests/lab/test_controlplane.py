@@ -79,12 +79,13 @@ def test_the_slinky_kueue_and_prometheus_operator_crds_are_served(kube: KubeCont
     assert err.value.status == 422
 
 
-def test_nodes_are_ready_without_a_kubelet(kube: KubeControlPlane) -> None:
+def test_kwok_makes_the_nodes_ready(kube: KubeControlPlane) -> None:
     kube.add_nodes(["cp-n1", "cp-n2"], labels={"fleetheal.io/pool": "active"}, gpus=8)
     for name in ("cp-n1", "cp-n2"):
         node = kube.request("GET", f"/api/v1/nodes/{name}")
         ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "True"
+        assert node["status"]["nodeInfo"]["kubeletVersion"].startswith("kwok-"), node["status"]["nodeInfo"]
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
         assert node["metadata"]["labels"]["fleetheal.io/pool"] == "active"
         assert not node["spec"].get("taints"), "the API server's not-ready taint was left on a Ready node"
@@ -105,7 +106,7 @@ def _wait(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
     return wait_until(predicate, timeout, "the condition", interval=0.2)
 
 
-def test_eviction_obeys_a_pod_disruption_budget_and_the_stand_in_kubelet_ends_the_pod(kube: KubeControlPlane) -> None:
+def test_eviction_obeys_a_pod_disruption_budget_and_kwok_ends_the_pod(kube: KubeControlPlane) -> None:
     kube.add_nodes(["cp-e1"])
     pods = "/api/v1/namespaces/default/pods"
     for name in ("web-1", "web-2"):
@@ -115,7 +116,7 @@ def test_eviction_obeys_a_pod_disruption_budget_and_the_stand_in_kubelet_ends_th
     def phase(name: str) -> str | None:
         return kube.request("GET", f"{pods}/{name}")["status"].get("phase")  # type: ignore[no-any-return]
 
-    assert _wait(lambda: phase("web-1") == phase("web-2") == "Running"), "the stand-in kubelet did not start them"
+    assert _wait(lambda: phase("web-1") == phase("web-2") == "Running"), "kwok did not start them"
     pdb = {"metadata": {"name": "web"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}}}
     kube.request("POST", "/apis/policy/v1/namespaces/default/poddisruptionbudgets", pdb)
     budget = "/apis/policy/v1/namespaces/default/poddisruptionbudgets/web"
@@ -244,9 +245,20 @@ def test_an_agent_token_taints_its_own_node_and_no_other(kube: KubeControlPlane,
 def test_stop_leaves_no_daemon_behind(tmp_path: Path) -> None:
     if not tools_built():
         pytest.fail("etcd/kube-apiserver/kube-controller-manager are not built: run `make tools`")
-    cp = KubeControlPlane(tmp_path / "kube", controller_manager=False).start()
+    cp = KubeControlPlane(tmp_path / "kube", controller_manager=False, scheduler=True).start()
     pids = dict(cp.pids)
-    assert set(pids) == {"etcd", "kube-apiserver", "kubelet-stand-in"}
+    assert set(pids) == {"etcd", "kube-apiserver", "kube-scheduler", "kwok"}
+    # The scheduler binds a pod that names no node; kwok then runs it.
+    cp.add_nodes(["sc-1"])
+    pods = "/api/v1/namespaces/default/pods"
+    unbound = _pod("sched-1", "", "sched")
+    del unbound["spec"]["nodeName"]  # type: ignore[index]
+    unbound["spec"]["automountServiceAccountToken"] = False  # type: ignore[index]
+    # The service-account admission waits for the namespace's `default` account: no controller makes it here.
+    cp.request("POST", "/api/v1/namespaces/default/serviceaccounts", {"metadata": {"name": "default"}})
+    cp.request("POST", pods, unbound)
+    cp.wait_pods_running("default", ["sched-1"])
+    assert cp.request("GET", f"{pods}/sched-1")["spec"]["nodeName"] == "sc-1"
     KubeControlPlane.attach(tmp_path / "kube").stop()
     assert not any(alive(p) for p in pids.values())
     assert not (tmp_path / "kube" / "controlplane.json").exists()

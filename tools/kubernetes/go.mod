@@ -11,6 +11,7 @@ godebug default=go1.26
 tool (
 	k8s.io/kubernetes/cmd/kube-apiserver
 	k8s.io/kubernetes/cmd/kube-controller-manager
+	k8s.io/kubernetes/cmd/kube-scheduler
 )
 
 require go.etcd.io/etcd/server/v3 v3.7.0
