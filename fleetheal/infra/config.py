@@ -757,7 +757,7 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
             f"{PROJECT}:slurmImageTag: {v['slurmImageTag']!r} is not pinned; "
             "use a release tag such as 26.05-ubuntu26.04"
         )
-    if v["slinkyVersion"] in ("", "latest"):
+    if not re.fullmatch(r"v?\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?", v["slinkyVersion"]):
         raise ConfigError(f"{PROJECT}:slinkyVersion: {v['slinkyVersion']!r} is not pinned; use a release such as 1.2.1")
     replicas = _at_least("remediatorReplicas", v["remediatorReplicas"], 1)
     store = _one_of("remediatorStore", v["remediatorStore"], REMEDIATOR_STORES)

@@ -300,7 +300,7 @@ class SlinkyCluster(pulumi.ComponentResource):
         a = self.args
         features = ",".join(dict.fromkeys((pool.gpu_type, pool.name)))
         return {
-            "controllerRef": {"name": a["cluster_name"]},
+            "controllerRef": self._ref(a["cluster_name"]),
             # One slurmd per matching node: promoting a standby node (relabel to active) is enough
             # for the operator to start slurmd on it; no replica count to edit.
             "scalingMode": "DaemonSet",
@@ -328,9 +328,23 @@ class SlinkyCluster(pulumi.ComponentResource):
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
             # Jobs running on a node keep a PodDisruptionBudget until Slurm has drained it.
             "workloadDisruptionProtection": True,
-            # A failed node replaced by a standby one should not linger in slurm.conf.
-            "pruneSlurmNodeRecords": "NodeNotFound",
+            **self._prune_slurm_node_records(),
         }
+
+    @property
+    def _before_1_2(self) -> bool:
+        """An operator older than 1.2, whose CRDs differ in the fields below (tests/infra/test_slinky_operator.py
+        runs the real 1.1.0 on them)."""
+        major, minor = (int(x) for x in self.args["version"].lstrip("v").split(".")[:2])
+        return (major, minor) < (1, 2)
+
+    def _ref(self, name: str) -> dict[str, str]:
+        # Before 1.2 a reference names its namespace; an operator 1.1 looks for the object in "" otherwise.
+        return {"name": name, "namespace": self.args["namespace"]} if self._before_1_2 else {"name": name}
+
+    def _prune_slurm_node_records(self) -> dict[str, str]:
+        # A failed node replaced by a standby one should not linger in slurm.conf. The field came with 1.2.
+        return {} if self._before_1_2 else {"pruneSlurmNodeRecords": "NodeNotFound"}
 
     def controller_spec(self) -> dict[str, Any]:
         a = self.args
@@ -338,7 +352,7 @@ class SlinkyCluster(pulumi.ComponentResource):
             "clusterName": a["cluster_name"],
             "slurmKeyRef": _key_ref(a["slurm_key_secret"], "slurm.key"),
             "jwtHs256KeyRef": _key_ref(a["jwt_key_secret"], "jwt.key"),
-            "accountingRef": {"name": f"{a['cluster_name']}-accounting"},
+            "accountingRef": self._ref(f"{a['cluster_name']}-accounting"),
             "slurmctld": {"image": a["images"]["slurmctld"], "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
             "reconfigure": {"image": a["images"]["slurmctld"]},
             "logfile": {"image": a["images"]["helper"]},
@@ -387,7 +401,7 @@ class SlinkyCluster(pulumi.ComponentResource):
     def restapi_spec(self) -> dict[str, Any]:
         a = self.args
         return {
-            "controllerRef": {"name": a["cluster_name"]},
+            "controllerRef": self._ref(a["cluster_name"]),
             "replicas": 1,
             "slurmrestd": {"image": a["images"]["slurmrestd"]},
         }
@@ -395,7 +409,7 @@ class SlinkyCluster(pulumi.ComponentResource):
     def loginset_spec(self) -> dict[str, Any]:
         a = self.args
         return {
-            "controllerRef": {"name": a["cluster_name"]},
+            "controllerRef": self._ref(a["cluster_name"]),
             "replicas": 1,
             "sssdConfRef": _key_ref(f"{a['cluster_name']}-sssd-conf", "sssd.conf"),
             "login": {"name": "login", "image": a["images"]["login"], "volumeMounts": [self._shared_mount()]},
@@ -413,27 +427,23 @@ class SlinkyCluster(pulumi.ComponentResource):
             f"{name}-operator-sa", metadata={"name": "slurm-operator", "namespace": ns, "labels": labels}, opts=child
         )
         rw = ["get", "list", "watch", "create", "update", "patch", "delete"]
+        slinky = ["controllers", "accountings", "loginsets", "nodesets", "restapis", "tokens"]
         self.operator_role = k8s.rbac.v1.ClusterRole(
             f"{name}-operator-role",
             metadata={"name": "slurm-operator", "labels": labels},
+            # The operator's own role (config/rbac of slurm-operator 1.1.0 and of 1.2.1, both granted), plus
+            # pods/eviction. tests/infra/test_slinky_operator.py runs the real operator on this role.
             rules=[
+                {"apiGroups": ["slinky.slurm.net"], "resources": slinky, "verbs": rw},
                 {
                     "apiGroups": ["slinky.slurm.net"],
-                    "resources": ["controllers", "accountings", "loginsets", "nodesets", "restapis", "tokens"],
-                    "verbs": rw,
+                    "resources": [*(f"{r}/status" for r in slinky), "nodesets/scale"],
+                    "verbs": ["get", "update", "patch"],
                 },
                 {
                     "apiGroups": ["slinky.slurm.net"],
-                    "resources": [
-                        "controllers/status",
-                        "accountings/status",
-                        "loginsets/status",
-                        "nodesets/status",
-                        "restapis/status",
-                        "tokens/status",
-                        "nodesets/scale",
-                    ],
-                    "verbs": ["get", "update", "patch"],
+                    "resources": [f"{r}/finalizers" for r in slinky],
+                    "verbs": ["update"],
                 },
                 {
                     "apiGroups": [""],
@@ -441,7 +451,10 @@ class SlinkyCluster(pulumi.ComponentResource):
                     "verbs": rw,
                 },
                 {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+                {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["get", "update", "patch"]},
+                {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["get", "list", "watch"]},
                 {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+                {"apiGroups": [""], "resources": ["secrets/finalizers"], "verbs": ["update"]},
                 {
                     "apiGroups": ["apps"],
                     "resources": ["deployments", "statefulsets", "daemonsets", "controllerrevisions"],
@@ -449,6 +462,10 @@ class SlinkyCluster(pulumi.ComponentResource):
                 },
                 {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": rw},
                 {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": rw},
+                {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"], "verbs": rw},
+                {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+                {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+                {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
             ],
             opts=child,
         )
@@ -476,11 +493,7 @@ class SlinkyCluster(pulumi.ComponentResource):
                                 "name": "slurm-operator",
                                 "image": a["operator_image"],
                                 "imagePullPolicy": "IfNotPresent",
-                                "args": [
-                                    "--leader-elect",
-                                    "--health-probe-bind-address=:8081",
-                                    "--metrics-bind-address=:8080",
-                                ],
+                                "args": self.operator_args(),
                                 "ports": [
                                     {"name": "health", "containerPort": 8081},
                                     {"name": "metrics", "containerPort": 8080},
@@ -502,6 +515,11 @@ class SlinkyCluster(pulumi.ComponentResource):
             },
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.operator_ns, self.operator_binding]),
         )
+
+    def operator_args(self) -> list[str]:
+        """The operator's command line (cmd/manager's flags; tests run the real operator with them)."""
+        ns = self.args["operator_namespace"]
+        return ["--leader-elect", f"--leader-elect-namespace={ns}", "--health-addr=:8081", "--metrics-addr=:8080"]
 
     def _cr(self, name: str, kind: str, obj_name: str, spec: dict[str, Any], opts: pulumi.ResourceOptions) -> Any:
         return k8s.apiextensions.CustomResource(
@@ -547,7 +565,7 @@ class SlinkyCluster(pulumi.ComponentResource):
                 "enabled": True,
                 "scalingMode": "DaemonSet",
                 "workloadDisruptionProtection": True,
-                "pruneSlurmNodeRecords": "NodeNotFound",
+                **self._prune_slurm_node_records(),
                 "slurmd": {
                     "image": image(a["images"]["slurmd"]),
                     "resources": spec["slurmd"]["resources"],

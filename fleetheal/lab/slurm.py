@@ -31,6 +31,7 @@ import contextlib
 import functools
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -146,6 +147,9 @@ class SlurmCluster:
             keeps the state dir's key, or makes a random one.
         partition: the one partition, default, holding every node.
         slurm_bin: directory of the Slurm daemons and clients (None: found on PATH / /usr/sbin).
+        slurm_user: the account slurmctld runs as (SlurmUser): root, or an existing user such as `slurm`,
+            as Slinky's images run it (then only root and that user may drain nodes); it gets slurmctld's
+            state, log and pid directories.
     """
 
     def __init__(
@@ -162,6 +166,7 @@ class SlurmCluster:
         slurm_bin: str | os.PathLike[str] | None = None,
         gpu_type: str | None = None,
         munge_key: bytes | None = None,
+        slurm_user: str = "root",
     ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -179,6 +184,7 @@ class SlurmCluster:
             raise ValueError(f"gpu_type must be letters, digits, '-' or '_', got {gpu_type!r}")
         self.gpu_type = gpu_type
         self.munge_key = munge_key
+        self.slurm_user = slurm_user
         self._holder: subprocess.Popen[bytes] | None = None
         self.holder_pid: int | None = None
 
@@ -251,7 +257,7 @@ class SlurmCluster:
             f"ClusterName={self.cluster_name}",
             "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmctldPort={ctld_port}",
-            "SlurmUser=root",
+            f"SlurmUser={self.slurm_user}",
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
@@ -305,6 +311,12 @@ class SlurmCluster:
                 gres_lines.append(f"NodeName={node} Name=gpu{kind} File={devs}")
         (d / "etc" / "gres.conf").write_text("\n".join(gres_lines) + "\n")
         (d / "etc" / "cgroup.conf").write_text(self.release.cgroup_conf())
+        if self.slurm_user != "root":
+            # slurmctld drops to SlurmUser at start; it keeps writing its state, log and pid file.
+            user = pwd.getpwnam(self.slurm_user)
+            (d / "log" / "slurmctld.log").touch()
+            for path in (d / "ctld", d / "run", d / "log", d / "log" / "slurmctld.log"):
+                os.chown(path, user.pw_uid, user.pw_gid)
 
     def _init_script(self) -> str:
         d = self.state_dir

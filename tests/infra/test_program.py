@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from fleetheal import contracts, generate
@@ -127,6 +128,31 @@ def test_alertmanager_routes_to_the_remediator_with_the_secret_token(
     assert hook["httpConfig"]["authorization"]["credentials"] == {"name": "fleetheal-remediator-token", "key": "token"}
     # no Secret is created from config when the token is not set: it must exist already
     assert not [o for o in by_kind(records, "Secret") if o["metadata"]["name"] == "fleetheal-remediator-token"]
+
+
+def test_slinky_objects_take_the_shape_of_the_operator_release(run_mocked: Runner, dev_values: dict[str, Any]) -> None:
+    """1.2 and later: references without a namespace, pruneSlurmNodeRecords. Before 1.2 (the release
+    tests/infra/test_slinky_operator.py runs): references name their namespace, no pruneSlurmNodeRecords."""
+    for version, ref, prune in (
+        ("1.2.1", {"name": "lab"}, True),
+        ("1.1.0", {"name": "lab", "namespace": "slurm"}, False),
+    ):
+        records = _build(run_mocked, config.from_values({**dev_values, "slinkyVersion": version}))
+        nodeset = by_kind(records, "NodeSet")[0]["spec"]
+        assert nodeset["controllerRef"] == ref and ("pruneSlurmNodeRecords" in nodeset) is prune
+        accounting_ref = by_kind(records, "Controller")[0]["spec"]["accountingRef"]
+        assert ("namespace" in accounting_ref) is not prune
+        operator = next(o for o in by_kind(records, "Deployment") if o["metadata"]["name"] == "slurm-operator")
+        args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+        # cmd/manager's flags (an unknown one stops the operator at start)
+        assert args == [
+            "--leader-elect",
+            "--leader-elect-namespace=slinky",
+            "--health-addr=:8081",
+            "--metrics-addr=:8080",
+        ]
+    with pytest.raises(config.ConfigError, match="slinkyVersion: 'main' is not pinned"):
+        config.from_values({**dev_values, "slinkyVersion": "main"})
 
 
 def test_secrets_from_config_become_secrets(run_mocked: Runner, dev_values: dict[str, Any]) -> None:

@@ -1,0 +1,208 @@
+"""Slinky's real slurm-operator in the lab: the operator on the lab's Kubernetes control plane, driving a lab
+Slurm through that Slurm's own slurmrestd, as Slinky runs it.
+
+`make tools` builds the operator (tools/slurm-operator, v1.1.0) and copies the CRDs it serves
+(`operator_crds()`). `SlurmOperator` runs it outside the cluster, on a kubeconfig, with `DEBUG=1`: the
+operator's own switch for that case, which makes it call slurmrestd at http://localhost:6820 instead of at
+the RestApi's Service. `Slurmrestd` serves a `SlurmCluster` there, with JWT authentication: the operator
+signs its tokens (user `slurm`) with the key of the Controller's `jwtHs256KeyRef` Secret, so the cluster
+needs `AuthAltTypes=auth/jwt` with that key (`jwt_conf`) and `slurm_user="slurm"` (only SlurmUser and
+root may drain a node).
+
+Only one lab operator can run per machine: port 6820 is the operator's, fixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import yaml
+
+from fleetheal.httpjson import request_json
+from fleetheal.lab.slurm import SlurmCluster, find_tool
+from fleetheal.procs import alive, free_ports, stop_pid
+from fleetheal.tools import tools_dir, tools_share
+from fleetheal.wait import WaitTimeout, wait_until
+
+#: The operator's slurmrestd URL with DEBUG=1 (internal/controller/slurmclient: http://localhost:<SlurmrestdPort>).
+RESTAPI_PORT = 6820
+OPERATOR = "slurm-operator"
+
+
+class SlinkyLabError(RuntimeError):
+    """The operator or slurmrestd is missing, did not start, or port 6820 is taken."""
+
+
+def operator_crds() -> list[Path]:
+    """The CRDs of the slurm-operator `make tools` built, as its module ships them."""
+    files = sorted((tools_share() / OPERATOR / "crds").glob("*.yaml"))
+    if not files:
+        raise SlinkyLabError(f"no CRDs in {tools_share() / OPERATOR / 'crds'}: run `make tools`")
+    return files
+
+
+def operator_built() -> bool:
+    """True when `make tools` has built the slurm-operator."""
+    return os.access(tools_dir() / OPERATOR, os.X_OK) and bool(list((tools_share() / OPERATOR / "crds").glob("*.yaml")))
+
+
+def jwt_conf(key_file: Path) -> list[str]:
+    """slurm.conf lines that accept tokens signed with `key_file` beside munge."""
+    return ["AuthAltTypes=auth/jwt", f"AuthAltParameters=jwt_key={key_file}"]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to listen on
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class Slurmrestd:
+    """slurmrestd for `cluster` on 127.0.0.1:6820, JWT only, as uid/gid 65534 (it refuses root)."""
+
+    def __init__(self, cluster: SlurmCluster, log: Path) -> None:
+        self.cluster = cluster
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> Self:
+        if not _port_free(RESTAPI_PORT):
+            raise SlinkyLabError(f"127.0.0.1:{RESTAPI_PORT} is taken: another lab operator or slurmrestd runs here")
+        # SLURM_JWT=daemon: slurmrestd hands each request's token on to slurmctld (Slurm's jwt.html).
+        env = {**self.cluster.env, "SLURM_JWT": "daemon"}
+        argv = [find_tool("slurmrestd"), "-a", "rest_auth/jwt", "-u", "65534", "-g", "65534"]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [*argv, f"127.0.0.1:{RESTAPI_PORT}"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # stop_pid signals its process group
+            )
+
+        def answers() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SlinkyLabError(f"slurmrestd exited ({self.proc.returncode}):\n{_tail(self.log)}")
+            return _listening(RESTAPI_PORT)
+
+        try:
+            wait_until(answers, timeout, "slurmrestd to listen", interval=0.1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_pid(self.proc.pid, timeout=10)
+            self.proc.wait()
+            self.proc = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def token_kubeconfig(path: Path, server: str, ca_file: Path, token: str) -> Path:
+    """A kubeconfig that authenticates with a bearer `token` (a ServiceAccount's)."""
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "lab", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+        "users": [{"name": "token", "user": {"token": token}}],
+        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "token"}}],
+        "current-context": "lab",
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+class SlurmOperator:
+    """The slurm-operator process, on `kubeconfig`, with the command-line `args` a Deployment gives it.
+
+    The probe and metrics addresses are moved to loopback (a later flag wins), and the operator calls
+    slurmrestd at http://localhost:6820 (DEBUG=1).
+    """
+
+    def __init__(self, kubeconfig: Path, args: Sequence[str], log: Path, *, bin_dir: Path | None = None) -> None:
+        self.kubeconfig = kubeconfig
+        self.args = list(args)
+        self.log = log
+        self.bin = (bin_dir or tools_dir()) / OPERATOR
+        self.pid: int | None = None
+        self.health_port = 0
+
+    def start(self, timeout: float = 60.0) -> Self:
+        if not os.access(self.bin, os.X_OK):
+            raise SlinkyLabError(f"{self.bin} not found: run `make tools`")
+        self.health_port = free_ports(1)[0]
+        argv = [str(self.bin), *self.args, f"--health-addr=127.0.0.1:{self.health_port}", "--metrics-addr=0"]
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "DEBUG": "1"}
+        with open(self.log, "ab") as out:
+            proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.pid = proc.pid
+        url = f"http://127.0.0.1:{self.health_port}/readyz"
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise SlinkyLabError(f"slurm-operator exited ({proc.returncode}):\n{_tail(self.log)}")
+            with contextlib.suppress(ValueError):  # its answer, "ok", is no JSON
+                request_json("GET", url, timeout=2)
+            return True
+
+        try:
+            wait_until(ready, timeout, "slurm-operator to be ready", interval=0.2, ignore=(OSError,))
+        except WaitTimeout as e:
+            self.stop()
+            raise SlinkyLabError(f"slurm-operator not ready in {timeout:.0f} s:\n{_tail(self.log)}") from e
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None and alive(self.pid)
+
+    def stop(self) -> None:
+        if self.pid is not None:
+            stop_pid(self.pid, timeout=15)
+            self.pid = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
