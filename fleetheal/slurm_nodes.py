@@ -7,9 +7,9 @@ The source is the text of `sinfo NODES_ARGS`: it honours `-n NODE` (the JSON of 
 `sinfo --json` ignores filters), costs a fraction of the JSON at fleet size (1,500 nodes:
 44 kB against 1.8 MB, and 22.05's JSON printer is slow), and its `-O` fields are named, not positional,
 so a release that adds fields changes nothing here (measured on Debian's 22.05.8). Each field ends with the
-unit separator, a character no name, state or reason of ours holds; the free-text fields come last, so a
-stray one in a comment cannot shift the rest. sinfo lists the nodes of partitions: a node in none is not
-read.
+unit separator, a character no name, state or reason of ours holds; the free-text fields come last (a stray
+one in the Comment could shift only the Extra). Extra is fleetheal's record: Slinky's operator writes its pod's
+identity into the Comment of its nodes. sinfo lists the nodes of partitions: a node in none is not read.
 
 `read` also takes a JSON document of nodes (`{"nodes": [...]}`) for cross-checks and callers that have
 one; this module is the one place that knows its shapes: `sinfo --json` of Slurm 22.05 (openapi v0.0.38:
@@ -36,7 +36,7 @@ from fleetheal.contracts import DRAIN_REASON_PREFIX, owns_reason
 
 #: The end of every `-O` field of a node read (a control character no name or reason contains).
 SEP = "\x1f"
-_FIELDS = ("NodeList", "StateComplete", "Timestamp", "Reason", "Comment")
+_FIELDS = ("NodeList", "StateComplete", "Timestamp", "Reason", "Comment", "Extra")
 #: `sinfo` arguments of a node read (`sinfo_argv`); add `-n NODE` for one node.
 NODES_ARGS = ("-N", "-h", "-O", ",".join(f"{f}:{SEP}" for f in _FIELDS))
 #: Slurm's base node states (slurm.h NODE_STATE_BASE); everything else in a state is a flag.
@@ -61,11 +61,13 @@ class Node:
     flags: frozenset[str]
     #: The reason ("" when none), without Slurm's `[user@time]`.
     reason: str = ""
-    #: The node's comment ("" when none).
+    #: The node's comment ("" when none). Slinky's operator owns it on its nodes (its pod's identity).
     comment: str = ""
     #: When slurmctld recorded the reason, local ISO time to the second (Slurm's default
     #: SLURM_TIME_FORMAT); "" when none, which sorts first.
     reason_time: str = ""
+    #: The node's Extra field ("" when none): where fleetheal records which incident promoted it.
+    extra: str = ""
 
     @property
     def drained(self) -> bool:
@@ -92,6 +94,7 @@ class Node:
             "reason": self.reason,
             "reason_owned": self.reason_owned(owned_prefix),
             "comment": self.comment,
+            "extra": self.extra,
         }
 
 
@@ -104,6 +107,7 @@ _MISSING = {
     "reason": "",
     "reason_owned": False,
     "comment": "",
+    "extra": "",
 }
 
 
@@ -116,16 +120,16 @@ class Nodes(dict[str, Node]):
         return sorted((n for n in self.values() if n.drained), key=lambda n: n.name)
 
     @functools.cached_property
-    def _commented(self) -> list[tuple[str, frozenset[str]]]:
-        return sorted((n.name, frozenset(n.comment.split())) for n in self.values() if n.comment)
+    def _noted(self) -> list[tuple[str, frozenset[str]]]:
+        return sorted((n.name, frozenset(n.extra.split())) for n in self.values() if n.extra)
 
     def with_reason(self, prefix: str) -> list[str]:
         """Names of drained nodes whose reason starts with `prefix` (e.g. the standby pool), sorted."""
         return [n.name for n in self._drained if n.reason.startswith(prefix)]
 
-    def with_comment(self, word: str) -> list[str]:
-        """Names of nodes whose comment has the word `word` (how a promotion is tied to its incident), sorted."""
-        return [name for name, words in self._commented if word in words]
+    def with_extra(self, word: str) -> list[str]:
+        """Names of nodes whose Extra field has the word `word` (how a promotion is tied to its incident), sorted."""
+        return [name for name, words in self._noted if word in words]
 
 
 def _state(text: str) -> tuple[str, frozenset[str]]:
@@ -141,8 +145,8 @@ def parse_text(text: str) -> Nodes:
     time `Unknown`; `-N` lists a node once per partition, and the first line counts."""
     nodes = Nodes()
     for line in text.splitlines():
-        name, state, stamp, reason, comment, *_ = [*line.split(SEP, 4), "", "", "", "", ""]
-        comment = comment.removesuffix(SEP)
+        name, state, stamp, reason, comment, extra, *_ = [*line.split(SEP, 5), "", "", "", "", "", ""]
+        extra = extra.removesuffix(SEP)
         if not name or not state or name in nodes:
             continue
         base, flags = _state(state)
@@ -153,6 +157,7 @@ def parse_text(text: str) -> Nodes:
             reason="" if reason == "none" else reason,
             comment="" if comment == "(null)" else comment,
             reason_time="" if stamp == "Unknown" else stamp,
+            extra="" if extra == "(null)" else extra,
         )
     return nodes
 
@@ -212,6 +217,7 @@ def _json_node(node: Mapping[str, Any]) -> Node:
         reason=str(node.get("reason") or ""),
         comment=str(node.get("comment") or ""),
         reason_time=_time(node.get("reason_changed_at")),
+        extra=str(node.get("extra") or ""),
     )
 
 

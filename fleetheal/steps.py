@@ -818,13 +818,13 @@ def promote_standby(
     slurm: Slurm, node: str, incident: str, *, dry_run: bool = False, read: tuple[float, Any] | None = None
 ) -> StepResult:
     """Resume one warm-standby node (drained with the owned standby reason) in place of `node`, once per
-    incident (the promoted node's comment names it). `read`: `Slurm.sinfo_at()` taken after the caller was
+    incident (the promoted node's Extra field names it). `read`: `Slurm.sinfo_at()` taken after the caller was
     asked to act (default: a new one); promotions claimed since it was taken are not picked again."""
     s = slurm.settings
     taken, read_nodes = slurm.sinfo_at() if read is None else read
     nodes = slurm_nodes.read(read_nodes)
     with _PROMOTE_LOCK:
-        done = nodes.with_comment(f"incident={incident}")
+        done = nodes.with_extra(f"incident={incident}")
         if done:
             detail = f"{', '.join(done)} already promoted for incident {incident}"
             return StepResult("standby_promote", "done", detail, node=done[0])
@@ -845,9 +845,10 @@ def promote_standby(
             detail = f"would promote standby node {pick} (resume it{k8s}) in place of {node}"
             return StepResult("standby_promote", "would", detail, node=pick)
         _CLAIMED[pick] = float("inf")
-    comment = f"{contracts.DRAIN_REASON_PREFIX} promoted for {node} incident={incident}"
+    # In the node's Extra field, not its comment: Slinky's operator rewrites the comment with its pod's identity.
+    record = f"{contracts.DRAIN_REASON_PREFIX} promoted for {node} incident={incident}"
     try:
-        slurm.scontrol("update", f"nodename={pick}", "state=RESUME", f"comment={comment}")
+        slurm.scontrol("update", f"nodename={pick}", "state=RESUME", f"extra={record}")
     except BaseException:
         with _PROMOTE_LOCK:  # not resumed: free again
             _CLAIMED.pop(pick, None)

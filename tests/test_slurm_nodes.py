@@ -26,20 +26,26 @@ from fleetheal.slurm_nodes import (
 
 S = "\x1f"
 #: `sinfo NODES_ARGS` of Slurm 22.05.8: n1 drained with an owned reason holding `key=value` words and
-#: separators `scontrol -o` would split on, n2 a promoted standby (comment, no reason), n3 down and not
-#: responding with a foreign reason, n1 again (a second partition).
+#: separators `scontrol -o` would split on, n2 a promoted standby (Extra, no reason; Slinky's operator's
+#: pod identity in its comment), n3 down and not responding with a foreign reason, n1 again (a second partition).
+POD = '{"namespace":"slurm","podName":"lab-h100-x","node":"n2"}'
 TEXT = (
-    f"n1{S}idle+drain{S}2026-12-05T00:12:56{S}fleetheal:xid-79 incident=inc-7 a|b,c  d=e{S}(null){S}\n"
-    f"n2{S}mixed{S}Unknown{S}none{S}fleetheal: promoted for n9 incident=inc-7{S}\n"
-    f"n3{S}down*{S}2026-12-05T00:12:57{S}none of ours{S}(null){S}\n"
-    f"n1{S}idle{S}Unknown{S}none{S}(null){S}\n"
+    f"n1{S}idle+drain{S}2026-12-05T00:12:56{S}fleetheal:xid-79 incident=inc-7 a|b,c  d=e{S}(null){S}(null){S}\n"
+    f"n2{S}mixed{S}Unknown{S}none{S}{POD}{S}fleetheal: promoted for n9 incident=inc-7{S}\n"
+    f"n3{S}down*{S}2026-12-05T00:12:57{S}none of ours{S}(null){S}(null){S}\n"
+    f"n1{S}idle{S}Unknown{S}none{S}(null){S}(null){S}\n"
 )
 
 
 def test_argv_reads_every_node_or_one():
     assert sinfo_argv() == ["sinfo", *NODES_ARGS]
     assert sinfo_argv("/opt/slurm/bin/sinfo", "n2") == ["/opt/slurm/bin/sinfo", *NODES_ARGS, "-n", "n2"]
-    assert NODES_ARGS == ("-N", "-h", "-O", f"NodeList:{S},StateComplete:{S},Timestamp:{S},Reason:{S},Comment:{S}")
+    assert NODES_ARGS == (
+        "-N",
+        "-h",
+        "-O",
+        f"NodeList:{S},StateComplete:{S},Timestamp:{S},Reason:{S},Comment:{S},Extra:{S}",
+    )
 
 
 def test_text_keeps_an_owned_reason_whole_and_the_first_line_of_a_node():
@@ -55,7 +61,7 @@ def test_text_keeps_an_owned_reason_whole_and_the_first_line_of_a_node():
 
 def test_text_comment_missing_reason_and_not_responding():
     nodes = parse_text(TEXT)
-    assert nodes["n2"] == Node("n2", "MIXED", frozenset(), "", "fleetheal: promoted for n9 incident=inc-7", "")
+    assert nodes["n2"] == Node("n2", "MIXED", frozenset(), "", POD, "", "fleetheal: promoted for n9 incident=inc-7")
     assert not nodes["n2"].drained and not nodes["n2"].reason_owned()
     n3 = nodes["n3"]
     assert (n3.state, n3.flags, n3.reason) == ("DOWN", frozenset({"NOT_RESPONDING"}), "none of ours")
@@ -75,6 +81,7 @@ def test_slurm_node_is_the_dict_the_playbooks_see():
         "reason": "fleetheal:xid-79 incident=inc-7 a|b,c  d=e",
         "reason_owned": True,
         "comment": "",
+        "extra": "",
     }
     assert slurm_node(TEXT, "n1", "fleetheal:standby")["reason_owned"] is False
     missing = slurm_node(TEXT, "n9")
@@ -82,11 +89,11 @@ def test_slurm_node_is_the_dict_the_playbooks_see():
 
 
 def test_pool_scans():
-    nodes = read(TEXT + f"n5{S}idle+drain{S}2026-12-05T00:12:58{S}fleetheal:standby{S}(null){S}\n")
+    nodes = read(TEXT + f"n5{S}idle+drain{S}2026-12-05T00:12:58{S}fleetheal:standby{S}(null){S}(null){S}\n")
     assert nodes.with_reason("fleetheal:") == ["n1", "n5"]
     assert nodes.with_reason("fleetheal:standby") == ["n5"]
-    assert nodes.with_comment("incident=inc-7") == ["n2"]
-    assert nodes.with_comment("inc-7") == []  # a whole word only
+    assert nodes.with_extra("incident=inc-7") == ["n2"]
+    assert nodes.with_extra("inc-7") == []  # a whole word only
     assert read(nodes) is nodes
 
 
@@ -113,7 +120,8 @@ def test_json_of_slurm_22_05_sinfo():
                 "state_flags": [],
                 "reason": "",
                 "reason_changed_at": 0,
-                "comment": "fleetheal: promoted for n9 incident=inc-7",
+                "comment": POD,
+                "extra": "fleetheal: promoted for n9 incident=inc-7",
             },
             {
                 "name": "n3",
@@ -144,7 +152,8 @@ def test_json_of_scontrol_since_23_02():
                 "state": ["MIXED"],
                 "reason": "",
                 "reason_changed_at": {"set": False, "infinite": False, "number": 0},
-                "comment": "fleetheal: promoted for n9 incident=inc-7",
+                "comment": POD,
+                "extra": "fleetheal: promoted for n9 incident=inc-7",
             },
             {
                 "name": "n3",

@@ -430,7 +430,7 @@ class Lab:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(token)
-        return f"kube-apiserver {cp.request('GET', '/version')['gitVersion']} + etcd at {cp.url}"
+        return f"kube-apiserver {cp.request('GET', '/version')['gitVersion']} + etcd, kubelets by kwok, at {cp.url}"
 
     def _up_kube_double(self, kdir: Path) -> str:
         kdir.mkdir()

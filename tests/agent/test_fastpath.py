@@ -38,7 +38,7 @@ class FakeSlurm:
             return subprocess.CompletedProcess(argv, 1, "", "slurm_load_node error: Unable to contact slurm controller")
         if argv[0] == "sinfo" and argv[1:] in (list(NODES_ARGS), [*NODES_ARGS, "-n", "n1"]):
             stamp, reason = ("2026-11-29T10:00:00", self.reason) if self.reason else ("Unknown", "none")
-            line = "\x1f".join(("n1", self.state.lower(), stamp, reason, "(null)", ""))
+            line = "\x1f".join(("n1", self.state.lower(), stamp, reason, "(null)", "(null)", ""))
             return subprocess.CompletedProcess(argv, 0, line + "\n", "")
         if argv[0] == "scontrol" and argv[1] == "update":
             self.updates.append(argv[1:])

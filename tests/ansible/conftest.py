@@ -153,7 +153,7 @@ def job_json(cluster: SlurmCluster, job: str) -> dict[str, Any]:
 
 
 def node_json(cluster: SlurmCluster, node: str) -> dict[str, Any]:
-    """The node as the playbooks read it (`fleetheal.slurm_nodes`: state, flags, reason, comment)."""
+    """The node as the playbooks read it (`fleetheal.slurm_nodes`: state, flags, reason, comment, extra)."""
     return cluster.node(node).as_dict()
 
 

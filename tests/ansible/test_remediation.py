@@ -52,7 +52,7 @@ def test_isolate_and_relocate_drains_requeues_boosts_and_promotes(slurm: SlurmCl
     assert "got USR1 at restart 0" in job_log(slurm, job)
 
     assert not slurm.node(standby).drained
-    assert node_json(slurm, standby)["comment"] == f"fleetheal: promoted for {node} incident=inc-1"
+    assert node_json(slurm, standby)["extra"] == f"fleetheal: promoted for {node} incident=inc-1"
     assert run.report is not None and run.report["status"] == "done"
     assert [s["outcome"] for s in run.steps("standby_promote")] == ["done"]
     assert run.steps("k8s_isolate")[0]["outcome"] == "skipped"

@@ -301,7 +301,8 @@ def test_the_text_node_read_agrees_with_slurms_json(cluster: SlurmCluster) -> No
     `scontrol --json show node` from 23.02), whatever the reason holds, and a read of one node (`-n`) the
     same as from the read of all."""
     cluster.run("scontrol", "update", "nodename=n1", "state=DRAIN", "reason=fleetheal: a|b,c  d=e")
-    cluster.run("scontrol", "update", "nodename=n2", "comment=fleetheal: promoted for n9 incident=inc-7")
+    cluster.run("scontrol", "update", "nodename=n2", "extra=fleetheal: promoted for n9 incident=inc-7")
+    cluster.run("scontrol", "update", "nodename=n2", 'comment={"podName": "lab-h100-x"}')
     cluster.run("scontrol", "update", "nodename=n3", "state=DOWN", "reason=none of ours")
     text = slurm_nodes.read(cluster.run(*slurm_nodes.sinfo_argv()).stdout)
     json_read = ("sinfo", "--json") if cluster.release.version < (23, 2, 0) else ("scontrol", "--json", "show", "node")
@@ -312,7 +313,7 @@ def test_the_text_node_read_agrees_with_slurms_json(cluster: SlurmCluster) -> No
         assert slurm_nodes.slurm_node(text, name) == slurm_nodes.slurm_node(doc, name), name
     assert slurm_nodes.read(cluster.run(*slurm_nodes.sinfo_argv("sinfo", "n1")).stdout) == {"n1": text["n1"]}
     assert text["n1"].reason == "fleetheal: a|b,c  d=e" and text["n1"].reason_owned()
-    assert text.with_comment("incident=inc-7") == ["n2"]
+    assert text.with_extra("incident=inc-7") == ["n2"]
     assert text.with_reason("fleetheal:") == ["n1"]
 
 
@@ -377,10 +378,10 @@ def test_concurrent_steps_share_their_slurm_commands_and_keep_their_own_errors(c
         picks = list(pool.map(lambda i: steps.promote_standby(slurm, "n1", f"inc-p{i}"), range(2)))
     assert sorted(p.outcome for p in picks) == ["done", "done"]
     assert sorted(p.node for p in picks) == ["n2", "n3"]
-    # Commands batched through scontrol's input keep their comments as argv would (it stores a quoted
+    # Commands batched through scontrol's input keep their values as argv would (it stores a quoted
     # value with its quotes, but for a reason): each promotion is found again by its incident.
     for i, pick in enumerate(picks):
-        assert not slurm.sinfo()[pick.node].comment.startswith('"')
+        assert not slurm.sinfo()[pick.node].extra.startswith('"')
         again = steps.promote_standby(slurm, "n1", f"inc-p{i}")
         assert (again.outcome, again.node, again.changed) == ("done", pick.node, False)
 

@@ -294,12 +294,14 @@ def test_isolation_and_a_standby_promotion_as_fleetheal_does_them(lab: Lab) -> N
         lambda: (lab.node(failed).reason, lab.node(failed).drained, lab.node(standby).drained) == (reason, True, False),
     )
     pod = lab.nodeset_pods()[standby]
-    # The operator keeps its pod's identity in the Slurm node's comment, where fleetheal wrote which incident
-    # promoted the node: that record is gone (see docs/slinky.md, "What the operator owns in Slurm").
+    # The operator keeps its pod's identity in the Slurm node's comment; fleetheal's record of the promotion is
+    # in the node's Extra field, which the operator leaves alone: a retry of the incident promotes nothing more.
     _wait(
         "the operator's pod record on the promoted node", lambda: pod["metadata"]["name"] in lab.node(standby).comment
     )
-    assert "incident=inc-op-1" not in lab.node(standby).comment
+    assert "incident=inc-op-1" in lab.node(standby).extra.split()
+    again = steps.promote_standby(slurm, failed, "inc-op-1")
+    assert (again.outcome, again.node, again.changed) == ("done", standby, False)
 
 
 def test_rejoin_uncordons_before_it_resumes_so_the_operator_never_drains_the_node(
