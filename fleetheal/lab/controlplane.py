@@ -210,6 +210,18 @@ def _kubeconfig(path: Path, server: str, pki: Path, cert: str, user: str) -> Pat
     return path
 
 
+def _component_args(kubeconfig: Path) -> list[str]:
+    """The flags kube-controller-manager and kube-scheduler share: one identity, no listener, no election."""
+    return [
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--bind-address=127.0.0.1",
+        "--secure-port=0",
+        "--leader-elect=false",
+    ]
+
+
 # --- the control plane --------------------------------------------------------------------------
 
 
@@ -403,12 +415,7 @@ class KubeControlPlane:
         self._spawn(
             "kube-controller-manager",
             [
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--bind-address=127.0.0.1",
-                "--secure-port=0",
-                "--leader-elect=false",
+                *_component_args(kubeconfig),
                 f"--controllers={','.join(CONTROLLERS)}",
                 f"--root-ca-file={p / 'ca.crt'}",
                 f"--service-account-private-key-file={p / 'sa.key'}",
@@ -423,18 +430,7 @@ class KubeControlPlane:
         kubeconfig = _kubeconfig(
             self.state_dir / "scheduler.kubeconfig", self.url, self.pki, "scheduler", "system:kube-scheduler"
         )
-        self._spawn(
-            "kube-scheduler",
-            [
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--bind-address=127.0.0.1",
-                "--secure-port=0",
-                "--leader-elect=false",
-                "--v=0",
-            ],
-        )
+        self._spawn("kube-scheduler", [*_component_args(kubeconfig), "--v=0"])
 
     def _start_kwok(self) -> None:
         # Admin credentials: kwok writes the status of every Node and pod, as the kubelets would.
@@ -520,6 +516,16 @@ class KubeControlPlane:
         """One request to the API server through the `kubernetes` client, as admin or with a bearer `token`;
         the decoded JSON answer. Raises KubeApiError on a 4xx/5xx (see `api_request` for the 429 retry)."""
         return api_request(self._api(token), method, path, body, content_type)
+
+    def exists(self, path: str) -> bool:
+        """Whether the object at `path` exists (GET answers 404: no)."""
+        try:
+            self.request("GET", path)
+        except KubeApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
 
     def install_crds(self, files: Iterable[Path], timeout: float = 60.0) -> list[str]:
         """Create the CRDs in `files` (existing ones are kept) and wait until each is Established; their names."""

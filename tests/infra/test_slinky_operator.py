@@ -234,11 +234,22 @@ def _holds(what: str, check: Callable[[], bool], seconds: float = SETTLE_S) -> N
 
 def test_the_operator_accepts_and_reconciles_the_stack(lab: Lab) -> None:
     ns, cluster = lab.cfg.slurm_namespace, lab.cfg.cluster_name
-    # The Controller: slurmctld's StatefulSet and slurm.conf with the program's extraConf.
-    _wait(
-        "the Controller's StatefulSet",
-        lambda: _exists(lab.kube, f"/apis/apps/v1/namespaces/{ns}/statefulsets/{cluster}-controller"),
-    )
+
+    # Each custom resource's workload: slurmctld, slurmdbd, slurmrestd and the login pods.
+    def owners() -> set[str]:
+        items = [
+            *lab.kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/statefulsets")["items"],
+            *lab.kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments")["items"],
+        ]
+        return {ref["kind"] for o in items for ref in o["metadata"].get("ownerReferences") or []}
+
+    _wait("a workload per custom resource", lambda: {"Controller", "Accounting", "RestApi", "LoginSet"} <= owners())
+    # slurm.conf carries the program's extraConf (the agent's hooks, requeue, the partitions).
+    controller = lab.kube.request("GET", f"/apis/{SLINKY}/v1beta1/namespaces/{ns}/controllers/{cluster}")
+    configs = lab.kube.request("GET", f"/api/v1/namespaces/{ns}/configmaps")["items"]
+    slurm_conf = next(c["data"]["slurm.conf"] for c in configs if "slurm.conf" in (c.get("data") or {}))
+    for line in controller["spec"]["extraConf"].splitlines():
+        assert line in slurm_conf.splitlines(), line
     # One slurmd pod per active node, none on the standby: scheduled by kube-scheduler, run by kwok.
     _wait("a NodeSet pod on each active node", lambda: sorted(lab.nodeset_pods()) == ACTIVE)
     pods = lab.nodeset_pods()
@@ -252,16 +263,6 @@ def test_the_operator_accepts_and_reconciles_the_stack(lab: Lab) -> None:
         lambda: all(pods[n]["metadata"]["name"] in lab.node(n).comment for n in ACTIVE),
     )
     assert lab.operator.running
-
-
-def _exists(kube: KubeControlPlane, path: str) -> bool:
-    try:
-        kube.request("GET", path)
-    except KubeApiError as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
 
 
 def _watch_reasons(lab: Lab, node: str, stop: threading.Event, seen: set[str]) -> None:

@@ -125,13 +125,13 @@ def test_eviction_obeys_a_pod_disruption_budget_and_kwok_ends_the_pod(kube: Kube
 
     evict = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "web-1", "namespace": "default"}}
     kube.request("POST", f"{pods}/web-1/eviction", evict)
-    assert _wait(lambda: not _exists(kube, f"{pods}/web-1")), "the evicted pod stayed Terminating"
+    assert _wait(lambda: not kube.exists(f"{pods}/web-1")), "the evicted pod stayed Terminating"
     assert _wait(lambda: kube.request("GET", budget)["status"].get("disruptionsAllowed") == 0)
     evict["metadata"]["name"] = "web-2"  # type: ignore[index]
     with pytest.raises(KubeApiError) as err:
         kube.request("POST", f"{pods}/web-2/eviction", evict)
     assert err.value.status == 429  # TooManyRequests: the budget would be violated
-    assert _exists(kube, f"{pods}/web-2")
+    assert kube.exists(f"{pods}/web-2")
 
 
 def _create_ok(kube: KubeControlPlane, path: str, body: object) -> bool:
@@ -141,16 +141,6 @@ def _create_ok(kube: KubeControlPlane, path: str, body: object) -> bool:
         if e.status == 409:
             return True
         if e.status == 403 and "serviceaccount" in e.body:
-            return False
-        raise
-    return True
-
-
-def _exists(kube: KubeControlPlane, path: str) -> bool:
-    try:
-        kube.request("GET", path)
-    except KubeApiError as e:
-        if e.status == 404:
             return False
         raise
     return True
