@@ -85,6 +85,14 @@ class KubeApiError(RuntimeError):
         self.body = body
 
 
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a daemon's log, for an error message."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
 def tools_built() -> bool:
     """True when `make tools` has built the control plane's programs and kwok's stages."""
     return all(os.access(tools_dir() / b, os.X_OK) for b in BINARIES) and kwok_stages().is_file()
@@ -190,18 +198,19 @@ class _Pki:
 
 
 def _kubeconfig(path: Path, server: str, pki: Path, cert: str, user: str) -> Path:
+    """A kubeconfig for `user` with the client certificate `cert` (under `pki`)."""
+    key = {"client-certificate": str(pki / f"{cert}.crt"), "client-key": str(pki / f"{cert}.key")}
+    return write_kubeconfig(path, server, pki / "ca.crt", user, key)
+
+
+def write_kubeconfig(path: Path, server: str, ca_file: Path, user: str, credentials: Mapping[str, str]) -> Path:
+    """A kubeconfig (mode 0600) for `server`, trusting `ca_file`, as `user` with `credentials` (a client
+    certificate and key, or a bearer `token`)."""
     doc = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [
-            {"name": "fleetheal-lab", "cluster": {"server": server, "certificate-authority": str(pki / "ca.crt")}}
-        ],
-        "users": [
-            {
-                "name": user,
-                "user": {"client-certificate": str(pki / f"{cert}.crt"), "client-key": str(pki / f"{cert}.key")},
-            }
-        ],
+        "clusters": [{"name": "fleetheal-lab", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+        "users": [{"name": user, "user": dict(credentials)}],
         "contexts": [{"name": "fleetheal-lab", "context": {"cluster": "fleetheal-lab", "user": user}}],
         "current-context": "fleetheal-lab",
     }
@@ -451,10 +460,7 @@ class KubeControlPlane:
             )
 
     def _tail(self, name: str, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log(name).read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log(name), lines)
 
     def stop(self) -> None:
         """Stop every daemon (controller manager first, etcd last); return once they are gone."""

@@ -23,9 +23,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-import yaml
-
 from fleetheal.httpjson import request_json
+from fleetheal.lab.controlplane import log_tail
 from fleetheal.lab.slurm import SlurmCluster, find_tool
 from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir, tools_share
@@ -49,8 +48,12 @@ def operator_crds() -> list[Path]:
 
 
 def operator_built() -> bool:
-    """True when `make tools` has built the slurm-operator."""
-    return os.access(tools_dir() / OPERATOR, os.X_OK) and bool(list((tools_share() / OPERATOR / "crds").glob("*.yaml")))
+    """True when `make tools` has built the slurm-operator and copied its CRDs."""
+    try:
+        operator_crds()
+    except SlinkyLabError:
+        return False
+    return os.access(tools_dir() / OPERATOR, os.X_OK)
 
 
 def jwt_conf(key_file: Path) -> list[str]:
@@ -74,13 +77,6 @@ def _listening(port: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 class Slurmrestd:
@@ -109,7 +105,7 @@ class Slurmrestd:
 
         def answers() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
-                raise SlinkyLabError(f"slurmrestd exited ({self.proc.returncode}):\n{_tail(self.log)}")
+                raise SlinkyLabError(f"slurmrestd exited ({self.proc.returncode}):\n{log_tail(self.log)}")
             return _listening(RESTAPI_PORT)
 
         try:
@@ -130,21 +126,6 @@ class Slurmrestd:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
-
-
-def token_kubeconfig(path: Path, server: str, ca_file: Path, token: str) -> Path:
-    """A kubeconfig that authenticates with a bearer `token` (a ServiceAccount's)."""
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "lab", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
-        "users": [{"name": "token", "user": {"token": token}}],
-        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "token"}}],
-        "current-context": "lab",
-    }
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    path.chmod(0o600)
-    return path
 
 
 class SlurmOperator:
@@ -177,7 +158,7 @@ class SlurmOperator:
 
         def ready() -> bool:
             if proc.poll() is not None:
-                raise SlinkyLabError(f"slurm-operator exited ({proc.returncode}):\n{_tail(self.log)}")
+                raise SlinkyLabError(f"slurm-operator exited ({proc.returncode}):\n{log_tail(self.log)}")
             with contextlib.suppress(ValueError):  # its answer, "ok", is no JSON
                 request_json("GET", url, timeout=2)
             return True
@@ -186,7 +167,7 @@ class SlurmOperator:
             wait_until(ready, timeout, "slurm-operator to be ready", interval=0.2, ignore=(OSError,))
         except WaitTimeout as e:
             self.stop()
-            raise SlinkyLabError(f"slurm-operator not ready in {timeout:.0f} s:\n{_tail(self.log)}") from e
+            raise SlinkyLabError(f"slurm-operator not ready in {timeout:.0f} s:\n{log_tail(self.log)}") from e
         except BaseException:
             self.stop()
             raise

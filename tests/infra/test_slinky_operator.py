@@ -13,9 +13,11 @@ that operator's CRD does not know fails the test instead of being dropped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -29,15 +31,16 @@ import pytest
 
 from fleetheal import contracts, slurm_nodes, steps
 from fleetheal.infra import config, mocks, program
-from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, default_crds, tools_built
+from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, default_crds, tools_built, write_kubeconfig
 from fleetheal.lab.slinky import (
     OPERATOR,
+    RESTAPI_PORT,
+    SlinkyLabError,
     SlurmOperator,
     Slurmrestd,
     jwt_conf,
     operator_built,
     operator_crds,
-    token_kubeconfig,
 )
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.remediator.membership import MembershipController
@@ -125,9 +128,7 @@ def _stack() -> tuple[config.StackConfig, list[dict[str, Any]]]:
         and r.inputs["kind"] != "CustomResourceDefinition"  # the operator's own CRDs are installed instead
         and r.inputs["apiVersion"].rpartition("/")[0] in GROUPS
     ]
-    # Namespaces first, then what refers to nothing, the custom resources last (as Pulumi orders them).
-    order = {"Namespace": 0, SLINKY: 2}
-    objects.sort(key=lambda o: order.get(o["kind"], order.get(o["apiVersion"].partition("/")[0], 1)))
+    objects.sort(key=lambda o: o["kind"] != "Namespace")  # namespaces first (the custom resources go last: _lab)
     return cfg, objects
 
 
@@ -202,7 +203,9 @@ def _lab(base: Path) -> Iterator[Lab]:
                 deployment = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == OPERATOR)
                 account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
                 token = kube.service_account_token(deployment["metadata"]["namespace"], account)
-                kubeconfig = token_kubeconfig(base / "operator.kubeconfig", kube.url, kube.pki / "ca.crt", token)
+                kubeconfig = write_kubeconfig(
+                    base / "operator.kubeconfig", kube.url, kube.pki / "ca.crt", account, {"token": token}
+                )
                 args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
                 with SlurmOperator(kubeconfig, args, base / "operator.log") as operator:
                     yield Lab(kube, slurm, cfg, operator, settings)
@@ -230,6 +233,21 @@ def _holds(what: str, check: Callable[[], bool], seconds: float = SETTLE_S) -> N
     while time.monotonic() < end:
         assert check(), what
         time.sleep(0.2)
+
+
+def test_a_second_slurmrestd_on_the_operators_port_is_refused(tmp_path: Path) -> None:
+    """Port 6820 is the operator's: with anything listening there (another lab, or a local user's listener that
+    would receive the operator's tokens), the lab refuses to start its slurmrestd."""
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        with contextlib.suppress(OSError):  # taken already (this module's lab): the same case
+            squatter.bind(("127.0.0.1", RESTAPI_PORT))
+            squatter.listen()
+        with pytest.raises(SlinkyLabError, match=r"127\.0\.0\.1:6820 is taken"):
+            Slurmrestd(SlurmCluster(tmp_path / "slurm"), tmp_path / "slurmrestd.log").start()
+    finally:
+        squatter.close()
 
 
 def test_the_operator_accepts_and_reconciles_the_stack(lab: Lab) -> None:
@@ -265,9 +283,9 @@ def test_the_operator_accepts_and_reconciles_the_stack(lab: Lab) -> None:
     assert lab.operator.running
 
 
-def _watch_reasons(lab: Lab, node: str, stop: threading.Event, seen: set[str]) -> None:
+def _watch_reasons(lab: Lab, node: str, stop: threading.Event, seen: list[str]) -> None:
     while not stop.is_set():
-        seen.add(lab.node(node).reason)
+        seen.append(lab.node(node).reason)
         time.sleep(0.1)
 
 
@@ -324,7 +342,7 @@ def test_rejoin_uncordons_before_it_resumes_so_the_operator_never_drains_the_nod
     # Revalidation passed: fleetheal's standby reason (fleetheal_standby_reason), as revalidate.yml leaves it.
     lab.slurm.scontrol("update", f"nodename={node}", f"reason={lab.settings.standby_reason} incident=inc-op-2")
 
-    seen: set[str] = set()
+    seen: list[str] = []
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_reasons, args=(lab, node, stop, seen), daemon=True)
     watcher.start()
@@ -346,7 +364,8 @@ def test_rejoin_uncordons_before_it_resumes_so_the_operator_never_drains_the_nod
     finally:
         stop.set()
         watcher.join()
-    assert not any(r.startswith("slurm-operator:") for r in seen), seen
+    assert len(seen) > 20, "the watcher stopped reading the node"  # the rejoin and 8 s after it, every 0.1 s
+    assert not any(r.startswith("slurm-operator:") for r in seen), sorted(set(seen))
     node_doc = lab.kube.request("GET", f"/api/v1/nodes/{node}")
     assert not node_doc["spec"].get("unschedulable")
 
