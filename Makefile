@@ -6,12 +6,13 @@ PY := $(VENV)/bin/python
 SHARED ?= ../shared
 PYTEST_ARGS ?=
 
-.PHONY: help setup tools slurm demo demo-classify test lint unit integration compat molecule-prep generate bench clean
+.PHONY: help setup tools slurm demo demo-classify test lint unit integration integration-tools integration-lab compat \
+	molecule-prep generate bench clean
 
 help:
 	@echo "make demo      the local lab heals a GPU failure live (real Slurm, Prometheus, Alertmanager)"
 	@echo "make demo-classify   classify the real log lines in $(SHARED)/fixtures"
-	@echo "make test      lint + every test (what CI runs): lint, unit, integration"
+	@echo "make test      lint + every test (what CI runs): lint, unit, integration; each runs, failures named at the end"
 	@echo "make unit      the tests that need neither the Go-built tools, Molecule's image nor the lab"
 	@echo "make integration   the rest: real control plane and Pulumi engine (make tools), Molecule, tests/lab"
 	@echo "make compat    the Slurm-facing tests again, on Debian 12's own Slurm 22.05 (part of integration)"
@@ -81,15 +82,26 @@ INTEGRATION_TOOLS := kube or pulumi or molecule
 unit: setup slurm
 	$(WITH_SLURM) $(PY) -m pytest -m "not ($(INTEGRATION))" --ignore=tests/lab $(PYTEST_ARGS)
 
+# Every part runs even when an earlier one failed; the target fails at the end, naming each failed part.
+define run_parts
+	@failed=""; for part in $(1); do $(MAKE) --no-print-directory $$part || failed="$$failed $$part"; done; \
+	if [ -n "$$failed" ]; then echo "make $@: failed:$$failed" >&2; exit 1; fi
+endef
+
 integration: setup molecule-prep tools slurm
+	$(call run_parts,integration-tools integration-lab compat)
+
+integration-tools: setup
 	$(WITH_SLURM) $(PY) -m pytest -m "$(INTEGRATION)" $(PYTEST_ARGS)
+
+integration-lab: setup
 	$(WITH_SLURM) $(PY) -m pytest -m "not ($(INTEGRATION))" tests/lab $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory compat
 
 compat: setup
 	$(PY) -m pytest -m "not ($(INTEGRATION_TOOLS))" $(COMPAT_TESTS) $(PYTEST_ARGS)
 
-test: lint unit integration
+test:
+	$(call run_parts,lint unit integration)
 
 generate: setup
 	$(PY) -m fleetheal generate

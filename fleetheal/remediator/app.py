@@ -41,7 +41,7 @@ from fleetheal.remediator.lifecycle import LifecycleError
 from fleetheal.remediator.membership import MembershipController
 from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
 from fleetheal.remediator.responder import FirstResponder
-from fleetheal.remediator.runner import AnsibleRunner, Runner, kill_leftovers
+from fleetheal.remediator.runner import AnsibleRunner, Runner
 from fleetheal.remediator.store import IngestResult, Store, StoreError, incident_ref
 
 log = logging.getLogger("fleetheal.remediator")
@@ -361,17 +361,16 @@ class Service:
             with contextlib.suppress(RuntimeError):  # the loop closed: the service is gone
                 self._loop.call_soon_threadsafe(self._roles.put_nowait, lead)
 
-    def _fence(self, reason: str) -> None:
+    def _fence(self, reason: str) -> bool:
         """In the elector's thread, before the lease can pass to another replica: nothing of this replica
-        acts any more, without waiting for the event loop (it may be stuck in a database call)."""
+        acts any more, without waiting for the event loop (it may be stuck in a database call). True once
+        every playbook process of this replica was seen gone (within leader_election.fence_timeout_s)."""
         self.store.follow()  # the state machine's writes are refused from now on
         self._stop_membership()
-        self.engine.abandon()
-        left = kill_leftovers(self.cfg.runner.run_dir)  # every playbook process of this replica
-        if left:
-            log.error("playbook processes survive SIGKILL", extra={"pids": left})
+        stopped = self.engine.abandon(self.cfg.leader_election.fence_timeout_s)
         self.metrics.set_leader(False)
         self._role(False)
+        return stopped
 
     def _fenced(self, reason: str) -> None:
         """The store refused a write: another replica took the lead while this one did not notice."""

@@ -142,11 +142,15 @@ class LeaderElectionConfig:
     identity: str = ""
     #: A follower takes the lease when the leader has not renewed it for this long (after a SIGKILL,
     #: failover takes about this plus retry_period_s).
-    lease_duration_s: float = 6.0
-    #: A leader that could not renew for this long stops acting (before anyone else may take the lease).
-    renew_deadline_s: float = 4.0
+    lease_duration_s: float = 10.0
+    #: A leader that could not renew for this long has stepped down by then (before anyone else may take
+    #: the lease: see docs/remediator.md, "The hand-over's timeline").
+    renew_deadline_s: float = 5.0
     #: How often the lease is renewed, or tried by followers.
     retry_period_s: float = 1.0
+    #: How long a replica that steps down may take to see every one of its playbook processes gone.
+    #: lease_duration_s - renew_deadline_s - fence_timeout_s is the hand-over's margin (>= retry_period_s).
+    fence_timeout_s: float = 2.0
     #: kubeconfig file; "" = the pod's service account (in-cluster).
     kubeconfig: str = ""
 
@@ -387,10 +391,19 @@ def _check(cfg: Config) -> None:
             "store.url_file: a shared PostgreSQL store needs leader_election.enabled: true (one replica acts)"
         )
     if le.enabled:
-        if not (le.lease_duration_s > le.renew_deadline_s > le.retry_period_s > 0):
+        if not (le.lease_duration_s > le.renew_deadline_s > le.retry_period_s > 0 and le.fence_timeout_s > 0):
             raise ConfigError(
-                "leader_election: lease_duration_s > renew_deadline_s > retry_period_s > 0 is required "
-                f"(got {le.lease_duration_s:g}, {le.renew_deadline_s:g}, {le.retry_period_s:g})"
+                "leader_election: lease_duration_s > renew_deadline_s > retry_period_s > 0 and "
+                f"fence_timeout_s > 0 are required (got {le.lease_duration_s:g}, {le.renew_deadline_s:g}, "
+                f"{le.retry_period_s:g}, {le.fence_timeout_s:g})"
+            )
+        margin = le.lease_duration_s - le.renew_deadline_s - le.fence_timeout_s
+        if margin < le.retry_period_s:
+            raise ConfigError(
+                "leader_election: a leader cut off from the API server steps down by renew_deadline_s and "
+                "stops its playbooks within fence_timeout_s; a follower may take the lease after "
+                f"lease_duration_s. The margin left ({margin:g} s) must be at least retry_period_s "
+                f"({le.retry_period_s:g} s): raise lease_duration_s or lower renew_deadline_s"
             )
         if not is_node_name(le.namespace) or not is_node_name(le.lease_name):
             raise ConfigError("leader_election: namespace and lease_name must be RFC 1123 names")

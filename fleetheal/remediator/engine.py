@@ -135,6 +135,9 @@ class Engine:
         self._waiting: dict[str, list[tuple[Run, asyncio.Future[Any]]]] = {}  # playbook -> attempts
         self._cancel = threading.Event()
         self._stopping = False
+        #: Playbook runs between their start and their end (abandon() waits for none to be left).
+        self._runs_active = 0
+        self._runs_changed = threading.Condition()
         self._hold_state: tuple[bool, bool, int] | None = None
         self._last_recheck = 0.0
         self._idle = asyncio.Event()
@@ -191,11 +194,27 @@ class Engine:
             self._seen_incident, self._seen_event = self.store.watermarks()
             self._tasks.append(asyncio.create_task(self._poller(), name="engine-tick-poll"))
 
-    def abandon(self) -> None:
-        """From any thread: start nothing more and cancel the running playbooks (the replica lost the lead;
-        `stop()` then tidies up in the loop)."""
-        self._stopping = True
-        self._cancel.set()
+    def abandon(self, timeout_s: float = 5.0) -> bool:
+        """From any thread, when the replica loses the lead: start nothing more, cancel the running playbooks
+        and kill every playbook process under the run directory, and return True once none is left *and* no
+        playbook run is still between its start and its end (one that had not yet spawned its process when
+        the processes were listed would spawn it after: it is killed on the next round). False when that
+        could not be seen within `timeout_s` (a process that survives SIGKILL). `stop()` then tidies up in
+        the loop."""
+        with self._runs_changed:
+            self._stopping = True
+            self._cancel.set()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = kill_leftovers(self.cfg.runner.run_dir, timeout_s=max(0.0, min(0.5, deadline - time.monotonic())))
+            with self._runs_changed:
+                if not left and not self._runs_active:
+                    return True
+                if time.monotonic() >= deadline:
+                    log.error("playbook processes still there after the fence's timeout", extra={
+                        "pids": left, "runs": self._runs_active, "timeout_s": timeout_s})  # fmt: skip
+                    return False
+                self._runs_changed.wait(0.05)
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop taking work; running playbooks get `grace_s` to finish, then are canceled (resumed later)."""
@@ -785,9 +804,7 @@ class Engine:
                     self.store.set_step_run_dir(request.step_id, run_dir)
                 loop = asyncio.get_running_loop()
                 runs = [run for run, _ in batch]
-                outcomes = [
-                    *await loop.run_in_executor(self._executor, self.runner.run_batch, runs, self._cancel.is_set)
-                ]
+                outcomes = [*await loop.run_in_executor(self._executor, self._run_runner, runs)]
             except Exception as exc:
                 outcomes = [exc] * len(batch)
             for (_, done), outcome in zip(batch, outcomes, strict=True):
@@ -799,6 +816,19 @@ class Engine:
                     done.set_result(outcome)
         finally:
             self._slots.release()
+
+    def _run_runner(self, runs: list[Run]) -> list[StepOutcome | RunnerInputError]:
+        """In a playbook thread: the runner's batch, unless the replica lost the lead (abandon()) first."""
+        with self._runs_changed:
+            if self._cancel.is_set():
+                return [StepOutcome("canceled", None, "not started: the replica stopped acting")] * len(runs)
+            self._runs_active += 1
+        try:
+            return self.runner.run_batch(runs, self._cancel.is_set)
+        finally:
+            with self._runs_changed:
+                self._runs_active -= 1
+                self._runs_changed.notify_all()
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)

@@ -7,15 +7,19 @@ Lease API:
   record has not changed for `lease_duration_s` by the follower's own clock (no clock is compared with
   another machine's); the write carries the resourceVersion it read, so of two replicas racing for it
   one gets 409 Conflict.
-- The leader renews it every `retry_period_s`. A leader that could not renew for `renew_deadline_s`
-  (shorter than the lease) steps down before any follower may take the lease.
+- The leader renews it every `retry_period_s`. A leader that could not renew has stepped down by
+  `renew_deadline_s` after its last renewal began, by construction: its requests never run past that
+  deadline, and it steps down as soon as its next try could not begin before it. Stepping down
+  (`on_stop`) then has `fence_timeout_s` to see every playbook process gone, and the lease runs
+  `lease_duration_s`, at least `retry_period_s` longer than both (config.py checks the margin).
 - A replica that cannot reach the database does not take the lease, and a leader that lost the database
   for `renew_deadline_s` steps down and releases it, so a replica that can reach it takes over.
 
 Stepping down (`on_stop`) happens in this thread and does not wait for the event loop, which may be stuck
 in a database call: the store refuses the state machine's writes from then on and every playbook process
-is killed. The store's fencing epoch (store/db.py) covers what timing cannot: a write from a replica that
-lost the lead fails in the database.
+is killed and waited for. The lease is released only once `on_stop` has seen them gone; when it could not
+(a process that survives SIGKILL), the lease is left to expire. The store's fencing epoch (store/db.py)
+covers what timing cannot: a write from a replica that lost the lead fails in the database.
 
 The Python client ships a `LeaderElection` too; it has no request timeout (a stuck API server call holds
 the renew loop past its deadline), cannot be stopped or release the lease, and exits the process on a bad
@@ -36,6 +40,9 @@ from typing import Any
 from fleetheal.remediator.config import LeaderElectionConfig
 
 log = logging.getLogger("fleetheal.remediator.leader")
+
+#: The wait between two periods is retry_period_s times 1 to 1 + MAX_JITTER (client-go's jitter).
+MAX_JITTER = 0.2
 
 
 def _now() -> datetime.datetime:
@@ -96,14 +103,15 @@ def api_client(kubeconfig: str, retries: int | None = None) -> Any:
 
 class LeaderElector:
     """Run `run(stop)` in a thread. `on_lead()` when this replica takes the lease, `on_stop(reason)` when it
-    stops leading (both called from that thread; `on_stop` must return only once nothing acts any more)."""
+    stops leading (both called from that thread; `on_stop` must return only once nothing acts any more,
+    and returns False when it could not see that: the lease is then not released but left to expire)."""
 
     def __init__(
         self,
         cfg: LeaderElectionConfig,
         *,
         on_lead: Callable[[], None],
-        on_stop: Callable[[str], None],
+        on_stop: Callable[[str], bool | None],
         store_ok: Callable[[], bool] = lambda: True,
         api: Any = None,
         clock: Callable[[], float] = time.monotonic,
@@ -121,6 +129,8 @@ class LeaderElector:
         self._observed_at = 0.0
         self._store_down_since: float | None = None
         self._demanded: str | None = None
+        #: clock() by which the request under way must end (a leader's renewal: its renew deadline).
+        self._call_deadline: float | None = None
         #: Who holds the lease as last read ("" when free or unknown).
         self.holder = ""
         self.transitions = 0
@@ -148,7 +158,7 @@ class LeaderElector:
             except Exception:  # the loop must outlive anything one period does
                 log.exception("leader election: unexpected error")
             # client-go's jitter keeps the replicas from reading the lease in lockstep
-            stop.wait(self.cfg.retry_period_s * (1 + 0.2 * random.random()))  # noqa: S311 - jitter
+            stop.wait(self.cfg.retry_period_s * (1 + MAX_JITTER * random.random()))  # noqa: S311 - jitter
         if self._leading:
             self._step_down("the remediator is stopping", release=True)
 
@@ -178,21 +188,33 @@ class LeaderElector:
         if self._store_down_since is not None and now - self._store_down_since >= self.cfg.renew_deadline_s:
             self._step_down(f"the database did not answer for {now - self._store_down_since:.1f} s", release=True)
             return
-        if now - self._renewed < self.cfg.renew_deadline_s and self._try(now):
-            self._renewed = now
-            return
-        # By the clock now, not when the period began: a try can take up to two request timeouts.
+        # No request of this renewal may end after the deadline of the last one (`_call` bounds each).
+        self._call_deadline = self._renewed + self.cfg.renew_deadline_s
+        try:
+            if now < self._call_deadline and self._try(now):
+                self._renewed = now
+                return
+        finally:
+            self._call_deadline = None
+        # By the clock now, not when the period began. The next period begins up to MAX_JITTER periods
+        # from now: when that is past the deadline, step down now, so it happens by the deadline.
         late = self.clock() - self._renewed
-        if late + self.cfg.retry_period_s >= self.cfg.renew_deadline_s:  # the next try would be too late
+        if late + self.cfg.retry_period_s * (1 + MAX_JITTER) >= self.cfg.renew_deadline_s:
             self._step_down(f"could not renew the lease for {late:.1f} s", release=False)
 
     def _step_down(self, reason: str, *, release: bool) -> None:
         self._leading = False
         log.warning("leader election: stepping down", extra={"identity": self.identity, "reason": reason})
+        stopped: bool | None = False
         try:
-            self.on_stop(reason)
+            stopped = self.on_stop(reason)
         finally:
-            if release:
+            if stopped is False:
+                log.error(
+                    "leader election: not every playbook process was seen gone; the lease is left to expire",
+                    extra={"identity": self.identity},
+                )
+            elif release:
                 self.release()
 
     # --- the Lease -------------------------------------------------------------------------------------
@@ -253,8 +275,15 @@ class LeaderElector:
         with `missing_ok`."""
         from kubernetes.client.exceptions import ApiException
 
+        timeout = self._timeout()
+        if self._call_deadline is not None:
+            left = self._call_deadline - self.clock()
+            if left <= 0:
+                log.info(f"leader election: no time left to {what} the lease before the renew deadline")
+                return False
+            timeout = min(timeout, left)
         try:
-            return method(*args, _request_timeout=self._timeout())
+            return method(*args, _request_timeout=timeout)
         except ApiException as exc:
             if missing_ok and exc.status == 404:
                 return None

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import threading
+import time
 
 import pytest
 
-from fleetheal import taxonomy
+from fleetheal import procs, taxonomy
 from fleetheal.fleet import failover
 from fleetheal.fleet.config import FleetConfig
 from fleetheal.remediator.alerts import validate_alert
 from fleetheal.remediator.engine import Engine
-from fleetheal.remediator.runner import RunnerInputError
+from fleetheal.remediator.runner import RunnerInputError, StepOutcome
 from fleetheal.remediator.store import Store
 from tests.remediator.conftest import RecordingRunner, alert, make_config
 
@@ -210,6 +214,48 @@ def test_shutdown_cancels_a_running_playbook_and_the_next_start_resumes_it(cfg):
     store2, runner = asyncio.run(second())
     assert store2.get(iid).state == "done"
     assert [r.attempt for r in runner.requests] == [2]
+
+
+class LateSpawner:
+    """Test double of a runner caught between its start and its process's spawn when the replica steps
+    down: it spawns its playbook process (a `sleep` whose command line names the run directory, as
+    ansible-playbook's does) only once the engine has cancelled, then waits for it like the real runner."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.entered = threading.Event()
+        self.spawned: list[int] = []
+
+    def run_batch(self, runs, cancel):
+        self.entered.set()
+        while not cancel():
+            time.sleep(0.005)
+        marker = os.path.join(self.run_dir, "inc-000001", "step4-attempt1")
+        proc = subprocess.Popen(["sh", "-c", f"sleep 60; : {marker}"], start_new_session=True)
+        self.spawned.append(proc.pid)
+        proc.wait()
+        return [StepOutcome("canceled", None, "canceled")] * len(runs)
+
+
+def test_abandon_returns_only_once_a_playbook_spawned_after_the_step_down_is_gone(cfg):
+    """The replica stepping down sees every playbook process gone before the lease may pass, including a
+    process that a run spawned after the processes were first listed."""
+    runner = LateSpawner(cfg.runner.run_dir)
+
+    async def main():
+        store, engine = await start(cfg, runner)
+        (iid,) = store.ingest([validate_alert(alert(), cfg, TAX)]).created
+        engine.submit([iid])
+        await asyncio.get_running_loop().run_in_executor(None, runner.entered.wait, 30)
+        stopped = await asyncio.get_running_loop().run_in_executor(None, engine.abandon, 10.0)
+        # Returned: the late process was spawned and is gone, and no run can start another.
+        assert stopped is True
+        assert len(runner.spawned) == 1 and not procs.alive(runner.spawned[0])
+        assert not procs.pids_mentioning(os.path.join(cfg.runner.run_dir, ""))
+        await engine.stop(grace_s=0)
+        store.close()
+
+    asyncio.run(main())
 
 
 def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
