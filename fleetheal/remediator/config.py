@@ -142,10 +142,10 @@ class LeaderElectionConfig:
     identity: str = ""
     #: A follower takes the lease when the leader has not renewed it for this long (after a SIGKILL,
     #: failover takes about this plus retry_period_s).
-    lease_duration_s: float = 10.0
+    lease_duration_s: float = 8.0
     #: A leader that could not renew for this long has stepped down by then (before anyone else may take
     #: the lease: see docs/remediator.md, "The hand-over's timeline").
-    renew_deadline_s: float = 5.0
+    renew_deadline_s: float = 4.0
     #: How often the lease is renewed, or tried by followers.
     retry_period_s: float = 1.0
     #: How long a replica that steps down may take to see every one of its playbook processes gone.

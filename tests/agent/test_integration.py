@@ -39,7 +39,7 @@ def _need_slurm() -> None:
 
 def _metrics(port: int) -> dict[str, float]:
     """Scrape /metrics into {'name{labels}': value} (labels sorted as prometheus_client prints them)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -121,7 +121,7 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
     cluster.wait_for(
         "xid-31 in metrics",
         lambda: _series(_metrics(port), "fleetheal_agent_fault_active", fault_id="xid-31", gpu="1") == 1,
-        timeout=10,
+        timeout=60,
     )
     time.sleep(1.0)  # the fast path would have acted by now
     assert not cluster.node("n1").drained
@@ -131,7 +131,7 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
 
     # Xid 79 on GPU 3: n1 (and only n1) drained with an owned reason naming the fault and GPU.
     inject(state, "xid-79", gpu=3)
-    cluster.wait_for("n1 drained", lambda: cluster.node("n1").drained, timeout=10)
+    cluster.wait_for("n1 drained", lambda: cluster.node("n1").drained, timeout=60)
     reason = cluster.node("n1").reason
     assert reason is not None
     assert reason.startswith("fleetheal:xid-79 incident=agent-n1-")
@@ -141,7 +141,7 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
     cluster.wait_for(
         "the drain counted",
         lambda: _series(_metrics(port), "fleetheal_agent_fastpath_actions_total", action="drain", result="done") == 1,
-        timeout=10,
+        timeout=60,
     )
     m = _metrics(port)
     assert _series(m, "fleetheal_agent_fault_active", fault_id="xid-79", gpu="3", action="ISOLATE_AND_RELOCATE") == 1
@@ -162,7 +162,7 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
             (_series(_metrics(port), "fleetheal_agent_log_lines_unknown_total", source="kernel_log") or 0) >= 1
             and (_series(_metrics(port), "fleetheal_agent_read_errors_total", source="training") or 0) >= 1
         ),
-        timeout=10,
+        timeout=60,
     )
     # ... and still works: a valid kernel Xid line and a valid report after the bad ones are processed.
     bus = pci_bus_id(5)[4:-2].lower()
@@ -175,7 +175,7 @@ def test_xid_79_drains_xid_31_does_not_and_bad_input_is_counted(cluster, agent):
             _series(_metrics(port), "fleetheal_agent_fault_active", fault_id="xid-48", gpu="5") == 1
             and _series(_metrics(port), "fleetheal_agent_training_step", job="42") == 7
         ),
-        timeout=10,
+        timeout=60,
     )
     assert agent["proc"].poll() is None, agent["log"].read_text()[-2000:]
 

@@ -260,9 +260,10 @@ def _socket_agent(tmp_path, job_owners=None, **env):
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     sock = run_dir / "training.sock"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not sock.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert sock.exists(), "the agent never opened its training socket"
     return agent, thread, sock, run_dir
 
 
@@ -278,7 +279,7 @@ def test_a_flood_of_reports_for_new_jobs_does_not_stop_the_agent(tmp_path):
             c.sendto(json.dumps({"job": f"flood-{i}", "rank": 0, "step": 1}).encode(), str(sock))
             i += 1
         c.sendto(json.dumps({"job": "flood-0", "rank": 0, "step": 2}).encode(), str(sock))  # the agent still reads
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while _value(agent, "fleetheal_agent_training_step", node="n1", job="flood-0", rank="0") != 2:
             assert time.monotonic() < deadline, "the agent stopped reading its socket"
             time.sleep(0.01)
@@ -340,18 +341,18 @@ def test_a_local_user_cannot_raise_a_fault_for_someone_elses_job(tmp_path):
         _send_as(65534, sock, {**nan, "job": "4242"})  # someone else's job
         _send_as(65534, sock, {**nan, "job": "local"})  # no Slurm job at all
         _send_as(1000, sock, {**nan, "job": "7"})  # a job that does not run here
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while refused() < 3:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert faults() == set()
         _send_as(1000, sock, {**nan, "job": "4242"})  # the owner
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while faults() != {("nan-loss", "4242")}:
             assert time.monotonic() < deadline, faults()
             time.sleep(0.01)
         _send_as(0, sock, {**nan, "job": "4243", "gpu": 1})  # root speaks for any job
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while ("nan-loss", "4243") not in faults():
             assert time.monotonic() < deadline, faults()
             time.sleep(0.01)

@@ -134,7 +134,7 @@ def job_log(cluster: SlurmCluster, job: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+def wait_until(predicate: Any, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -349,7 +349,7 @@ def test_refuse_and_report_without_a_job_tells_no_one_on_a_shared_node(
         assert "not requeued" not in job_log(slurm, job)
     slurm.run("scancel", second)
     # scontrol, not squeue: from 23.02 `squeue --json` no longer lists a finished job.
-    wait_until(lambda: slurm.job(second)["JobState"] not in ("RUNNING", "COMPLETING"))
+    assert wait_until(lambda: slurm.job(second)["JobState"] not in ("RUNNING", "COMPLETING"))
     alone = playbooks.run("refuse_and_report.yml", _refuse_vars(playbooks, node, fleetheal_incident_id="inc-2"))
     assert alone.rc == 0, alone.stdout[-4000:]
     assert "incident=inc-2" in job_json(slurm, first)["comment"].split()

@@ -80,24 +80,33 @@ def test_restart_in_place_on_the_same_nodes_right_after_a_requeue(cluster: Slurm
     assert "credential revoked" not in (cluster.log_dir / "slurmctld.log").read_text().lower()
 
 
-def test_eight_jobs_on_one_failing_node_are_all_signalled_within_one_second(
+def test_eight_jobs_on_one_failing_node_are_all_signalled_by_one_scancel_before_any_requeue(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     log = tmp_path / "sig"
     jobs = [submit(cluster, log, "--nodes=1", "--nodelist=n1", "--gres=gpu:1", "--cpus-per-task=1") for _ in range(8)]
     for job in jobs:
         running(cluster, job)
-    slurm = steps.Slurm(settings(cluster, fleetheal_grace_seconds=1))
+    slurm = steps.Slurm(settings(cluster, fleetheal_grace_seconds=5))
+    calls: list[tuple[str, ...]] = []
+    real_run = slurm.run
+
+    def counted(command: str, *args: str, **kw: Any) -> str:
+        calls.append((command, *args, kw.get("stdin") or ""))
+        return real_run(command, *args, **kw)
+
+    slurm.run = counted  # type: ignore[method-assign]
     results = steps.requeue_jobs(slurm, "n1", "inc-8", "xid-79")
     assert sorted(r.outcome for r in results) == ["done"] * 9  # one signal for all, eight requeues
-    signalled = {}
-    for job in jobs:
+    # One scancel for all eight (not one job at a time, each after the previous one's requeue), and it
+    # comes before any requeue: the grace period is one for the node, however long Slurm takes to answer.
+    signals = [i for i, c in enumerate(calls) if c[0] == "scancel"]
+    assert len(signals) == 1 and sorted(calls[signals[0]][3:-1]) == sorted(jobs), calls
+    requeues = [i for i, c in enumerate(calls) if "requeue" in " ".join(c)]
+    assert requeues and signals[0] < min(requeues), calls
+    for job in jobs:  # and every batch script got it
         path = log / f"{job}.sig"
-        assert wait_until(lambda p=path: "USR1" in p.read_text(), 5), path.read_text()
-        signalled[job] = float(next(ln for ln in path.read_text().splitlines() if ln.startswith("USR1")).split()[1])
-    # one scancel for all: the eight batch scripts got the signal within a second of each other (not one
-    # job at a time, each after the previous one's requeue), however long Slurm took to answer
-    assert max(signalled.values()) - min(signalled.values()) < 1.0, signalled
+        assert wait_until(lambda p=path: "USR1" in p.read_text(), 60), path.read_text()
     for job in jobs:
         entry = job_json(cluster, job)
         assert entry["restart_cnt"] == 1 and "incident=inc-8" in entry["comment"]
@@ -186,14 +195,14 @@ def test_a_job_run_by_fleetheal_launch_restarts_in_its_allocation_once_per_incid
     log = tmp_path / "launch"
     job = submit_launch(cluster, log)
     nodes = running(cluster, job)["nodes"]
-    assert wait_until(lambda: "fleetheal-launch" in job_json(cluster, job)["comment"].split(), 15)
+    assert wait_until(lambda: "fleetheal-launch" in job_json(cluster, job)["comment"].split(), 120)
     lines = log / f"{job}.launch"
-    assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 15)
+    assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 120)
     for n in (1, 2):
         results = steps.requeue_jobs(slurm, nodes[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
         assert [r.step for r in results] == ["slurm_signal", "slurm_requeue"], results
         assert "in its allocation" in results[1].detail, results
-        assert wait_until(lambda n=n: f"start {n} inc-{n}" in lines.read_text(), 15), lines.read_text()
+        assert wait_until(lambda n=n: f"start {n} inc-{n}" in lines.read_text(), 120), lines.read_text()
         entry = job_json(cluster, job)
         assert entry["state"] == "RUNNING" and entry["restart_cnt"] == 0
         assert entry["nodes"] == nodes
@@ -212,11 +221,11 @@ def test_fleetheal_launch_under_a_shell_leaves_the_job_to_a_requeue(cluster: Slu
     job = submit_launch(cluster, log, exec_=False)
     nodes = running(cluster, job)["nodes"]
     lines = log / f"{job}.launch"
-    assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 15)
+    assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 120)
     assert "fleetheal-launch" not in job_json(cluster, job)["comment"]
     results = steps.requeue_jobs(slurm, nodes[0], "inc-1", "nccl-timeout", same_nodes=True)
     assert "requeued it on" in results[-1].detail, results
-    assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 15)
+    assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 120)
 
 
 #: A job holding a spare node: the command needs 2 of its 3 nodes and runs a real job step on them, which
@@ -242,9 +251,9 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     job = cluster.sbatch(script, "--requeue", "--nodes=3", "--exclusive", f"--output={log}/%j.out")
     entry = running(cluster, job)
     assert entry["nodes"] == ["n1", "n2", "n3"] and entry["batch_host"] == "n1"
-    assert wait_until(lambda: "fleetheal-nodes=2" in job_json(cluster, job)["comment"].split(), 15)
+    assert wait_until(lambda: "fleetheal-nodes=2" in job_json(cluster, job)["comment"].split(), 120)
     step_log = log / f"{job}.step"
-    assert wait_until(lambda: step_log.exists() and sorted(step_log.read_text().split()) == ["n1", "n2"], 15)
+    assert wait_until(lambda: step_log.exists() and sorted(step_log.read_text().split()) == ["n1", "n2"], 120)
 
     planned = steps.requeue_jobs(slurm, "n2", "inc-1", "xid-79", dry_run=True)
     assert "shrink n2 away" in planned[-1].detail, planned
@@ -253,8 +262,8 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     assert "n2 shrunk away, restarted on n1,n3" in results[-1].detail, results
 
     lines = log / f"{job}.launch"
-    assert wait_until(lambda: "start 1 inc-1 n[1,3] 2" in lines.read_text(), 20), lines.read_text()
-    assert wait_until(lambda: step_log.read_text().split()[2:] and "n3" in step_log.read_text().split()[2:], 15)
+    assert wait_until(lambda: "start 1 inc-1 n[1,3] 2" in lines.read_text(), 120), lines.read_text()
+    assert wait_until(lambda: step_log.read_text().split()[2:] and "n3" in step_log.read_text().split()[2:], 120)
     entry = job_json(cluster, job)
     assert entry["state"] == "RUNNING" and entry["restart_cnt"] == 0, entry
     assert entry["nodes"] == ["n1", "n3"]
@@ -267,7 +276,7 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     assert not steps.can_shrink(job_now, "n3") and not steps.can_shrink(job_now, "n1")
     requeued = steps.requeue_jobs(slurm, "n1", "inc-2", "xid-79")
     assert "requeued it" in requeued[-1].detail, requeued
-    assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 15)
+    assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 120)
 
 
 def test_restarts_in_the_job_count_toward_the_limit_and_a_forged_comment_word_counts_for_nothing() -> None:
@@ -406,7 +415,33 @@ def test_a_shared_read_never_started_before_its_caller_asked() -> None:
     with ThreadPoolExecutor(20) as pool:
         answers = list(pool.map(ask, [i * 0.01 for i in range(20)]))
     assert all(started >= asked for asked, started in answers)
-    assert len(reads) < 10  # 20 callers over 0.2 s, reads of 0.05 s
+    assert len(reads) <= 20  # callers that asked together shared a read (how many did depends on timing)
+
+
+def test_callers_that_ask_while_a_read_is_in_flight_share_the_next_one() -> None:
+    """Nine callers arrive while a read is in flight: they do not join it (it began before they asked),
+    they share the one read that starts after it."""
+    first_started, release = threading.Event(), threading.Event()
+    reads: list[int] = []
+
+    def fetch() -> int:
+        reads.append(len(reads))
+        if len(reads) == 1:
+            first_started.set()
+            assert release.wait(60)
+        return len(reads)
+
+    shared = steps._Shared(fetch)
+    with ThreadPoolExecutor(10) as pool:
+        first = pool.submit(shared.get)
+        assert first_started.wait(60)
+        waiting = [pool.submit(shared.get) for _ in range(9)]
+        # every one of them is waiting on the condition (CPython's Condition keeps its waiters' locks)
+        assert wait_until(lambda: len(shared._cond._waiters) == 9, 60)  # type: ignore[attr-defined]
+        release.set()
+        assert first.result()[1] == 1
+        assert {f.result()[1] for f in waiting} == {2}  # one read for the nine
+    assert len(reads) == 2
 
 
 def test_a_batch_caller_waits_for_its_own_batch_only_and_gets_its_own_error() -> None:
@@ -435,9 +470,31 @@ def test_a_batch_caller_waits_for_its_own_batch_only_and_gets_its_own_error() ->
         answers = list(pool.map(call, range(30)))
     assert sorted(seen) == list(range(30))  # every command sent once
     assert [e for _, _, e in answers] == [f"item {i}" if i % 5 == 0 else "" for i in range(30)]
-    assert len(starts) < 15
     for asked, answered, _ in answers:  # the batch in flight as it asked (or just starting), then its own
         assert len([t for t in starts if asked < t < answered]) <= 2
+
+
+def test_commands_submitted_while_a_batch_runs_go_as_one_next_batch() -> None:
+    first_started, release = threading.Event(), threading.Event()
+    batches: list[list[int]] = []
+
+    def run_batch(items: list[int]) -> list[Exception | None]:
+        batches.append(items)
+        if len(batches) == 1:
+            first_started.set()
+            assert release.wait(60)
+        return [None] * len(items)
+
+    batched = steps._Batched(run_batch)
+    with ThreadPoolExecutor(30) as pool:
+        first = pool.submit(batched.submit, 0)
+        assert first_started.wait(60)
+        rest = [pool.submit(batched.submit, i) for i in range(1, 30)]
+        assert wait_until(lambda: len(batched._pending) == 29, 60)
+        release.set()
+        for fut in [first, *rest]:
+            fut.result()
+    assert [sorted(b) for b in batches] == [[0], list(range(1, 30))]
 
 
 def test_a_value_with_a_newline_never_reaches_scontrol_as_a_second_command() -> None:

@@ -89,7 +89,7 @@ def test_cluster_schedules_fake_gpus_and_reports_drain(cluster):
     assert n2.drained
     assert n2.reason == reason
     cluster.scontrol("update", "nodename=n2", "state=resume")
-    cluster.wait_nodes("IDLE", nodes=["n2"], timeout=10)
+    cluster.wait_nodes("IDLE", nodes=["n2"], timeout=60)
 
 
 @pytest.mark.slurm

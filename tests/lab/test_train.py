@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -54,7 +53,7 @@ def test_grace_signal_requeue_and_resume_keep_one_log(tmp_path):
         )
         cluster.wait_for("a checkpoint", lambda: read_checkpoint(run) is not None, timeout=30)
         cluster.run("scancel", "--batch", f"--signal={signal.SIGUSR1.name[3:]}", job)
-        cluster.wait_for("the grace checkpoint", lambda: any(e["event"] == "signal" for e in read_events(run)), 10)
+        cluster.wait_for("the grace checkpoint", lambda: any(e["event"] == "signal" for e in read_events(run)), 60)
         assert cluster.job(job)["JobState"] == "RUNNING"  # it waits for the requeue
         saved = read_checkpoint(run)
         assert saved is not None and saved["why"] == "grace signal SIGUSR1"
@@ -63,7 +62,11 @@ def test_grace_signal_requeue_and_resume_keep_one_log(tmp_path):
         cluster.wait_for(
             "the second start", lambda: len([e for e in read_events(run) if e["event"] == "start"]) == 2, 60
         )
-        time.sleep(1.5)
+        cluster.wait_for(
+            "progress after the resume",
+            lambda: any(e["event"] == "progress" and e["step"] > saved["step"] for e in read_events(run)),
+            60,
+        )
         cluster.run("scancel", job)
         cluster.wait_for("the job ended", lambda: cluster.job(job)["JobState"] in ("CANCELLED", "COMPLETED"), 30)
 

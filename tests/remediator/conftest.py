@@ -123,12 +123,17 @@ def body(*alerts: dict[str, Any]) -> bytes:
 class RecordingRunner:
     """Test double of runner.AnsibleRunner: records each request, answers at once (or as told).
 
-    `outcomes` maps an attempt number to a status (default successful); `delay_s` simulates a run.
+    `outcomes` maps an attempt number to a status (default successful); `delay_s` simulates a run; `hold`
+    keeps the first run waiting until it is set.
     It checks the extra variables exactly like the real runner does.
     """
 
-    def __init__(self, delay_s: float = 0.0, outcomes: dict[int, str] | None = None) -> None:
+    def __init__(
+        self, delay_s: float = 0.0, outcomes: dict[int, str] | None = None, hold: threading.Event | None = None
+    ) -> None:
         self.delay_s = delay_s
+        #: When given, the first run waits for it to be set (it holds its slot until the test releases it).
+        self.hold = hold
         self.outcomes = outcomes or {}
         self.requests: list[StepRequest] = []
         self.batches: list[list[int]] = []  # the incident ids of each run
@@ -142,6 +147,9 @@ class RecordingRunner:
             self.batches.append([request.incident_id for request, _ in runs])
             self.running += 1
             self.max_running = max(self.max_running, self.running)
+            first = len(self.batches) == 1
+        if first and self.hold is not None:
+            assert self.hold.wait(120), "the test never released the first run"
         deadline = time.monotonic() + self.delay_s
         try:
             outcomes = []

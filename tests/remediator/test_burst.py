@@ -85,7 +85,10 @@ def test_a_burst_of_1000_alerts_for_200_nodes_stays_within_budget_and_is_never_d
             incidents = service.store.incidents(limit=10_000)
             assert len(incidents) == 1000
             assert len({(i.fingerprint, i.starts_at) for i in incidents}) == 1000
-            assert service.engine.gate.breaker_open()
+            # The storm opened the breaker (it may have closed again already: its quiet window runs from the
+            # last arrival, and a loaded machine can take longer than that to finish the burst).
+            opened = [e for e in service.store.audit_log(limit=100_000) if e["decision"] == "breaker_open"]
+            assert opened
 
             isolated = service.store.isolations()
             assert len(isolated) <= BUDGET

@@ -34,6 +34,14 @@ async def start(cfg, runner, sleeps=None):
     return store, engine
 
 
+async def _until(predicate, timeout=60.0):
+    """Wait in the loop for `predicate()` (the engine's tasks run meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def send(store, engine, cfg, *alerts):
     result = store.ingest([validate_alert(a, cfg, TAX) for a in alerts])
     engine.submit(result.created)
@@ -300,16 +308,10 @@ def test_first_responses_of_a_storm_never_wait_for_a_playbook_slot(tmp_path):
         await engine.start(workers=2)
         result = store.ingest([validate_alert(alert(node=f"gpu-{i:03d}"), cfg, TAX) for i in range(6)])
         engine.submit(result.created)
-        for _ in range(200):
-            if len(responder.nodes) == 6:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: len(responder.nodes) == 6)
         assert sorted(responder.nodes) == [f"gpu-{i:03d}" for i in range(6)]
         assert responder.playbooks_running == [0] * 6
-        for _ in range(200):
-            if runner.max_running:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: runner.max_running)
         assert runner.max_running == 1  # the playbook slot is held by the first run, the others wait
         await engine.stop(grace_s=0.1)
         firsts = [s for iid in result.created for s in store.steps(iid) if s.name == "first_response"]
@@ -329,15 +331,17 @@ def test_attempts_waiting_for_a_playbook_slot_run_together(tmp_path):
     )
 
     async def main():
-        runner = RecordingRunner(delay_s=0.5, outcomes={})
+        release = threading.Event()
+        runner = RecordingRunner(outcomes={}, hold=release)  # the first run holds the slot until released
         store, engine = await start(cfg, runner)
         (first,) = store.ingest([validate_alert(alert(node="gpu-000"), cfg, TAX)]).created
         engine.submit([first])
-        for _ in range(300):
-            if runner.batches:
-                break
-            await asyncio.sleep(0.01)
-        rest = await send(store, engine, cfg, *(alert(node=f"gpu-{i:03d}") for i in range(1, 7)))
+        await _until(lambda: runner.batches)
+        rest = store.ingest([validate_alert(alert(node=f"gpu-{i:03d}"), cfg, TAX) for i in range(1, 7)]).created
+        engine.submit(rest)
+        await _until(lambda: len(engine._waiting.get("isolate_and_relocate.yml", [])) == len(rest))
+        release.set()
+        await engine.wait_idle()
         await engine.stop()
         assert runner.batches[0] == [first]
         assert sorted(i for b in runner.batches[1:] for i in b) == sorted(rest)

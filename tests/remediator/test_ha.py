@@ -285,7 +285,7 @@ def test_postgresql_restarted_mid_run_the_remediator_waits_and_continues(fleet, 
     late: list[str] = []
     for data in payloads[2:]:
         # Alertmanager retries a 503 (nothing was persisted): so does this loop, until a replica accepts.
-        for _ in range(100):
+        for _ in range(600):  # up to a minute
             before = len(late)
             fleet.post(data, late)
             if len(late) == before:

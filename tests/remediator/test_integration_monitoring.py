@@ -131,7 +131,7 @@ def test_a_fault_reaches_the_remediator_through_prometheus_and_alertmanager(tmp_
         gauge.labels(**labels).set(0)
         _wait("the resolution", lambda: store.get(1).resolved_at is not None, 60)
         assert [e.kind for e in store.events(1)][-1] == "resolved"
-        _wait("the isolation to be released", lambda: "gpu-001" not in store.isolations(), 10)
+        _wait("the isolation to be released", lambda: "gpu-001" not in store.isolations(), 60)
         assert len(store.incidents()) == 1
         store.close()
     finally:

@@ -242,7 +242,7 @@ def test_the_repair_request_reaches_the_ticketing_webhook_with_its_token(tmp_pat
 
     async def scenario(client, service):
         await _isolated(client, service)
-        for _ in range(100):
+        for _ in range(1200):  # up to a minute
             if got:
                 break
             await asyncio.sleep(0.05)
@@ -282,7 +282,7 @@ def test_a_lifecycle_step_missed_at_an_incidents_end_is_caught_up(tmp_path, monk
         resp = await client.post("/webhook", data=body(alert(node="gpu-001", fault_id="xid-79")), headers=_auth(TOKEN))
         assert resp.status == 202
         await service.engine.wait_idle()
-        for _ in range(100):
+        for _ in range(1200):  # up to a minute
             if service.store.node_state("gpu-001").state == "awaiting_repair":
                 break
             await asyncio.sleep(0.05)
