@@ -9,19 +9,22 @@ signs its tokens (user `slurm`) with the key of the Controller's `jwtHs256KeyRef
 needs `AuthAltTypes=auth/jwt` with that key (`jwt_conf`) and `slurm_user="slurm"` (only SlurmUser and
 root may drain a node).
 
-Only one lab operator can run per machine: port 6820 is the operator's, fixed.
+Only one lab operator can run per machine: port 6820 is the operator's, fixed. A second one (a second test
+session) waits for the first to stop, on a lock of the port (`_port_lock`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import IO, Self
 
 from fleetheal.httpjson import request_json
 from fleetheal.lab.controlplane import log_tail
@@ -79,6 +82,27 @@ def _listening(port: int) -> bool:
     return True
 
 
+def _port_lock(wait_s: float) -> IO[str]:
+    """Hold the machine-wide lock of port 6820 (flock on a file in the temporary directory): a second lab
+    operator on this machine waits, up to `wait_s`, for the first to stop instead of failing on the port."""
+    lock = open(Path(tempfile.gettempdir()) / f"fleetheal-slurmrestd-{RESTAPI_PORT}.lock", "w")  # noqa: SIM115
+    try:
+        wait_until(lambda: _try_flock(lock), wait_s, f"the lock of port {RESTAPI_PORT} (another lab's operator)",
+                   interval=0.5)  # fmt: skip
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def _try_flock(lock: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 class Slurmrestd:
     """slurmrestd for `cluster` on 127.0.0.1:6820, JWT only, as uid/gid 65534 (it refuses root)."""
 
@@ -86,8 +110,17 @@ class Slurmrestd:
         self.cluster = cluster
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
+        self._lock: IO[str] | None = None
 
-    def start(self, timeout: float = 30.0) -> Self:
+    def start(self, timeout: float = 30.0, wait_s: float = 1800.0) -> Self:
+        self._lock = _port_lock(wait_s)  # another lab's operator (a second test session) goes first
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _start(self, timeout: float) -> Self:
         if not _port_free(RESTAPI_PORT):
             raise SlinkyLabError(f"127.0.0.1:{RESTAPI_PORT} is taken: another lab operator or slurmrestd runs here")
         # SLURM_JWT=daemon: slurmrestd hands each request's token on to slurmctld (Slurm's jwt.html).
@@ -120,6 +153,12 @@ class Slurmrestd:
             stop_pid(self.proc.pid, timeout=10)
             self.proc.wait()
             self.proc = None
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases its flock
+            self._lock = None
 
     def __enter__(self) -> Self:
         return self.start()

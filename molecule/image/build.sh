@@ -27,13 +27,16 @@ fi
 # gpg for apt keyrings; iproute2 (ss) and procps (ps) for verify; sudo for become_user tasks.
 packages=python3,python3-apt,python3-venv,python3-packaging,systemd,systemd-sysv,dbus,gpg,iproute2,procps,sudo,ca-certificates
 
+mkdir -p "$cache"
+exec 9>"$cache/molecule-image.lock"
+flock 9 # a second build (two `make` runs at once) waits for the first and then finds its image
+
 if [[ "${FLEETHEAL_IMAGE_REBUILD:-0}" != 1 ]] && podman image exists "$image" \
   && [[ "$(podman image inspect --format '{{ index .Config.Labels "fleetheal.image.version" }}' "$image")" == "$version" ]]; then
   echo "image $image (version $version) exists (FLEETHEAL_IMAGE_REBUILD=1 to rebuild)"
   exit 0
 fi
 
-mkdir -p "$cache"
 if [[ "${FLEETHEAL_IMAGE_REBUILD:-0}" == 1 || ! -s "$tarball" ]]; then
   root=$(mktemp -d "$cache/rootfs.XXXXXX")
   trap 'rm -rf "$root"' EXIT

@@ -17,6 +17,8 @@ for name in PyYAML prometheus-client nvidia-ml-py pyahocorasick aiohttp jsonsche
   pins+=("$pin")
 done
 mkdir -p "$out"
+exec 9>"$out/.lock"
+flock 9 # a second download (two `make` runs at once) waits for the first and then finds its stamp
 # Nothing to do (and no network needed) when these exact pins were downloaded before.
 stamp="$out/.pins"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "${pins[*]}" ]]; then

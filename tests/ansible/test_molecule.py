@@ -7,10 +7,13 @@ command to run. The remediation scenario starts a real Slurm on this machine ins
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,10 +78,19 @@ def test_every_role_has_a_scenario() -> None:
         assert "assert" in verify or "failed_when" in verify, f"molecule/{name}/verify.yml checks nothing"
 
 
+@pytest.fixture
+def machine_wide() -> Iterator[None]:
+    """The scenarios' containers and the remediation scenario's Slurm have fixed names on this machine:
+    a second test session (two CI runs on one runner) waits for the first instead of colliding with it."""
+    with open(Path(tempfile.gettempdir()) / "fleetheal-molecule.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.mark.molecule
-@pytest.mark.timeout(1000)  # above the scenario's own 900 s limit, which then reports what it was doing
+@pytest.mark.timeout(3000)  # above the scenario's own 900 s limit (and a wait for another session's scenario)
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_scenario(scenario: str, wheel: Path, tmp_path: Path) -> None:
+def test_scenario(scenario: str, wheel: Path, tmp_path: Path, machine_wide: None) -> None:
     if scenario not in LOCAL:
         if shutil.which("podman") is None:
             pytest.fail("podman is not installed (Debian package podman, with runc)")

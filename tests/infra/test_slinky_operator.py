@@ -388,3 +388,21 @@ def test_a_cordon_without_fleetheals_drain_hands_the_slurm_node_to_the_operator(
         "PATCH", f"/api/v1/nodes/{node}", {"spec": {"unschedulable": None}}, "application/merge-patch+json"
     )
     _wait("the operator to undrain the node", lambda: not lab.node(node).drained)
+
+
+def test_a_second_lab_operator_waits_for_the_port_instead_of_failing_on_it() -> None:
+    """Port 6820 is the operator's, fixed: two test sessions on one machine take turns on its lock."""
+    from fleetheal.lab.slinky import _port_lock
+    from fleetheal.wait import WaitTimeout
+
+    first = _port_lock(wait_s=1800)  # another session on this machine may hold it now
+    try:
+        with pytest.raises(WaitTimeout, match="another lab's operator"):
+            _port_lock(wait_s=0.6)
+        released = threading.Timer(0.3, first.close)
+        released.start()
+        second = _port_lock(wait_s=60)  # takes it once the first closes
+        second.close()
+        released.join()
+    finally:
+        first.close()

@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fleetheal.httpjson import request_json
 from fleetheal.lab.monitoring import free_port
-from fleetheal.procs import pids_mentioning
 from fleetheal.remediator.runner import kill_leftovers
 from fleetheal.remediator.store import Store
 from fleetheal.wait import wait_until
@@ -360,8 +360,11 @@ def test_a_leader_cut_off_from_the_database_stops_acting_before_another_replica_
     def watch() -> None:
         marker = os.path.join(str(a.run_dir), "")
         while not watching.is_set():
-            if pids_mentioning(marker):
-                last_seen[0] = time.time()
+            # The time is taken the moment a process is read, not after the whole listing (which can take
+            # long on a loaded machine): it is the last moment a playbook process of a's was seen alive.
+            for proc in psutil.process_iter(["cmdline"]):
+                if marker in " ".join(proc.info["cmdline"] or ()):
+                    last_seen[0] = max(last_seen[0], time.time())
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch, daemon=True)
