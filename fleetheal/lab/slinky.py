@@ -82,10 +82,16 @@ def _listening(port: int) -> bool:
     return True
 
 
-def _port_lock(wait_s: float) -> IO[str]:
-    """Hold the machine-wide lock of port 6820 (flock on a file in the temporary directory): a second lab
-    operator on this machine waits, up to `wait_s`, for the first to stop instead of failing on the port."""
-    lock = open(Path(tempfile.gettempdir()) / f"fleetheal-slurmrestd-{RESTAPI_PORT}.lock", "w")  # noqa: SIM115
+#: The machine-wide lock of port 6820, and how many of this process's Slurmrestd hold it (a flock is not
+#: re-entrant across open files: a second one in this process would wait for itself).
+PORT_LOCK = Path(tempfile.gettempdir()) / f"fleetheal-slurmrestd-{RESTAPI_PORT}.lock"
+_held_here = 0
+
+
+def _port_lock(wait_s: float, path: Path = PORT_LOCK) -> IO[str]:
+    """Hold the machine-wide lock of port 6820 (flock on `path`): a lab operator of another process on this
+    machine (a second test session) is waited for, up to `wait_s`, instead of failing on the port."""
+    lock = open(path, "w")  # noqa: SIM115 - returned, closed by the caller
     try:
         wait_until(lambda: _try_flock(lock), wait_s, f"the lock of port {RESTAPI_PORT} (another lab's operator)",
                    interval=0.5)  # fmt: skip
@@ -113,7 +119,10 @@ class Slurmrestd:
         self._lock: IO[str] | None = None
 
     def start(self, timeout: float = 30.0, wait_s: float = 1800.0) -> Self:
-        self._lock = _port_lock(wait_s)  # another lab's operator (a second test session) goes first
+        global _held_here  # noqa: PLW0603 - one count per process, like the flock it stands for
+        if _held_here == 0:  # else this process's own slurmrestd has the port: refused below, at once
+            self._lock = _port_lock(wait_s)  # another process's lab operator goes first
+            _held_here += 1
         try:
             return self._start(timeout)
         except BaseException:
@@ -156,9 +165,11 @@ class Slurmrestd:
         self._unlock()
 
     def _unlock(self) -> None:
+        global _held_here  # noqa: PLW0603
         if self._lock is not None:
             self._lock.close()  # closing the file releases its flock
             self._lock = None
+            _held_here -= 1
 
     def __enter__(self) -> Self:
         return self.start()

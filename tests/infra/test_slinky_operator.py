@@ -49,7 +49,9 @@ from fleetheal.wait import wait_until
 from ..ansible.conftest import Playbooks
 from ..conftest import SHARED
 
-pytestmark = [pytest.mark.kube, pytest.mark.slurm]
+# The timeout covers a wait for another test session's operator on this machine (port 6820's lock, up to
+# Slurmrestd's 1800 s), which the first test that starts a slurmrestd pays.
+pytestmark = [pytest.mark.kube, pytest.mark.slurm, pytest.mark.timeout(2400)]
 
 POOL = "h100"
 ACTIVE = ["gpu-h100-01", "gpu-h100-02", "gpu-h100-03"]
@@ -390,18 +392,20 @@ def test_a_cordon_without_fleetheals_drain_hands_the_slurm_node_to_the_operator(
     _wait("the operator to undrain the node", lambda: not lab.node(node).drained)
 
 
-def test_a_second_lab_operator_waits_for_the_port_instead_of_failing_on_it() -> None:
-    """Port 6820 is the operator's, fixed: two test sessions on one machine take turns on its lock."""
+def test_a_second_lab_operator_waits_for_the_port_instead_of_failing_on_it(tmp_path: Path) -> None:
+    """Port 6820 is the operator's, fixed: two test sessions on one machine take turns on its lock (here a
+    private lock file, so that this test never waits for another session's operator)."""
     from fleetheal.lab.slinky import _port_lock
     from fleetheal.wait import WaitTimeout
 
-    first = _port_lock(wait_s=1800)  # another session on this machine may hold it now
+    path = tmp_path / "port.lock"
+    first = _port_lock(wait_s=5, path=path)
     try:
         with pytest.raises(WaitTimeout, match="another lab's operator"):
-            _port_lock(wait_s=0.6)
+            _port_lock(wait_s=0.6, path=path)
         released = threading.Timer(0.3, first.close)
         released.start()
-        second = _port_lock(wait_s=60)  # takes it once the first closes
+        second = _port_lock(wait_s=60, path=path)  # takes it once the first closes
         second.close()
         released.join()
     finally:
