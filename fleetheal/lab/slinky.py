@@ -91,7 +91,9 @@ _held_here = 0
 def _port_lock(wait_s: float, path: Path = PORT_LOCK) -> IO[str]:
     """Hold the machine-wide lock of port 6820 (flock on `path`): a lab operator of another process on this
     machine (a second test session) is waited for, up to `wait_s`, instead of failing on the port."""
-    lock = open(path, "w")  # noqa: SIM115 - returned, closed by the caller
+    # Never through a symlink (the temporary directory is everyone's) and never truncating what is there.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    lock = os.fdopen(fd, "r+")
     try:
         wait_until(lambda: _try_flock(lock), wait_s, f"the lock of port {RESTAPI_PORT} (another lab's operator)",
                    interval=0.5)  # fmt: skip

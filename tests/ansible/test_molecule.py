@@ -82,7 +82,9 @@ def test_every_role_has_a_scenario() -> None:
 def machine_wide() -> Iterator[None]:
     """The scenarios' containers and the remediation scenario's Slurm have fixed names on this machine:
     a second test session (two CI runs on one runner) waits for the first instead of colliding with it."""
-    with open(Path(tempfile.gettempdir()) / "fleetheal-molecule.lock", "w") as lock:
+    path = Path(tempfile.gettempdir()) / "fleetheal-molecule.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)  # never through a symlink
+    with os.fdopen(fd, "r+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

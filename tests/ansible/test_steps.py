@@ -415,7 +415,6 @@ def test_a_shared_read_never_started_before_its_caller_asked() -> None:
     with ThreadPoolExecutor(20) as pool:
         answers = list(pool.map(ask, [i * 0.01 for i in range(20)]))
     assert all(started >= asked for asked, started in answers)
-    assert len(reads) <= 20  # callers that asked together shared a read (how many did depends on timing)
 
 
 def test_callers_that_ask_while_a_read_is_in_flight_share_the_next_one() -> None:

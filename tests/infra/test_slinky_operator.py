@@ -410,3 +410,17 @@ def test_a_second_lab_operator_waits_for_the_port_instead_of_failing_on_it(tmp_p
         released.join()
     finally:
         first.close()
+
+
+def test_the_port_lock_never_follows_a_symlink_a_local_user_planted(tmp_path: Path) -> None:
+    """The lock lives in the temporary directory, which every local user can write: a symlink planted at
+    its name must not make the lab (root) open, create or truncate the file it points to."""
+    from fleetheal.lab.slinky import _port_lock
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    planted = tmp_path / "port.lock"
+    planted.symlink_to(target)
+    with pytest.raises(OSError):
+        _port_lock(wait_s=1, path=planted)
+    assert target.read_text() == "keep me\n"
