@@ -184,7 +184,7 @@ class Service:
 
     def kill(self) -> None:
         """A pod's death: the process and its playbooks at once."""
-        from fleetheal.remediator.runner import kill_leftovers
+        from fleetheal.remediator.rundirs import kill_leftovers
 
         if self.proc.poll() is None:
             self.proc.kill()

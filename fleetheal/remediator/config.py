@@ -216,7 +216,7 @@ class RunnerConfig:
     #: grace period, kubeconfig, report dir). Passed as extra vars; never a per-incident contract variable.
     site_vars: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     #: Site settings that are secrets, besides those named *_token, *_password, *_passphrase, *_secret,
-    #: *_credentials, *_api_key or *_private_key (SECRET_SITE_VAR in runner.py). Secrets never go to a run
+    #: *_credentials, *_api_key or *_private_key (SECRET_SITE_VAR in scrub.py). Secrets never go to a run
     #: directory: they reach Ansible through a 0600 file in memory (/dev/shm) removed as soon as
     #: ansible-playbook has read it, and their values are masked in events and artifacts.
     secret_vars: tuple[str, ...] = ()

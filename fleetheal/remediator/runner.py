@@ -28,58 +28,51 @@ Events are scrubbed of every known secret value (the bearer token, secret enviro
 site settings) before ansible-runner writes them; after the run every artifact file is scrubbed once more
 (what a careless task without `no_log` printed to `stdout`).
 
-Run directories are pruned (`prune_run_dirs`, called by the engine at start-up and hourly): older than
-`runner.keep_runs_days` days or beyond the `runner.keep_runs` newest, never one of an unfinished incident.
+Run directories are pruned (rundirs.py's `prune_run_dirs`, called by the engine at start-up and hourly):
+older than `runner.keep_runs_days` days or beyond the `runner.keep_runs` newest, never one of an
+unfinished incident. The secrets' handling is in scrub.py.
 
-Engine-facing API: `AnsibleRunner.run_batch([(request, on_event), ...], cancel)` returns one outcome (or
-the RunnerInputError that refused it) per request; tests substitute any object with the same method (see
-`Runner`). `run(request, on_event, cancel)` is a batch of one.
+Engine-facing API: the engine hands each playbook attempt to `Batcher.run`, which waits for a playbook slot
+(`runner.max_concurrent`) with the other attempts of the same playbook and runs them together, at most
+`runner.max_hosts_per_run` per run. A batch's run is `AnsibleRunner.run_batch([(request, on_event), ...],
+cancel)`, which returns one outcome (or the RunnerInputError that refused it) per request; tests substitute
+any object with the same method (see `Runner`). `run(request, on_event, cancel)` is a batch of one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-import logging
 import os
 import re
 import shlex
 import shutil
-import signal
-import stat
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fleetheal import procs
 from fleetheal.contracts import PLAYBOOK_VARS
 from fleetheal.remediator import config as cfgmod
+from fleetheal.remediator.scrub import (
+    SECRET_NAME,
+    environment_secrets,
+    remove_stale_secret_files,
+    scrub_tree,
+    scrub_value,
+    secret_site_vars,
+    secret_strings,
+    write_secret_file,
+)
 from fleetheal.remediator.store import incident_ref
 
 #: Values a playbook variable may take: names, ids, indexes (never spaces, quotes, braces or `$`).
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}|")
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY|AUTH", re.IGNORECASE)
 #: Environment ansible-runner sets for itself; kept when the runner set or changed it.
 _RUNNER_PREFIXES = ("ANSIBLE_", "AWX_", "RUNNER_", "ORIGINAL_STDOUT_CALLBACK")
-MASK = "***"
-#: Site settings named so are secrets (`runner.secret_vars` names more): never written to a run directory.
-SECRET_SITE_VAR = re.compile(r"_(?:token|password|passphrase|secret|credentials?|api_key|private_key)$")
-#: Shorter strings of a secret site setting are not masked in artifacts (they would mask random text),
-#: as for secret environment variables (environment_secrets).
-_MIN_MASKED = 8
-#: The file of a run's secret site settings: <dir>/fleetheal-secret-vars-<pid>-<random>.json (0600).
-_SECRET_FILE_PREFIX = "fleetheal-secret-vars-"  # noqa: S105 - a file name, not a password
-#: What prune_run_dirs may remove: <run_dir>/inc-NNNNNN/step<S>-attempt<A>/ (nothing else is touched).
-_INCIDENT_DIR = re.compile(r"inc-[0-9]{6,}")
-_RUN_DIR = re.compile(r"step[0-9]+-attempt[0-9]+")
-#: The count limit (runner.keep_runs) never removes a run directory younger than this.
-PRUNE_MIN_AGE_S = 3600.0
-
-log = logging.getLogger("fleetheal.remediator.runner")
 
 
 class RunnerInputError(ValueError):
@@ -150,210 +143,6 @@ def run_dir_for(run_root: str, request: StepRequest) -> Path:
     return Path(run_root) / request.ref / f"step{request.step_id}-attempt{request.attempt}"
 
 
-def secret_site_vars(cfg: cfgmod.RunnerConfig) -> dict[str, Any]:
-    """The site settings that are secrets: named like one (SECRET_SITE_VAR) or listed in runner.secret_vars."""
-    listed = set(cfg.secret_vars)
-    return {k: v for k, v in cfg.site_vars.items() if k in listed or SECRET_SITE_VAR.search(k)}
-
-
-def _secret_strings(value: Any) -> Iterator[str]:
-    """Every string of a secret setting worth masking, also as JSON writes it (escaped)."""
-    if isinstance(value, str):
-        if len(value) >= _MIN_MASKED:
-            yield value
-            yield json.dumps(value)[1:-1]
-            yield json.dumps(value, ensure_ascii=False)[1:-1]
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _secret_strings(v)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from _secret_strings(v)
-
-
-def secret_vars_dir() -> str:
-    """Where the secret settings' file of a run lives: /dev/shm (memory) when usable, else the temp dir."""
-    shm = "/dev/shm"  # noqa: S108 - a private 0600 file made by mkstemp
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else tempfile.gettempdir()
-
-
-def remove_stale_secret_files(directory: str | None = None) -> int:
-    """Remove the secret settings' files a dead remediator left (a crash mid-run); how many were removed."""
-    directory = directory or secret_vars_dir()
-    removed = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.name.startswith(_SECRET_FILE_PREFIX):
-            continue
-        pid_text = entry.name[len(_SECRET_FILE_PREFIX) :].split("-", 1)[0]
-        try:
-            owner = entry.stat(follow_symlinks=False).st_uid
-        except OSError:
-            continue
-        if not pid_text.isdigit() or owner != os.getuid():
-            continue
-        pid = int(pid_text)
-        if pid == os.getpid() or procs.alive(pid):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(entry.path)
-            removed += 1
-    return removed
-
-
-def _write_secret_file(doc: Mapping[str, Any]) -> str:
-    fd, path = tempfile.mkstemp(prefix=f"{_SECRET_FILE_PREFIX}{os.getpid()}-", suffix=".json", dir=secret_vars_dir())
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:  # mkstemp: 0600, O_EXCL
-            json.dump(dict(doc), f, sort_keys=True)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    return path
-
-
-# --- pruning ------------------------------------------------------------------------------------------------
-
-
-def prune_run_dirs(
-    run_root: str, keep_days: float, keep: int, busy: Collection[str] = (), now: float | None = None
-) -> list[str]:
-    """Remove the run directories `<run_root>/inc-NNNNNN/step<S>-attempt<A>/` last modified more than
-    `keep_days` days ago, and those beyond the `keep` newest that are older than PRUNE_MIN_AGE_S (0: no
-    such limit), then the incident directories this left empty. Never one named in `busy` (a run
-    directory, or an incident's directory and so everything below it: the unfinished incidents'). Only
-    names of that form are touched and no symlink is followed. Returns the removed run directories."""
-    if keep_days <= 0 and keep <= 0:
-        return []
-    now = time.time() if now is None else now
-    protected = {os.path.abspath(p) for p in busy if p}
-    root = os.path.abspath(run_root)
-    runs: list[tuple[float, str, str]] = []  # (mtime, run dir, incident dir)
-    try:
-        incidents = [e for e in os.scandir(root) if _INCIDENT_DIR.fullmatch(e.name)]
-    except OSError:
-        return []
-    for inc in incidents:
-        if not inc.is_dir(follow_symlinks=False):
-            continue
-        try:
-            entries = [e for e in os.scandir(inc.path) if _RUN_DIR.fullmatch(e.name)]
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                runs.append((st.st_mtime, entry.path, inc.path))
-    runs.sort(reverse=True)  # newest first
-    removed: list[str] = []
-    emptied: set[str] = set()
-    for rank, (mtime, path, inc_path) in enumerate(runs):
-        if path in protected or inc_path in protected:
-            continue
-        age = now - mtime
-        too_old = keep_days > 0 and age > keep_days * 86400
-        too_many = keep > 0 and rank >= keep and age > PRUNE_MIN_AGE_S
-        if not (too_old or too_many):
-            continue
-        try:
-            shutil.rmtree(path)
-        except OSError as exc:
-            log.warning("cannot remove an old run directory", extra={"path": path, "error": str(exc)})
-            continue
-        removed.append(path)
-        emptied.add(inc_path)
-    for inc_path in emptied:
-        with contextlib.suppress(OSError):  # not empty: another run directory is still kept
-            os.rmdir(inc_path)
-    return removed
-
-
-# --- processes -------------------------------------------------------------------------------------------
-
-
-def process_start_time(pid: int) -> int | None:
-    """When `pid` started (milliseconds since the epoch), to tell a reused pid apart; None when it is gone."""
-    started = procs.start_time(pid)
-    return None if started is None else round(started * 1000)
-
-
-def _processes_using(path: str) -> list[int]:
-    """Pids whose command line mentions `path` (the private run dir of an interrupted step)."""
-    return list(procs.pids_mentioning(path))
-
-
-def kill_leftovers(run_dir: str, timeout_s: float = 5.0) -> list[int]:
-    """Kill what still runs of an interrupted step (after a crash), so a retry never runs beside it."""
-    if not run_dir:
-        return []
-    marker = os.path.join(os.path.abspath(run_dir), "")
-    pids = _processes_using(marker)
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    return procs.wait_gone(pids, timeout_s)
-
-
-# --- scrubbing ---------------------------------------------------------------------------------------------
-
-
-def environment_secrets(
-    env: Mapping[str, str], extra: Iterable[str] = (), allowed: Iterable[str] = ()
-) -> tuple[str, ...]:
-    """Values to keep out of artifacts: `extra` plus every secret-named variable of `env` (8+ chars)
-    except the `allowed` names an operator handed to Ansible on purpose."""
-    keep = set(allowed)
-    values = {v for v in extra if v}
-    values.update(v for k, v in env.items() if _SECRET_NAME.search(k) and k not in keep and len(v) >= 8)
-    return tuple(sorted(values, key=len, reverse=True))
-
-
-def _scrub_value(value: Any, secrets: Sequence[str]) -> Any:
-    if isinstance(value, str):
-        for s in secrets:
-            if s in value:
-                value = value.replace(s, MASK)
-        return value
-    if isinstance(value, dict):
-        for k in list(value):
-            value[k] = _scrub_value(value[k], secrets)
-        return value
-    if isinstance(value, list):
-        return [_scrub_value(v, secrets) for v in value]
-    return value
-
-
-def scrub_tree(root: Path, secrets: Sequence[str]) -> int:
-    """Replace secret values in every file under `root`; returns how many files changed."""
-    if not secrets:
-        return 0
-    needles = [s.encode() for s in secrets]
-    changed = 0
-    for path in root.rglob("*"):
-        if not path.is_file() or path.is_symlink():
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        new = data
-        for n in needles:
-            new = new.replace(n, MASK.encode())
-        if new != data:
-            path.write_bytes(new)
-            changed += 1
-    return changed
-
-
 class AnsibleRunner:
     """Runs the playbook an action maps to, one private directory per step attempt."""
 
@@ -362,7 +151,7 @@ class AnsibleRunner:
         self.configured = frozenset((*cfg.env_passthrough, *cfg.envvars))
         self.secret_vars = secret_site_vars(cfg)
         self.plain_vars = {k: v for k, v in cfg.site_vars.items() if k not in self.secret_vars}
-        site_secrets = [s for v in self.secret_vars.values() for s in _secret_strings(v)]
+        site_secrets = [s for v in self.secret_vars.values() for s in secret_strings(v)]
         self.secrets = environment_secrets(os.environ, [*secrets, *site_secrets], self.configured)
         if self.secret_vars:
             remove_stale_secret_files()
@@ -404,7 +193,7 @@ class AnsibleRunner:
             runners = key.startswith(_RUNNER_PREFIXES) and os.environ.get(key) != value
             if not (ours or runners):
                 continue
-            if (not ours and _SECRET_NAME.search(key)) or any(s in value for s in self.secrets):
+            if (not ours and SECRET_NAME.search(key)) or any(s in value for s in self.secrets):
                 continue
             out[key] = value
         return out
@@ -468,7 +257,7 @@ class AnsibleRunner:
         secrets = self.secrets
         # The secret site settings: a 0600 file outside the run directory, in memory where possible,
         # removed once ansible-playbook has read its extra vars (they are read before its first play).
-        secret_file = _write_secret_file(self.secret_vars) if self.secret_vars else None
+        secret_file = write_secret_file(self.secret_vars) if self.secret_vars else None
 
         def forget_secret_file() -> None:
             if secret_file is not None:
@@ -478,7 +267,7 @@ class AnsibleRunner:
         def handler(event: dict[str, Any]) -> bool:
             if event.get("event") == "playbook_on_start":
                 forget_secret_file()
-            _scrub_value(event, secrets)
+            scrub_value(event, secrets)
             pid = event.get("pid")
             if isinstance(pid, int) and not seen_pid:
                 seen_pid.append(pid)
@@ -567,3 +356,80 @@ def _convert_event(event: Mapping[str, Any]) -> RunnerEvent | None:
         counts = {k: sum((data.get(k) or {}).values()) for k in keys if isinstance(data.get(k), dict)}
         return RunnerEvent("stats", " ".join(f"{k}={v}" for k, v in counts.items()))
     return None
+
+
+# --- batching ----------------------------------------------------------------------------------------------
+
+#: Once a playbook slot is free, how long the attempts of one playbook gather before they run together.
+BATCH_WINDOW_S = 0.25
+#: One outcome per attempt of a batch (or the RunnerInputError that refused it).
+Outcomes = list[StepOutcome | RunnerInputError]
+
+
+class Batcher:
+    """In the engine's loop: attempts of the same playbook waiting for a playbook slot run together, as one
+    run in the first attempt's directory, each with its own outcome. `execute` runs a batch in a playbook
+    thread (the engine's fenced call of `Runner.run_batch`); `shared_dir(step_id, run_dir)` records where an
+    attempt ran when that is another attempt's directory; `spawn` starts a task the engine cancels at stop."""
+
+    def __init__(
+        self,
+        cfg: cfgmod.RunnerConfig,
+        *,
+        execute: Callable[[list[Run]], Outcomes],
+        shared_dir: Callable[[int, str], None],
+        spawn: Callable[[Coroutine[Any, Any, None], str], None],
+    ) -> None:
+        self.cfg = cfg
+        self._execute = execute
+        self._shared_dir = shared_dir
+        self._spawn = spawn
+        self._executor = ThreadPoolExecutor(max_workers=cfg.max_concurrent, thread_name_prefix="playbook")
+        self._slots = asyncio.Semaphore(cfg.max_concurrent)
+        self._waiting: dict[str, list[tuple[Run, asyncio.Future[Any]]]] = {}  # playbook -> attempts
+
+    async def run(self, run: Run) -> StepOutcome:
+        """Wait for a slot with the other attempts of the same playbook; run with them; this one's outcome."""
+        done: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
+        playbook = run[0].playbook
+        waiting = self._waiting.setdefault(playbook, [])
+        waiting.append((run, done))
+        if len(waiting) == 1:  # nobody is gathering this playbook's attempts yet
+            self._spawn(self._gather(playbook), f"playbook-{playbook}")
+        return await done
+
+    def close(self) -> None:
+        """At the engine's stop: wait for the running batches' threads; queued ones never start."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _gather(self, playbook: str) -> None:
+        waiting = self._waiting[playbook]
+        while waiting:
+            await self._slots.acquire()
+            await asyncio.sleep(BATCH_WINDOW_S)
+            batch = waiting[: self.cfg.max_hosts_per_run]
+            del waiting[: len(batch)]
+            self._spawn(self._run_batch(batch), f"playbook-{playbook}-run")
+        del self._waiting[playbook]  # no await since the loop's test: nothing joined in between
+
+    async def _run_batch(self, batch: list[tuple[Run, asyncio.Future[Any]]]) -> None:
+        try:
+            outcomes: list[StepOutcome | Exception]
+            try:  # whatever fails here (the database too) is every attempt's outcome: none waits forever
+                run_dir = str(run_dir_for(self.cfg.run_dir, batch[0][0][0]))
+                for (request, _), _ in batch[1:]:  # a batch runs in its first attempt's directory
+                    self._shared_dir(request.step_id, run_dir)
+                loop = asyncio.get_running_loop()
+                runs = [run for run, _ in batch]
+                outcomes = [*await loop.run_in_executor(self._executor, self._execute, runs)]
+            except Exception as exc:
+                outcomes = [exc] * len(batch)
+            for (_, done), outcome in zip(batch, outcomes, strict=True):
+                if done.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    done.set_exception(outcome)
+                else:
+                    done.set_result(outcome)
+        finally:
+            self._slots.release()

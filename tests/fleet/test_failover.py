@@ -210,7 +210,7 @@ def test_only_jobs_the_first_response_requeued_move_not_those_whose_comment_name
 
 def test_the_engine_reads_the_requeued_job_from_the_first_responses_own_words() -> None:
     from fleetheal import steps
-    from fleetheal.remediator.engine import REQUEUED
+    from fleetheal.remediator.stages import REQUEUED
 
     result = steps.StepResult("slurm_requeue", "done", "sent USR1 to job 67108865, requeued it with priority 1281")
     event = f"{result.step} {result.outcome}: {result.detail}"  # as the engine records a first-response step

@@ -339,7 +339,7 @@ def test_attempts_waiting_for_a_playbook_slot_run_together(tmp_path):
         await _until(lambda: runner.batches)
         rest = store.ingest([validate_alert(alert(node=f"gpu-{i:03d}"), cfg, TAX) for i in range(1, 7)]).created
         engine.submit(rest)
-        await _until(lambda: len(engine._waiting.get("isolate_and_relocate.yml", [])) == len(rest))
+        await _until(lambda: len(engine.batcher._waiting.get("isolate_and_relocate.yml", [])) == len(rest))
         release.set()
         await engine.wait_idle()
         await engine.stop()

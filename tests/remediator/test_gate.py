@@ -363,11 +363,11 @@ def test_a_decision_whose_record_fails_leaves_no_trace(tmp_path):
         (iid,) = h.store.ingest([validate_alert(alert(node="gpu-003"), cfg, TAX)]).created
         h.store.set_state(iid, "classified")
         with pytest.raises(StoreError):
-            h.engine._gate(h.store.get(iid))
+            h.engine.stages._gate(h.store.get(iid))
         assert h.store.storm_nodes(0.0) == 0 and h.store.audit_log() == [] and h.isolated() == []
         assert [s.name for s in h.store.steps(iid)] == ["receive"]
         h.store.record_decision = real
-        assert h.engine._gate(h.store.get(iid))
+        assert h.engine.stages._gate(h.store.get(iid))
         assert h.store.storm_nodes(0.0) == 1 and h.isolated() == ["gpu-003"]
 
     run(scenario, cfg)

@@ -27,7 +27,7 @@ import pytest
 
 from fleetheal.httpjson import request_json
 from fleetheal.lab.monitoring import free_port
-from fleetheal.remediator.runner import kill_leftovers
+from fleetheal.remediator.rundirs import kill_leftovers
 from fleetheal.remediator.store import Store
 from fleetheal.wait import wait_until
 from tests.remediator.conftest import TEST_PLAYBOOKS, TOKEN, alert, body, nodes

@@ -15,19 +15,9 @@ import pytest
 from fleetheal import taxonomy
 from fleetheal.procs import cmdline
 from fleetheal.remediator.config import ConfigError
-from fleetheal.remediator.runner import (
-    AnsibleRunner,
-    RunnerInputError,
-    StepRequest,
-    check_extravars,
-    kill_leftovers,
-    prune_run_dirs,
-    remove_stale_secret_files,
-    run_dir_for,
-    scrub_tree,
-    secret_site_vars,
-    secret_vars_dir,
-)
+from fleetheal.remediator.rundirs import kill_leftovers, prune_run_dirs
+from fleetheal.remediator.runner import AnsibleRunner, RunnerInputError, StepRequest, check_extravars, run_dir_for
+from fleetheal.remediator.scrub import remove_stale_secret_files, scrub_tree, secret_site_vars, secret_vars_dir
 from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN, make_config
 
