@@ -38,19 +38,18 @@ import os
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fleetheal import contracts, slurm_nodes, steps
+from fleetheal import contracts, httpjson, slurm_nodes, steps
 from fleetheal.remediator.config import Config
 from fleetheal.remediator.store import ACTIVE, FollowUp, Incident, NodeState, Store
 from fleetheal.taxonomy import Taxonomy
 
 log = logging.getLogger("fleetheal.remediator.lifecycle")
 
-#: The playbook attempt step's name (engine.PLAYBOOK_STEP; engine imports this module).
+#: The playbook attempt step's name (stages.PLAYBOOK_STEP; stages imports this module).
 _PLAYBOOK_STEP = "playbook"
 #: Alerts on one GPU within this many seconds of each other are one failure (for the lemon count).
 FAILURE_CORRELATION_S = 60.0
@@ -478,18 +477,17 @@ class Lifecycle:
 
     def _post(self, kind: str, node: str, doc: dict[str, Any]) -> None:
         lc = self.cfg.lifecycle
-        headers = {"Content-Type": "application/json"}
+        token = None
         if lc.repair_webhook_token_file:
             with contextlib.suppress(OSError), open(lc.repair_webhook_token_file, encoding="utf-8") as f:
-                headers["Authorization"] = "Bearer " + f.readline().strip()
-        request = urllib.request.Request(lc.repair_webhook_url, json.dumps(doc).encode(), headers, method="POST")  # noqa: S310 - http(s) checked in config
-        for attempt in range(3):
-            try:
-                with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - http(s) checked in config
-                    log.info("lifecycle: report sent", extra={"node": node, "kind": kind, "status": response.status})
-                    return
-            except OSError as exc:
-                log.warning("lifecycle: report not sent", extra={"node": node, "kind": kind, "attempt": attempt + 1,
-                                                                 "error": str(exc)[:200]})  # fmt: skip
-                if attempt < 2:
-                    time.sleep(2**attempt)
+                token = f.readline().strip()
+
+        def not_sent(attempt: int, exc: OSError) -> None:
+            log.warning("lifecycle: report not sent", extra={"node": node, "kind": kind, "attempt": attempt,
+                                                             "error": str(exc)[:200]})  # fmt: skip
+
+        try:
+            status = httpjson.send_json("POST", lc.repair_webhook_url, doc, token=token, attempts=3, on_error=not_sent)
+        except OSError:
+            return  # logged by not_sent
+        log.info("lifecycle: report sent", extra={"node": node, "kind": kind, "status": status})
