@@ -8,33 +8,32 @@
   workers stopped, incidents wait to retry after database errors, or the queue stalled.
 - `GET /metrics`: Prometheus text format (see metrics.py).
 
-`Service` wires config, store, engine, runner and metrics together; `serve()` runs it until SIGTERM.
+`Service` wires config, store, engine, runner and metrics together; serve.py starts it and runs it until
+SIGTERM, connections.py guards it against slow clients.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hmac
 import logging
 import os
-import signal
-import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 
-from fleetheal import logs, steps
+from fleetheal import steps
 from fleetheal import taxonomy as taxmod
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import failover as failmod
 from fleetheal.remediator import alerts
 from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
+from fleetheal.remediator.connections import ConnectionGuard
 from fleetheal.remediator.engine import Engine
 from fleetheal.remediator.leader import LeaderElector, Probe, api_client
 from fleetheal.remediator.lifecycle import LifecycleError
@@ -50,12 +49,6 @@ WEBHOOK_PATH = "/webhook"
 #: The operators' node API: a node's repair is done (fleetheal nodes repaired NODE).
 NODE_REPAIRED_PATH = "/api/v1/nodes/{node}/repaired"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def setup_logging(level: str = "INFO") -> None:
-    """fleetheal's JSON log lines (fleetheal.logs) on stderr; aiohttp's access log only from warnings up."""
-    logs.setup_logging(level)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 class GroupCommit:
@@ -104,143 +97,6 @@ class GroupCommit:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
-
-
-_REFUSED = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 25\r\n"
-    b"Connection: close\r\n\r\ntoo many connections; retry"
-)
-
-
-class ConnectionGuard:
-    """What slow or idle clients can hold: at most `limit` connections, each with a deadline for its
-    request head. aiohttp has neither (it accepts every connection and reads a head for as long as the
-    client takes; its keep-alive timer is an hour), so a thousand slow-loris connections used up the
-    process's open files (1024 under systemd) and nothing, not even /healthz, was accepted any more.
-
-    - A connection must deliver a complete request head within `header_timeout_s` of its start or of its
-      previous response, else it is closed (`header_timeout`). A request in progress has no such
-      deadline; the webhook bounds its own body (`webhook.body_timeout_s`).
-    - At the limit a new connection takes the place of the one that has waited longest for a request
-      head (`evicted`): that one holds no work, while a client that sends its request at once
-      (Alertmanager, a /healthz probe) is the newest waiting one and is busy a moment later. So /healthz
-      stays reachable while slow clients hammer the webhook. Only when every connection is busy with a
-      request is the new one answered 503 and closed (`limit`).
-
-    `wrap(factory)` gives the protocol factory for `loop.create_server`; the service's middleware tells
-    the guard when a request starts and ends (`serving`). Connections the guard does not know (the test
-    server of aiohttp) are left alone.
-    """
-
-    def __init__(self, limit: int, header_timeout_s: float, metrics: Metrics) -> None:
-        self.limit = limit
-        self.header_timeout_s = header_timeout_s
-        self.metrics = metrics
-        self._open: dict[asyncio.BaseTransport, _GuardedConnection] = {}
-        #: Connections waiting for a request head, the longest waiting first.
-        self._waiting: dict[_GuardedConnection, None] = {}
-        metrics.connections_open.set_function(lambda: len(self._open))
-
-    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        return lambda: _GuardedConnection(self, factory())
-
-    def admit(self, conn: _GuardedConnection) -> bool:
-        if len(self._open) >= self.limit:
-            oldest = next(iter(self._waiting), None)
-            if oldest is None:
-                self.metrics.connection_closed("limit")
-                return False
-            self.drop(oldest, "evicted")
-        assert conn.transport is not None
-        self._open[conn.transport] = conn
-        self.waiting(conn)
-        return True
-
-    def waiting(self, conn: _GuardedConnection) -> None:
-        """`conn` waits for a request head from now on (it is the newest waiting connection)."""
-        self._waiting.pop(conn, None)
-        self._waiting[conn] = None
-        conn.set_deadline(asyncio.get_running_loop().call_later(self.header_timeout_s, self.expired, conn))
-
-    def expired(self, conn: _GuardedConnection) -> None:
-        if conn in self._waiting:
-            self.drop(conn, "header_timeout")
-
-    def drop(self, conn: _GuardedConnection, reason: str) -> None:
-        """Close `conn` now (abort: nothing it still has to send is worth waiting for) and count why."""
-        self.metrics.connection_closed(reason)
-        self.release(conn)
-        assert conn.transport is not None
-        conn.transport.abort()
-
-    def release(self, conn: _GuardedConnection) -> None:
-        conn.set_deadline(None)
-        self._waiting.pop(conn, None)
-        if conn.transport is not None:
-            self._open.pop(conn.transport, None)
-
-    @contextlib.contextmanager
-    def serving(self, transport: asyncio.BaseTransport | None) -> Iterator[None]:
-        """A request is in progress on `transport` (its head is in): no head deadline, never evicted."""
-        conn = self._open.get(transport) if transport is not None else None
-        if conn is None or transport is None:
-            yield
-            return
-        conn.busy += 1
-        conn.set_deadline(None)
-        self._waiting.pop(conn, None)
-        try:
-            yield
-        finally:
-            conn.busy -= 1
-            if conn.busy == 0 and self._open.get(transport) is conn:
-                self.waiting(conn)
-
-
-class _GuardedConnection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, admitted and timed by a ConnectionGuard."""
-
-    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
-        self.guard = guard
-        self.inner = inner
-        self.transport: asyncio.Transport | None = None
-        self.admitted = False
-        self.busy = 0
-        self._deadline: asyncio.TimerHandle | None = None
-
-    def set_deadline(self, handle: asyncio.TimerHandle | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = handle
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # a stream transport (TCP or TLS)
-        self.admitted = self.guard.admit(self)
-        if self.admitted:
-            self.inner.connection_made(transport)
-        else:
-            self.transport.write(_REFUSED)  # type: ignore[union-attr]
-            self.transport.close()  # type: ignore[union-attr]
-
-    def data_received(self, data: bytes) -> None:
-        if self.admitted:
-            self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.admitted else None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.admitted:
-            self.guard.release(self)
-            self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self.admitted:
-            self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.admitted:
-            self.inner.resume_writing()
 
 
 def _error(status: int, reason: str, **extra: Any) -> web.Response:
@@ -618,80 +474,6 @@ class Service:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def process_age() -> float | None:
-    """Seconds since this process was started (exec), from /proc; None where /proc is missing.
-
-    Both figures count from boot: the process's start time in clock ticks and /proc/uptime. (The boot
-    time of /proc/stat, `btime`, is whole seconds, so an age computed from it and the wall clock was off
-    by up to a second, by an amount fixed for each boot.)"""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime", encoding="ascii") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return round(uptime - ticks / os.sysconf("SC_CLK_TCK"), 3)
-
-
-def ssl_context(cfg: Config) -> ssl.SSLContext | None:
-    if not cfg.listen.tls_cert_file or not cfg.listen.tls_key_file:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cfg.listen.tls_cert_file, cfg.listen.tls_key_file)
-    return ctx
-
-
-class StartupError(RuntimeError):
-    """The service cannot start: another instance, the database or the port. One line for the operator."""
-
-
-def instance_lock(store_path: str) -> int:
-    """Hold `<store.path>.lock` (flock) for the life of the service and return its descriptor.
-
-    A second remediator on the same database would resume the live one's incidents as if they had been
-    interrupted: kill their playbooks, count failed attempts and do their side effects again. The lock is
-    the kernel's, so it goes with the process however that ends (no stale lock after a SIGKILL)."""
-    path = store_path + ".lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise StartupError(f"cannot create the lock file {path}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        raise StartupError(
-            f"another remediator (pid {holder}) already serves the database {store_path}; "
-            "stop it first (it holds " + path + ")"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-async def listen(service: Service, runner: web.AppRunner) -> tuple[asyncio.Server, str]:
-    """Listen on `listen.host:port` with aiohttp's protocol behind the service's ConnectionGuard (instead
-    of aiohttp's TCPSite, which offers no hook for it); return the server and its URL (the real port when
-    listen.port is 0). `server.close()` before `runner.cleanup()` when done."""
-    cfg = service.cfg
-    assert runner.server is not None, "runner.setup() first"
-    ctx = ssl_context(cfg)
-    server = await asyncio.get_running_loop().create_server(
-        service.connections.wrap(runner.server),
-        cfg.listen.host,
-        cfg.listen.port,
-        ssl=ctx,
-        # A TLS handshake has the same deadline as a request head (asyncio's default is a minute).
-        ssl_handshake_timeout=cfg.listen.header_timeout_s if ctx is not None else None,
-        backlog=128,
-    )
-    port = server.sockets[0].getsockname()[1] if server.sockets else cfg.listen.port
-    return server, f"{'https' if ctx is not None else 'http'}://{cfg.listen.host}:{port}"
-
-
 def operator_token(cfg: Config) -> bytes:
     """The node API's token (b"" when auth.operator_token_file is unset); ConfigError when unusable."""
     path = cfg.auth.operator_token_file
@@ -707,57 +489,3 @@ def operator_token(cfg: Config) -> bytes:
     if hmac.compare_digest(token.encode(), cfg.token.encode()):
         raise ConfigError("auth.operator_token_file: use a token different from the webhook's")
     return token.encode()
-
-
-async def run_service(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT; `ready` gets the URL once the socket listens. StartupError when it
-    cannot start (nothing is left running then)."""
-    # SQLite: one process per database file. A shared PostgreSQL store has replicas; the Lease and the
-    # store's fencing epoch keep all but one from acting.
-    lock = None if cfg.store.url_file else instance_lock(cfg.store.path)
-    try:
-        await _serve(cfg, ready)
-    finally:
-        if lock is not None:
-            os.close(lock)
-
-
-async def _serve(cfg: Config, ready: Callable[[str], None] | None) -> None:
-    try:
-        service = Service(cfg)
-    except (StoreError, OSError) as exc:
-        where = "PostgreSQL (store.url_file)" if cfg.store.url_file else cfg.store.path
-        raise StartupError(f"cannot open the database {where}: {exc}") from None
-    except ConfigError as exc:
-        raise StartupError(str(exc)) from None
-    runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
-    await runner.setup()
-    try:
-        server, url = await listen(service, runner)
-    except OSError as exc:
-        await runner.cleanup()
-        raise StartupError(f"cannot listen on {cfg.listen.host}:{cfg.listen.port}: {exc.strerror or exc}") from None
-    log.info(
-        "remediator listening",
-        extra={
-            "url": url,
-            "cluster": cfg.cluster.name,
-            "config": cfg.source,
-            "startup_s": process_age(),
-            "startup_cpu_s": round(sum(os.times()[:2]), 3),
-        },
-    )
-    if ready is not None:
-        ready(url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        log.info("remediator stopping")
-        server.close()
-        await runner.cleanup()
-        await server.wait_closed()

@@ -156,8 +156,8 @@ def _dur(seconds: float | None) -> str:
 def serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from fleetheal.remediator.app import StartupError, run_service, setup_logging
     from fleetheal.remediator.config import ConfigError, require_token
+    from fleetheal.remediator.serve import StartupError, run_service, setup_logging
 
     setup_logging(args.log_level)
     cfg = _load(args)

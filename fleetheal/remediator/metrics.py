@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NS = "fleetheal_remediator"
 
-#: Why the service closed a client connection itself (app.ConnectionGuard).
+#: Why the service closed a client connection itself (connections.ConnectionGuard).
 CONNECTION_CLOSE_REASONS = ("limit", "evicted", "header_timeout")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

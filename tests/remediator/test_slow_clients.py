@@ -21,7 +21,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from fleetheal.remediator.app import Service, listen
+from fleetheal.remediator.app import Service
+from fleetheal.remediator.serve import listen
 from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config
 from tests.remediator.test_app import AUTH, start_server, stop_server, write_config
 
