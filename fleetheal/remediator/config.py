@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fleetheal import contracts, settings, steps
-from fleetheal.contracts import PLAYBOOK_VARS
+from fleetheal.remediator import configschema
 from fleetheal.settings import ConfigError as ConfigError  # noqa: PLC0414 - re-exported: callers catch it here
 
 ENV_PREFIX = "FLEETHEAL_REMEDIATOR_"
@@ -32,12 +32,7 @@ DEFAULT_CONFIG_PATH = "/etc/fleetheal/remediator.yaml"
 #: Shortest bearer token the service accepts (a guessable token is no authentication).
 MIN_TOKEN_LENGTH = 16
 
-#: Kubernetes node names are RFC 1123 subdomains (Slurm node names in fleetheal are the same names).
-_RFC1123_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
-RFC1123_NAME = re.compile(rf"(?:{_RFC1123_LABEL}\.)*{_RFC1123_LABEL}")
-_DOMAIN_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
-_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
-_SITE_VAR = re.compile(r"fleetheal_[a-z0-9_]+")
+RFC1123_NAME = re.compile(configschema.RFC1123)
 
 
 def _repo_root() -> Path:
@@ -363,28 +358,10 @@ def _read_token(auth: AuthConfig, env: Mapping[str, str]) -> tuple[str, str]:
 
 
 def _check(cfg: Config) -> None:
-    c = cfg.cluster
-    if not _DOMAIN_NAME.fullmatch(c.name):
-        raise ConfigError(f"cluster.name: {c.name!r} is not a simple name (letters, digits, '.', '_', '-')")
-    if not c.nodes:
-        raise ConfigError("cluster.nodes: list the cluster's nodes (node name -> failure domain)")
-    for node, domain in c.nodes.items():
-        if not is_node_name(node):
-            raise ConfigError(f"cluster.nodes: {node!r} is not an RFC 1123 node name")
-        if not _DOMAIN_NAME.fullmatch(domain):
-            raise ConfigError(f"cluster.nodes.{node}: failure domain {domain!r} is not a simple name")
-    if not 0 <= cfg.listen.port < 65536:
-        raise ConfigError(f"listen.port: {cfg.listen.port} is not a TCP port")
+    """SCHEMA (configschema.py) first: ranges, names, required entries; then the rules across settings."""
+    configschema.check({name: configschema.as_json(getattr(cfg, name)) for name in _SECTIONS})
     if (cfg.listen.tls_cert_file is None) != (cfg.listen.tls_key_file is None):
         raise ConfigError("listen.tls_cert_file and listen.tls_key_file: set both for TLS, or neither")
-    if cfg.listen.max_connections < 1:
-        raise ConfigError(f"listen.max_connections: {cfg.listen.max_connections} must be >= 1")
-    if not cfg.listen.header_timeout_s > 0:
-        raise ConfigError(f"listen.header_timeout_s: {cfg.listen.header_timeout_s} must be > 0")
-    if cfg.webhook.max_body_bytes < 1024 or cfg.webhook.max_alerts < 1:
-        raise ConfigError("webhook: max_body_bytes must be >= 1024 and max_alerts >= 1")
-    if not cfg.webhook.body_timeout_s > 0:
-        raise ConfigError(f"webhook.body_timeout_s: {cfg.webhook.body_timeout_s} must be > 0")
     le = cfg.leader_election
     if cfg.store.url_file and not le.enabled:
         raise ConfigError(
@@ -409,30 +386,11 @@ def _check(cfg: Config) -> None:
             raise ConfigError("leader_election: namespace and lease_name must be RFC 1123 names")
     if cfg.membership.enabled and not is_node_name(cfg.membership.namespace):
         raise ConfigError(f"membership.namespace: {cfg.membership.namespace!r} is not an RFC 1123 name")
-    if not cfg.membership.resync_s > 0 or cfg.membership.release_grace_s < 0:
-        raise ConfigError("membership: resync_s > 0 and release_grace_s >= 0 are required")
+    # Case-insensitive, as SQLite's PRAGMA is.
     if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
         raise ConfigError(f"store.synchronous: {cfg.store.synchronous!r} is not one of FULL, NORMAL, EXTRA")
     r = cfg.runner
-    if r.timeout_s < 1 or r.retries < 0 or r.backoff_s < 0 or r.max_concurrent < 1 or r.max_hosts_per_run < 1:
-        raise ConfigError(
-            "runner: timeout_s >= 1, retries >= 0, backoff_s >= 0, max_concurrent >= 1 and max_hosts_per_run >= 1"
-            " are required"
-        )
-    for name in (*r.env_passthrough, *r.envvars):
-        if not _ENV_NAME.fullmatch(name):
-            raise ConfigError(f"runner: {name!r} is not an environment variable name")
-    if r.keep_runs_days < 0 or r.keep_runs < 0:
-        raise ConfigError("runner: keep_runs_days >= 0 and keep_runs >= 0 are required (0: no limit)")
-    for name in r.secret_vars:
-        if not _SITE_VAR.fullmatch(name):
-            raise ConfigError(f"runner.secret_vars: {name!r} is not a site setting (a fleetheal_* name)")
     for name, value in r.site_vars.items():
-        if not _SITE_VAR.fullmatch(name) or name in PLAYBOOK_VARS:
-            raise ConfigError(
-                f"runner.site_vars: {name!r} is not a site setting (a fleetheal_* name that is not one of the "
-                "per-incident variables in fleetheal.contracts.PLAYBOOK_VARS)"
-            )
         try:
             json.dumps(value)
         except (TypeError, ValueError):
@@ -441,32 +399,12 @@ def _check(cfg: Config) -> None:
         steps.Settings.from_vars(r.site_vars)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"runner.site_vars: {exc}") from None
-    g = cfg.gate
-    b = g.budget
-    if b.max_isolated < 0 or b.max_isolated_per_domain < 0:
-        raise ConfigError("gate.budget: the absolute caps must be >= 0")
-    for key in ("max_isolated_fraction", "max_isolated_fraction_per_domain"):
-        if not 0.0 <= getattr(b, key) <= 1.0:
-            raise ConfigError(f"gate.budget.{key}: must be between 0 and 1")
-    if g.breaker.storm_nodes < 1 or g.breaker.window_s <= 0 or g.breaker.quiet_s < 0:
-        raise ConfigError("gate.breaker: storm_nodes >= 1, window_s > 0 and quiet_s >= 0 are required")
-    if g.lemon.threshold < 1 or g.lemon.window_s <= 0:
-        raise ConfigError("gate.lemon: threshold >= 1 and window_s > 0 are required")
-    if g.max_requeues_per_job < 0 or g.recheck_interval_s <= 0:
-        raise ConfigError("gate: max_requeues_per_job >= 0 and recheck_interval_s > 0 are required")
-    lc = cfg.lifecycle
-    if lc.standby_target < 0 or lc.reconcile_interval_s <= 0:
-        raise ConfigError("lifecycle: standby_target >= 0 and reconcile_interval_s > 0 are required")
-    if lc.repair_webhook_url and not lc.repair_webhook_url.startswith(("http://", "https://")):
-        raise ConfigError(f"lifecycle.repair_webhook_url: {lc.repair_webhook_url!r} is not an http(s) URL")
     _check_failover(cfg)
 
 
 def _check_failover(cfg: Config) -> None:
     """An enabled failover needs a fleet file that names this cluster and the default store."""
     fo = cfg.failover
-    if fo.wait_s < 0 or fo.timeout_s <= 0:
-        raise ConfigError("failover: wait_s >= 0 and timeout_s > 0 are required")
     if not fo.enabled:
         return
     if not fo.fleet_file:
