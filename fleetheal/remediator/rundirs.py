@@ -87,17 +87,12 @@ def process_start_time(pid: int) -> int | None:
     return None if started is None else round(started * 1000)
 
 
-def _processes_using(path: str) -> list[int]:
-    """Pids whose command line mentions `path` (the private run dir of an interrupted step)."""
-    return list(procs.pids_mentioning(path))
-
-
 def kill_leftovers(run_dir: str, timeout_s: float = 5.0) -> list[int]:
     """Kill what still runs of an interrupted step (after a crash), so a retry never runs beside it."""
     if not run_dir:
         return []
     marker = os.path.join(os.path.abspath(run_dir), "")
-    pids = _processes_using(marker)
+    pids = list(procs.pids_mentioning(marker))  # the private run dir of an interrupted step
     for pid in pids:
         with contextlib.suppress(OSError):
             os.killpg(os.getpgid(pid), signal.SIGKILL)

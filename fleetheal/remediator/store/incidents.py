@@ -1,4 +1,4 @@
-"""Incidents, their steps and events: what the state machine (engine.py) persists.
+"""Incidents, their steps and events: what the state machine (stages.py) persists.
 
 The same alert twice (fingerprint and start time) is one incident (a UNIQUE constraint, not a check in
 Python). Ingesting alerts is the one write any replica makes (followers persist webhooks and answer 202);
@@ -17,7 +17,7 @@ from typing import Any
 from fleetheal.remediator.alerts import Alert, AlertFacts
 from fleetheal.remediator.store.db import Database, Row, StoreError, Tx
 
-#: Incident states, in order (the state machine of engine.py).
+#: Incident states, in order (the state machine of stages.py).
 STATES = ("received", "classified", "gated", "acting", "done", "failed")
 TERMINAL = ("done", "failed")
 
