@@ -14,6 +14,26 @@ from typing import Any
 #: Slurm drain reasons fleetheal owns start with this; it never undrains a node without it.
 DRAIN_REASON_PREFIX = "fleetheal:"
 
+#: A node's name, in Slurm and in Kubernetes alike: an RFC 1123 subdomain (dot-separated labels of 1-63
+#: lower-case letters, digits and inner hyphens), 253 characters at most (`is_node_name`).
+NODE_NAME_PATTERN = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?)*"
+#: A Slurm cluster's name (its ClusterName) in fleetheal: a letter, then up to 39 lower-case letters, digits or
+#: hyphens (it names Kubernetes objects and accounting rows too; `is_cluster_name`).
+CLUSTER_NAME_PATTERN = r"[a-z][a-z0-9-]{0,39}"
+_NODE_NAME = re.compile(NODE_NAME_PATTERN)
+_CLUSTER_NAME = re.compile(CLUSTER_NAME_PATTERN)
+
+
+def is_node_name(name: object) -> bool:
+    """True for a valid node name (NODE_NAME_PATTERN)."""
+    return isinstance(name, str) and len(name) <= 253 and _NODE_NAME.fullmatch(name) is not None
+
+
+def is_cluster_name(name: object) -> bool:
+    """True for a valid Slurm cluster name (CLUSTER_NAME_PATTERN)."""
+    return isinstance(name, str) and _CLUSTER_NAME.fullmatch(name) is not None
+
+
 #: Kubernetes label/taint prefix.
 K8S_PREFIX = "fleetheal.io/"
 #: Taint put on a node fleetheal isolated (effect NoSchedule; value = fault id).
@@ -106,7 +126,6 @@ _REQUIRED_INPUTS = (
     "fleetheal_dry_run",
 )  # fmt: skip
 _INCIDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
-_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*")
 _JOB_ID = re.compile(r"([0-9]+(_[0-9]+)?)?")
 _GPU = re.compile(r"([0-9]+|node)?")
 _BOOLEANS = ("true", "false", "yes", "no", "1", "0")
@@ -130,8 +149,7 @@ def playbook_input_problem(
     incident, node, job, gpu, dry = (text(f"fleetheal_{n}") for n in names)
     if not (
         _INCIDENT_ID.fullmatch(incident)
-        and _NODE_NAME.fullmatch(node)
-        and len(node) <= 253
+        and is_node_name(node)
         and _JOB_ID.fullmatch(job)
         and _GPU.fullmatch(gpu)
         and dry.lower() in _BOOLEANS

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fleetheal.contracts import ALERT_LABELS, NODE_WIDE_GPU
-from fleetheal.remediator.config import Config, is_node_name
+from fleetheal.contracts import ALERT_LABELS, NODE_WIDE_GPU, is_node_name
+from fleetheal.remediator.config import Config
 from fleetheal.taxonomy import Taxonomy
 
 STATUSES = ("firing", "resolved")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import socket
 import types
 from collections.abc import Mapping
@@ -32,8 +31,6 @@ DEFAULT_CONFIG_PATH = "/etc/fleetheal/remediator.yaml"
 #: Shortest bearer token the service accepts (a guessable token is no authentication).
 MIN_TOKEN_LENGTH = 16
 
-RFC1123_NAME = re.compile(configschema.RFC1123)
-
 
 def _repo_root() -> Path:
     """The directory holding the default `playbooks/`: the fleetheal package. In a checkout
@@ -42,11 +39,6 @@ def _repo_root() -> Path:
     from importlib import resources
 
     return Path(str(resources.files("fleetheal")))
-
-
-def is_node_name(name: str) -> bool:
-    """True for an RFC 1123 subdomain name of at most 253 characters."""
-    return len(name) <= 253 and RFC1123_NAME.fullmatch(name) is not None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -382,9 +374,9 @@ def _check(cfg: Config) -> None:
                 f"lease_duration_s. The margin left ({margin:g} s) must be at least retry_period_s "
                 f"({le.retry_period_s:g} s): raise lease_duration_s or lower renew_deadline_s"
             )
-        if not is_node_name(le.namespace) or not is_node_name(le.lease_name):
+        if not contracts.is_node_name(le.namespace) or not contracts.is_node_name(le.lease_name):
             raise ConfigError("leader_election: namespace and lease_name must be RFC 1123 names")
-    if cfg.membership.enabled and not is_node_name(cfg.membership.namespace):
+    if cfg.membership.enabled and not contracts.is_node_name(cfg.membership.namespace):
         raise ConfigError(f"membership.namespace: {cfg.membership.namespace!r} is not an RFC 1123 name")
     # Case-insensitive, as SQLite's PRAGMA is.
     if cfg.store.synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):

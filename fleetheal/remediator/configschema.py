@@ -16,12 +16,9 @@ from typing import Any
 
 import jsonschema
 
-from fleetheal.contracts import PLAYBOOK_VARS
+from fleetheal.contracts import NODE_NAME_PATTERN, PLAYBOOK_VARS
 from fleetheal.settings import ConfigError
 
-#: Kubernetes node names are RFC 1123 subdomains (Slurm node names in fleetheal are the same names).
-_RFC1123_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
-RFC1123 = rf"(?:{_RFC1123_LABEL}\.)*{_RFC1123_LABEL}"
 DOMAIN_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?"
 ENV_NAME = r"[A-Z_][A-Z0-9_]*"
 SITE_VAR = r"fleetheal_[a-z0-9_]+"
@@ -75,7 +72,7 @@ SCHEMA: dict[str, Any] = {
                 "message": "cluster.nodes: list the cluster's nodes (node name -> failure domain)",
                 "propertyNames": {
                     "maxLength": 253,
-                    "pattern": whole(RFC1123),
+                    "pattern": whole(NODE_NAME_PATTERN),
                     "message": "cluster.nodes: {value!r} is not an RFC 1123 node name",
                 },
                 "additionalProperties": {

@@ -1,4 +1,5 @@
-"""Filters that check a remediation playbook's inputs against the taxonomy (playbooks/tasks/validate.yml).
+"""Filters that check a remediation playbook's inputs against the taxonomy and write its drain reason
+(playbooks/tasks/validate.yml).
 
 The checks live in `fleetheal.contracts.playbook_input_problem`. The taxonomy is read here, for the task that
 asks, and never becomes a host fact: every host of a run over many incidents would carry it into every
@@ -14,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from fleetheal.contracts import PLAYBOOK_VARS, playbook_input_problem
+from fleetheal.contracts import PLAYBOOK_VARS, drain_reason, playbook_input_problem
 
 
 @functools.lru_cache(maxsize=4)
@@ -39,6 +40,15 @@ def fleetheal_input_problem(
     return playbook_input_problem(given, taxonomy, followups, str(playbook_action))
 
 
+def fleetheal_drain_reason(fault_id: str, incident: str, gpu: Any = "") -> str:
+    """The owned Slurm drain reason, as the agent writes it (`fleetheal.contracts.drain_reason`)."""
+    return drain_reason(str(fault_id), str(incident), str(gpu) if gpu not in (None, "") else None)
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
-        return {"fleetheal_taxonomy": fleetheal_taxonomy, "fleetheal_input_problem": fleetheal_input_problem}
+        return {
+            "fleetheal_taxonomy": fleetheal_taxonomy,
+            "fleetheal_input_problem": fleetheal_input_problem,
+            "fleetheal_drain_reason": fleetheal_drain_reason,
+        }

@@ -74,7 +74,10 @@ def test_dry_run_reports_would_and_changes_nothing(slurm: SlurmCluster, playbook
     assert run.report is not None and run.report["status"] == "dry_run"
     drain = run.steps("slurm_drain")[0]
     assert drain["outcome"] == "would"
-    assert drain["detail"].startswith(f"would drain {node} with reason 'fleetheal:xid-79 incident=inc-1 gpu=1'")
+    # The playbook's reason is the agent's, from the one rule (contracts.drain_reason, through a filter).
+    reason = contracts.drain_reason("xid-79", "inc-1", "1")
+    assert reason == "fleetheal:xid-79 incident=inc-1 gpu=1"
+    assert drain["detail"].startswith(f"would drain {node} with reason '{reason}'")
     assert run.steps("slurm_requeue")[0]["detail"].startswith(f"would send USR1 to job {job}")
     assert not slurm.node(node).drained
     entry = job_json(slurm, job)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fleetheal import contracts
 from fleetheal.remediator import config as cfgmod
 from tests.remediator.conftest import TOKEN, make_config
 
@@ -137,10 +138,13 @@ def test_a_short_or_missing_token_refuses_to_serve(tmp_path):
         cfgmod.require_token(cfg)
 
 
-def test_node_names():
-    assert cfgmod.is_node_name("gpu-001.rack-a.example")
-    for bad in ("", "-a", "a-", "A", "a_b", "a..b", "a" * 64, "a\n", "é"):
-        assert not cfgmod.is_node_name(bad), bad
+def test_node_and_cluster_names_follow_the_one_rule_in_contracts():
+    assert contracts.is_node_name("gpu-001.rack-a.example") and contracts.is_node_name("a" * 63)
+    for bad in ("", "-a", "a-", "A", "a_b", "a..b", "a" * 64, "a\n", "é", ("a" * 60 + ".") * 5 + "a", None, 7):
+        assert not contracts.is_node_name(bad), bad
+    assert contracts.is_cluster_name("fleet-a") and contracts.is_cluster_name("a" * 40)
+    for bad in ("", "1a", "Fleet", "a_b", "a" * 41, "a\n", None):
+        assert not contracts.is_cluster_name(bad), bad
 
 
 def _keys(cls, prefix):
