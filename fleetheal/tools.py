@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-#: The checkout this package sits in (`make tools` builds into its .tools).
+#: The checkout this package sits in, the repository root: `make tools` builds into its .tools, `fleetheal generate`
+#: writes its files, the lab and `fleetheal render` read its stacks. The one place that derives it from __file__.
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 
