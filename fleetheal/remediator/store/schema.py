@@ -10,11 +10,16 @@ MIGRATIONS (never edit one that has shipped) and a test that opens a database of
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from fleetheal.remediator.store.db import Tx
+
+class Tx(Protocol):
+    """What a migration step needs of the connection in its transaction (`fleetheal.remediator.store.db.Tx`)."""
+
+    def execute(self, sql: str, args: Sequence[Any] = ...) -> None: ...
+
+    def all(self, sql: str, args: Sequence[Any] = ...) -> list[dict[str, Any]]: ...
 
 #: The tables as the remediator made them before versioning (version 0 is this, or this without
 #: incidents.parent_id when the database is older than node lifecycles). Frozen: later changes are steps.
