@@ -501,7 +501,7 @@ class Lab:
         return env
 
     def _up_agents(self, gpus: int) -> None:
-        from fleetheal.agent.simtools import write_sim_tools
+        from fleetheal.lab.simtools import write_sim_tools
 
         t0 = time.monotonic()
         ports = {}
@@ -559,7 +559,7 @@ class Lab:
         )
 
     def _up_remediator(self) -> None:
-        from fleetheal.agent.simtools import validation_vars
+        from fleetheal.lab.simtools import validation_vars
 
         t0 = time.monotonic()
         rdir = self.dir / "remediator"
@@ -574,7 +574,7 @@ class Lab:
             fh.write(operator)
         port = free_ports()[0]
         # The lab's nodes are hosts of the control machine (revalidation runs its checks "on the node"), and
-        # their checks are the simulated GPUs' tools (fleetheal.agent.simtools), each node its own.
+        # their checks are the simulated GPUs' tools (fleetheal.lab.simtools), each node its own.
         local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
         inventory = rdir / "inventory.yml"
         inventory.write_text(yaml.safe_dump({"all": {
