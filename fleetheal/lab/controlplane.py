@@ -37,7 +37,6 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import yaml
@@ -47,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fleetheal.httpjson import request_json
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir
 from fleetheal.wait import WaitTimeout, wait_until
@@ -234,7 +234,7 @@ def _component_args(kubeconfig: Path) -> list[str]:
 # --- the control plane --------------------------------------------------------------------------
 
 
-class KubeControlPlane:
+class KubeControlPlane(Supervisor):
     """etcd + kube-apiserver + kube-controller-manager + kwok on 127.0.0.1, TLS everywhere.
 
     Args:
@@ -315,15 +315,7 @@ class KubeControlPlane:
         return self
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        with open(self.log(name), "ab") as log:
-            proc = subprocess.Popen(
-                [str(self.bin_dir / name), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.state_dir,
-                start_new_session=True,
-            )
+        proc = spawn([str(self.bin_dir / name), *args], self.log(name), cwd=self.state_dir)
         self.pids[name] = proc.pid
         self._save()
 
@@ -479,14 +471,6 @@ class KubeControlPlane:
         cp.pids = {k: int(v) for k, v in meta["pids"].items()}
         cp.url = str(meta["url"])
         return cp
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # objects
     def client(self) -> Any:

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import Any, Self
 
 import psutil
@@ -56,7 +56,8 @@ import yaml
 from fleetheal import httpjson, procs
 from fleetheal import taxonomy as taxmod
 from fleetheal.fleet.config import NAME, Cluster, FleetConfig
-from fleetheal.lab.slurm import Release, SlurmCluster, SlurmError, find_tool
+from fleetheal.lab.slurm import Release, SlurmCluster, SlurmError, find_tool, recorded_holder
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -81,16 +82,7 @@ PRIORITY_CONF: tuple[str, ...] = (
 )
 
 
-def _recorded_holder(base: Path) -> int | None:
-    try:
-        pid = int(json.loads((base / _META_FILE).read_text())["holder_pid"])
-    except (FileNotFoundError, ValueError, KeyError):
-        return None
-    cmd = procs.cmdline(pid)
-    return pid if procs.alive(pid) and "unshare" in cmd and str(base) in cmd else None
-
-
-class Federation:
+class Federation(Supervisor):
     """A Slurm federation of `clusters` (one slurmctld and `nodes_per_cluster` slurmd each) on loopback.
 
     Args:
@@ -307,20 +299,16 @@ while :; do wait; sleep 1; done
         return min(k.pid for k in kids) if kids else None
 
     def _start_base(self, timeout: float) -> None:
-        if _recorded_holder(self.base) is not None:
+        if recorded_holder(self.base, _META_FILE) is not None:
             raise SlurmError(f"a federation is already running in {self.state_dir}; stop it first")
         self._write_base()
         script = self.base / "run" / "init.sh"
         script.write_text(self._init_script())
-        with open(self.base / "log" / "init.out", "ab") as log:
-            self._holder = subprocess.Popen(
-                [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=self.env,
-            )
+        self._holder = spawn(
+            [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
+            self.base / "log" / "init.out",
+            env=self.env,
+        )
         self.holder_pid = self._holder.pid
         self._save_meta()
 
@@ -523,7 +511,7 @@ while :; do wait; sleep 1; done
         """The federation started earlier (maybe by another process, `fleetheal lab up`) in state_dir."""
         state = Path(state_dir).resolve()
         base = state / "base"
-        if _recorded_holder(base) is None:
+        if recorded_holder(base, _META_FILE) is None:
             raise SlurmError(f"no running federation in {state}")
         meta = json.loads((base / _META_FILE).read_text())
         fed = cls(
@@ -539,14 +527,6 @@ while :; do wait; sleep 1; done
             with contextlib.suppress(SlurmError):
                 fed.clusters[name] = SlurmCluster.attach(state / name)
         return fed
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # ---- jobs ------------------------------------------------------------------------------
 
@@ -651,7 +631,7 @@ while :; do wait; sleep 1; done
             raise SlurmError(str(e)) from e
 
 
-class ClusterRemediator:
+class ClusterRemediator(Supervisor):
     """`fleetheal remediator serve` for one cluster of a federation, with the third recovery stage on.
 
     The cluster has no standby node and an isolation budget of `budget` nodes, so a loss of more nodes than
@@ -719,16 +699,12 @@ class ClusterRemediator:
     def start(self, timeout: float = 60.0) -> Self:
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
-        with open(self.log, "ab") as out:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetheal", "remediator", "serve", "--config", str(self.config)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                cwd=self.dir,
-            )
+        self._proc = spawn(
+            [sys.executable, "-m", "fleetheal", "remediator", "serve", "--config", str(self.config)],
+            self.log,
+            env=env,
+            cwd=self.dir,
+        )
 
         def ready() -> bool:
             if self._proc is not None and self._proc.poll() is not None:
@@ -747,14 +723,6 @@ class ClusterRemediator:
         procs.stop_pid(self._proc.pid, timeout=15.0)  # its process group: the playbooks it started too
         self._proc.wait(5)
         self._proc = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def alert(self, nodes: Sequence[str], fault_id: str) -> None:
         """POST the alerts of `fault_id` on `nodes` to the webhook, in Alertmanager's format (version 4),

@@ -45,9 +45,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from aiohttp import web
+
+from fleetheal.lab.supervisor import Supervisor
 
 Obj = dict[str, Any]
 
@@ -920,7 +922,7 @@ async def _ok(_: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-class FakeKubeApiServer:
+class FakeKubeApiServer(Supervisor):
     """Test double of kube-apiserver on 127.0.0.1 (see the module docstring for what it follows).
 
     Args:
@@ -1197,7 +1199,7 @@ class FakeKubeApiServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def start(self) -> FakeKubeApiServer:
+    def start(self) -> Self:
         """Serve from a background thread (tests); returns once the port is bound."""
         ready = threading.Event()
         errors: list[BaseException] = []
@@ -1229,12 +1231,6 @@ class FakeKubeApiServer:
             self._thread.join(10)
         self._loop = None
         self._thread = None
-
-    def __enter__(self) -> FakeKubeApiServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def serve_forever(self, ready_file: Path | None = None) -> None:
         """Serve in this process until SIGTERM/SIGINT (`fleetheal lab up` runs it this way)."""

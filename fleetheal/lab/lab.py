@@ -65,6 +65,7 @@ from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, api_reque
 from fleetheal.lab.federation import DEFAULT_GPU_TYPES, Federation
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
+from fleetheal.lab.supervisor import spawn
 from fleetheal.procs import free_ports
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -243,16 +244,7 @@ class Lab:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         log = self.dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env or dict(os.environ),
-                start_new_session=True,  # its own process group: `down` stops it and its children
-                cwd=self.dir,
-            )
+        proc = spawn(argv, log, env=env or dict(os.environ), cwd=self.dir)  # `down` stops its process group
         self.meta.setdefault("processes", {})[name] = {"pid": proc.pid, "log": str(log)}
         self._save()
         return proc.pid

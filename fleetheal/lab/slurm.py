@@ -41,12 +41,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import psutil
 
 from fleetheal import procs
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
 from fleetheal.scontrol import parse_kv_line
 from fleetheal.slurm_nodes import Node, read, sinfo_argv
@@ -120,17 +120,18 @@ class Release:
         return "CgroupPlugin=disabled\n" if self.version >= (24, 11, 0) else ""
 
 
-def _recorded_holder(state_dir: Path) -> int | None:
-    """The holder PID recorded in state_dir, if that process is alive and still our `unshare`."""
+def recorded_holder(state_dir: Path, meta_file: str = _META_FILE) -> int | None:
+    """The holder PID recorded in state_dir's `meta_file`, if that process is alive and still our `unshare`
+    (a cluster's, or a federation's base)."""
     try:
-        pid = int(json.loads((state_dir / _META_FILE).read_text())["holder_pid"])
+        pid = int(json.loads((state_dir / meta_file).read_text())["holder_pid"])
     except (FileNotFoundError, ValueError, KeyError):
         return None
     cmd = procs.cmdline(pid)
     return pid if procs.alive(pid) and "unshare" in cmd and str(state_dir) in cmd else None
 
 
-class SlurmCluster:
+class SlurmCluster(Supervisor):
     """A private Slurm cluster (slurmctld + N slurmd + munged) on this machine.
 
     Args:
@@ -349,25 +350,18 @@ while :; do wait; sleep 1; done
 
     def start(self, timeout: float = 30.0) -> Self:
         """Write the config, start the daemons in their own PID namespace, wait for every node idle."""
-        other = _recorded_holder(self.state_dir)
+        other = recorded_holder(self.state_dir)
         if self.running() or other is not None:
             pid = self.holder_pid if self.running() else other
             raise SlurmError(f"a cluster is already running in {self.state_dir} (holder pid {pid}); stop it first")
         self._write_files()
         script = self.state_dir / "run" / "init.sh"
         script.write_text(self._init_script())
-        log = open(self.log_dir / "init.out", "ab")  # noqa: SIM115 - handed to the child
-        try:
-            self._holder = subprocess.Popen(
-                [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # survives the caller's terminal and Ctrl-C
-                env=self.env,
-            )
-        finally:
-            log.close()
+        self._holder = spawn(
+            [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
+            self.log_dir / "init.out",
+            env=self.env,
+        )
         self.holder_pid = self._holder.pid
         (self.state_dir / _META_FILE).write_text(
             json.dumps({"holder_pid": self.holder_pid, "nodes": self.node_names, "gpus_per_node": self.gpus_per_node})
@@ -383,7 +377,7 @@ while :; do wait; sleep 1; done
     def attach(cls, state_dir: str | os.PathLike[str]) -> SlurmCluster:
         """The cluster started earlier (maybe by another process) in `state_dir`."""
         state = Path(state_dir).resolve()
-        if _recorded_holder(state) is None:
+        if recorded_holder(state) is None:
             raise SlurmError(f"no running cluster in {state}")
         meta = json.loads((state / _META_FILE).read_text())
         names: list[str] = meta["nodes"]
@@ -442,14 +436,6 @@ while :; do wait; sleep 1; done
         self.holder_pid = None
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / _META_FILE).unlink()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # ---- one node's slurmd -----------------------------------------------------------------
 
@@ -511,16 +497,11 @@ while :; do wait; sleep 1; done
         init = self._ns_init_pid()
         if init is None:
             raise SlurmError("cluster is not running")
-        out = self.log_dir / f"slurmd-{node}.out"
-        with open(out, "ab") as log:
-            subprocess.Popen(
-                ["nsenter", f"--target={init}", "--pid", "--mount", "--", *self.slurmd_argv(), "-D", "-N", node],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
+        spawn(
+            ["nsenter", f"--target={init}", "--pid", "--mount", "--", *self.slurmd_argv(), "-D", "-N", node],
+            self.log_dir / f"slurmd-{node}.out",
+            env=self.env,
+        )
 
     # ---- the controller --------------------------------------------------------------------
 
@@ -548,15 +529,11 @@ while :; do wait; sleep 1; done
             raise SlurmError("cluster is not running")
         if any(self._is_ctld(cmd) for cmd in self.processes().values()):
             raise SlurmError(f"slurmctld is already running in {self.state_dir}")
-        with open(self.log_dir / "slurmctld.out", "ab") as log:
-            subprocess.Popen(
-                ["nsenter", f"--target={init}", "--pid", "--mount", "--", self._tool("slurmctld"), "-D", "-i"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
+        spawn(
+            ["nsenter", f"--target={init}", "--pid", "--mount", "--", self._tool("slurmctld"), "-D", "-i"],
+            self.log_dir / "slurmctld.out",
+            env=self.env,
+        )
         self.wait_for(
             "slurmctld to answer scontrol ping",
             lambda: "is UP" in self.run("scontrol", "ping", check=False, timeout=10).stdout,
