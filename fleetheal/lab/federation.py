@@ -50,13 +50,20 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Self
 
-import psutil
 import yaml
 
 from fleetheal import httpjson, procs
 from fleetheal import taxonomy as taxmod
 from fleetheal.fleet.config import NAME, Cluster, FleetConfig
-from fleetheal.lab.slurm import Release, SlurmCluster, SlurmError, find_tool, recorded_holder
+from fleetheal.lab.slurm import (
+    Release,
+    SlurmCluster,
+    SlurmError,
+    find_tool,
+    namespace_init,
+    recorded_holder,
+    stop_holder,
+)
 from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
 from fleetheal.wait import WaitTimeout, wait_until
@@ -290,13 +297,7 @@ while :; do wait; sleep 1; done
         return self.holder_pid is not None and procs.alive(self.holder_pid)
 
     def _base_ns_init(self) -> int | None:
-        if self.holder_pid is None:
-            return None
-        try:
-            kids = psutil.Process(self.holder_pid).children()
-        except psutil.Error:
-            return None
-        return min(k.pid for k in kids) if kids else None
+        return namespace_init(self.holder_pid)
 
     def _start_base(self, timeout: float) -> None:
         if recorded_holder(self.base, _META_FILE) is not None:
@@ -492,11 +493,7 @@ while :; do wait; sleep 1; done
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(init, signal.SIGTERM)
                 procs.wait_gone([init], timeout)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.holder_pid, signal.SIGKILL)
-            if self._holder is not None:
-                self._holder.wait()
-            left = procs.wait_gone([self.holder_pid] if init is None else [self.holder_pid, init], timeout)
+            left = stop_holder(self._holder, self.holder_pid, init, timeout)
             if left:
                 errors.append(f"federation base in {self.base} did not stop (pids {left})")
             self._holder = None

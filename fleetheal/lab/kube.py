@@ -563,9 +563,7 @@ class Store:
 
     def get(self, rt: ResourceType, ns: str, name: str) -> Obj:
         with self.lock:
-            obj = self.objects[rt.plural].get((ns if rt.namespaced else "", name))
-            if obj is None:
-                raise not_found(rt, name)
+            obj = self._stored(rt, ns, name)[1]
             return self._decorate(rt, copy.deepcopy(obj))
 
     def list_objects(
@@ -673,11 +671,23 @@ class Store:
             if rt.kind == "Namespace":
                 obj.setdefault("spec", {"finalizers": ["kubernetes"]})
                 obj["status"] = {"phase": "Active"}
-            if dry_run:
-                return self._decorate(rt, obj)
-            self.objects[rt.plural][key] = obj
-            self._emit(rt, "ADDED", obj)
-            return self._decorate(rt, copy.deepcopy(obj))
+            return self._commit(rt, key, obj, "ADDED", dry_run)
+
+    def _stored(self, rt: ResourceType, ns: str, name: str) -> tuple[tuple[str, str], Obj]:
+        """(key, the stored object) of `name` (the lock held); NotFound if there is none."""
+        key = (ns if rt.namespaced else "", name)
+        current = self.objects[rt.plural].get(key)
+        if current is None:
+            raise not_found(rt, name)
+        return key, current
+
+    def _commit(self, rt: ResourceType, key: tuple[str, str], obj: Obj, event: str, dry_run: bool) -> Obj:
+        """Store `obj` under `key` and tell the watchers (`event`), unless a dry run; the answer either way."""
+        if dry_run:
+            return self._decorate(rt, obj)
+        self.objects[rt.plural][key] = obj
+        self._emit(rt, event, obj)
+        return self._decorate(rt, copy.deepcopy(obj))
 
     def update(
         self,
@@ -691,10 +701,7 @@ class Store:
     ) -> Obj:
         """Apply `change` to a copy of the stored object; a resourceVersion it leaves set must match."""
         with self.lock:
-            key = (ns if rt.namespaced else "", name)
-            current = self.objects[rt.plural].get(key)
-            if current is None:
-                raise not_found(rt, name)
+            key, current = self._stored(rt, ns, name)
             new = change(copy.deepcopy(current))
             if not isinstance(new, dict):
                 raise ApiError(422, "Invalid", "the patched object is not an object")
@@ -742,20 +749,13 @@ class Store:
                 )
             if new == current:
                 return self._decorate(rt, copy.deepcopy(current))
-            if dry_run:
-                return self._decorate(rt, new)
-            self.objects[rt.plural][key] = new
-            self._emit(rt, "MODIFIED", new)
-            return self._decorate(rt, copy.deepcopy(new))
+            return self._commit(rt, key, new, "MODIFIED", dry_run)
 
     def delete(
         self, rt: ResourceType, ns: str, name: str, preconditions: Obj | None = None, dry_run: bool = False
     ) -> Obj:
         with self.lock:
-            key = (ns if rt.namespaced else "", name)
-            current = self.objects[rt.plural].get(key)
-            if current is None:
-                raise not_found(rt, name)
+            key, current = self._stored(rt, ns, name)
             pre = preconditions or {}
             if pre.get("resourceVersion") and pre["resourceVersion"] != current["metadata"]["resourceVersion"]:
                 raise ApiError(

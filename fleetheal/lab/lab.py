@@ -241,6 +241,10 @@ class Lab:
         tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
         os.replace(tmp, self.meta_path)
 
+    def _done(self, part: str, t0: float, what: str) -> None:
+        """Log one part of `up` as started, with the seconds it took since `t0`."""
+        self.log(f"  {part:<11} {what}  [{time.monotonic() - t0:.1f}s]")
+
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         log = self.dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -345,9 +349,11 @@ class Lab:
             cluster.scontrol(
                 "update", f"nodename={','.join(self.standby_nodes)}", "state=drain", f"reason={STANDBY_REASON}"
             )
-        self.log(
-            f"  slurm       Slurm {cluster.release.name}: slurmctld + {len(names)} slurmd ({gpus} fake GPUs each), "
-            f"{len(self.standby_nodes)} standby drained '{STANDBY_REASON}'  [{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "slurm",
+            t0,
+            f"Slurm {cluster.release.name}: slurmctld + {len(names)} slurmd ({gpus} fake GPUs each), "
+            f"{len(self.standby_nodes)} standby drained '{STANDBY_REASON}'",
         )
 
     def _up_kube(self) -> None:
@@ -394,9 +400,10 @@ class Lab:
             "spec": {"maxUnavailable": 2, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
         }
         self.kube_request("POST", "/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb)
-        self.log(
-            f"  kubernetes  {what}: {len(self.nodes)} Nodes, slurmd pods under a PodDisruptionBudget  "
-            f"[{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "kubernetes",
+            t0,
+            f"{what}: {len(self.nodes)} Nodes, slurmd pods under a PodDisruptionBudget",
         )
 
     def _node_specs(self) -> list[tuple[str, dict[str, str], list[dict[str, str]]]]:
@@ -545,9 +552,10 @@ class Lab:
                 30,
                 self.dir / "logs" / f"agent-{name}.log",
             )
-        self.log(
-            f"  agents      {len(ports)} x `fleetheal agent run` (simulated GPUs), metrics on 127.0.0.1  "
-            f"[{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "agents",
+            t0,
+            f"{len(ports)} x `fleetheal agent run` (simulated GPUs), metrics on 127.0.0.1",
         )
 
     def _up_remediator(self) -> None:
@@ -630,9 +638,10 @@ class Lab:
             30,
             self.dir / "logs" / "remediator.log",
         )
-        self.log(
-            f"  remediator  `fleetheal remediator serve` at {url}, playbooks from {REPO / 'playbooks'}  "
-            f"[{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "remediator",
+            t0,
+            f"`fleetheal remediator serve` at {url}, playbooks from {REPO / 'playbooks'}",
         )
 
     def _up_monitoring(self) -> None:
@@ -648,9 +657,11 @@ class Lab:
         mon.start()
         self.meta["monitoring"] = {"prometheus": mon.prometheus_url, "alertmanager": mon.alertmanager_url}
         self._save()
-        self.log(
-            f"  monitoring  Prometheus {mon.prometheus_url} (generated alert rules), "
-            f"Alertmanager {mon.alertmanager_url} -> remediator  [{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "monitoring",
+            t0,
+            f"Prometheus {mon.prometheus_url} (generated alert rules), "
+            f"Alertmanager {mon.alertmanager_url} -> remediator",
         )
 
     # ---- down ---------------------------------------------------------------------------------

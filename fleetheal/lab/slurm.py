@@ -131,6 +131,27 @@ def recorded_holder(state_dir: Path, meta_file: str = _META_FILE) -> int | None:
     return pid if procs.alive(pid) and "unshare" in cmd and str(state_dir) in cmd else None
 
 
+def namespace_init(holder_pid: int | None) -> int | None:
+    """PID 1 of the PID namespace that the `unshare` holder `holder_pid` made, as this namespace sees it."""
+    if holder_pid is None:
+        return None
+    try:
+        kids = psutil.Process(holder_pid).children()
+    except psutil.Error:
+        return None
+    return min(k.pid for k in kids) if kids else None
+
+
+def stop_holder(holder: subprocess.Popen[bytes] | None, holder_pid: int, init: int | None, timeout: float) -> list[int]:
+    """SIGKILL the `unshare --kill-child` holder (its namespace dies with it), reap it if it is our child, and
+    wait up to `timeout` for it and the namespace's init to be gone; the PIDs still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(holder_pid, signal.SIGKILL)
+    if holder is not None:
+        holder.wait()
+    return procs.wait_gone([holder_pid] if init is None else [holder_pid, init], timeout)
+
+
 class SlurmCluster(Supervisor):
     """A private Slurm cluster (slurmctld + N slurmd + munged) on this machine.
 
@@ -392,13 +413,7 @@ while :; do wait; sleep 1; done
 
     def _ns_init_pid(self) -> int | None:
         """PID 1 of the cluster's namespace, as this namespace sees it."""
-        if self.holder_pid is None:
-            return None
-        try:
-            kids = psutil.Process(self.holder_pid).children()
-        except psutil.Error:
-            return None
-        return min(k.pid for k in kids) if kids else None
+        return namespace_init(self.holder_pid)
 
     def processes(self) -> dict[int, str]:
         """Every process in the cluster's PID namespace: {pid (as we see it): command line}."""
@@ -425,11 +440,7 @@ while :; do wait; sleep 1; done
             with contextlib.suppress(ProcessLookupError):
                 os.kill(init, signal.SIGTERM)
             procs.wait_gone([init], timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.holder_pid, signal.SIGKILL)
-        if self._holder is not None:
-            self._holder.wait()
-        procs.wait_gone([self.holder_pid] if init is None else [self.holder_pid, init], timeout)
+        stop_holder(self._holder, self.holder_pid, init, timeout)
         if init is not None and procs.alive(init):
             raise SlurmError(f"cluster in {self.state_dir} did not stop (namespace init pid {init})")
         self._holder = None
