@@ -17,6 +17,11 @@ holder process is detached from the caller: killing that one PID takes every dae
 cluster can outlive the Python process that started it (`fleetheal lab up`). `SlurmCluster.attach`
 finds a running cluster again by its state directory. Needs root (the daemons and `unshare` do).
 
+slurm.conf and gres.conf are rendered by `fleetheal.lab.slurmconf`. This module stays over 500 lines because
+`SlurmCluster` is one supervisor: its lifecycle (start, attach, stop, killing, freezing and restarting single
+daemons) and the client helpers the tests call (`scontrol`, `sbatch`, `wait_nodes`) share one state directory
+and PID namespace; split apart, they would only hand that state to each other.
+
 Example::
 
     with SlurmCluster(tmp_path / "slurm", nodes=2, gpus_per_node=8) as cluster:
@@ -46,6 +51,7 @@ from typing import Self
 import psutil
 
 from fleetheal import procs
+from fleetheal.lab.slurmconf import gres_conf, slurm_conf
 from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
 from fleetheal.scontrol import parse_kv_line
@@ -271,67 +277,22 @@ class SlurmCluster(Supervisor):
 
         ports = free_ports(len(self.node_names) + 1)
         ctld_port, node_ports = ports[0], ports[1:]
-        munge_socket = d / "munge" / "munge.socket"
-        typed = f"{self.gpu_type}:" if self.gpu_type else ""
-        gres = f" Gres=gpu:{typed}{self.gpus_per_node}" if self.gpus_per_node else ""
-        lines = [
-            "# Written by fleetheal.lab.slurm.SlurmCluster; regenerated at every start.",
-            f"ClusterName={self.cluster_name}",
-            "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmctldPort={ctld_port}",
-            f"SlurmUser={self.slurm_user}",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            # cred_expire=5: a requeued job waits cred_expire + 1 s before it can start again.
-            f"AuthInfo=socket={munge_socket},cred_expire=5",
-            f"StateSaveLocation={d / 'ctld'}",
-            f"SlurmdSpoolDir={d / 'spool' / '%n'}",
-            f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
-            f"SlurmdPidFile={d / 'run' / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
-            "SlurmctldDebug=info",
-            "SlurmdDebug=info",
-            # No cgroup delegation in containers: track processes through /proc.
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SwitchType=switch/none",
-            "MpiDefault=none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "SchedulerType=sched/backfill",
-            "SchedulerParameters=sched_interval=2,batch_sched_delay=0",
-            "SlurmdParameters=config_overrides",
-            "GresTypes=gpu",
-            "ReturnToService=1",
-            "JobRequeue=1",
-            "SlurmdTimeout=10",
-            "MessageTimeout=5",
-            "InactiveLimit=0",
-            "KillWait=10",
-            "MinJobAge=300",
-            "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "JobCompType=jobcomp/none",
-            *self.release.conf_lines(),
-            *self.extra_conf,
-        ]
-        for node, port in zip(self.node_names, node_ports, strict=True):
-            lines.append(
-                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
-                f"CPUs={self.cpus_per_node} RealMemory=1000{gres} State=UNKNOWN"
+        self.conf_path.write_text(
+            slurm_conf(
+                cluster_name=self.cluster_name,
+                slurm_user=self.slurm_user,
+                state_dir=d,
+                ctld_port=ctld_port,
+                munge_socket=d / "munge" / "munge.socket",
+                node_ports=dict(zip(self.node_names, node_ports, strict=True)),
+                cpus_per_node=self.cpus_per_node,
+                gpus_per_node=self.gpus_per_node,
+                gpu_type=self.gpu_type,
+                partition=self.partition,
+                extra=[*self.release.conf_lines(), *self.extra_conf],
             )
-        lines.append(f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
-        self.conf_path.write_text("\n".join(lines) + "\n")
-
-        gres_lines = ["AutoDetect=off"]
-        if self.gpus_per_node:
-            for node in self.node_names:
-                devs = d / "dev" / node / f"nvidia[0-{self.gpus_per_node - 1}]"
-                kind = f" Type={self.gpu_type}" if self.gpu_type else ""
-                gres_lines.append(f"NodeName={node} Name=gpu{kind} File={devs}")
-        (d / "etc" / "gres.conf").write_text("\n".join(gres_lines) + "\n")
+        )
+        (d / "etc" / "gres.conf").write_text(gres_conf(d, self.node_names, self.gpus_per_node, self.gpu_type))
         (d / "etc" / "cgroup.conf").write_text(self.release.cgroup_conf())
         if self.slurm_user != "root":
             # slurmctld drops to SlurmUser at start; it keeps writing its state, log and pid file.
