@@ -25,6 +25,11 @@
 
 `down()` stops all of it by PID (and checks each PID is still the process it started). State lives
 under the lab dir (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab); `up()` starts from an empty one.
+
+Each part `up` starts is a supervisor in its own module (`slurm`, `controlplane`, `kube`, `monitoring`,
+`federation`); this module is over 500 lines because `Lab` is the one object that wires them together and
+records every process it started in `lab.json`, so `down()` and the read side (`status`, `incidents`,
+`node_states`) can find them again from another process.
 """
 
 from __future__ import annotations
