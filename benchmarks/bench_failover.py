@@ -49,7 +49,8 @@ def run() -> list[dict[str, Any]]:
     from fleetheal.contracts import CHECKPOINT_WORD
     from fleetheal.fleet import config as fleetcfg
     from fleetheal.fleet import failover
-    from fleetheal.lab.federation import ClusterRemediator, Federation
+    from fleetheal.lab.federation import Federation
+    from fleetheal.lab.fedremediator import ClusterRemediator
     from fleetheal.wait import wait_until
 
     base = Path(tempfile.mkdtemp(prefix="fleetheal-bench-failover-"))

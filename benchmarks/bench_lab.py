@@ -66,11 +66,11 @@ from fleetheal.agent.client import TrainingReporter
 from fleetheal.agent.simulated import clear
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, owns_reason
 from fleetheal.lab.controlplane import KubeApiError
-from fleetheal.lab.demo import _expand
 from fleetheal.lab.lab import LAB_SITE_VARS, PLACEHOLDER_IMAGE, STANDBY_REASON, Lab
 from fleetheal.lab.measure import measure
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.lab.train import read_events
+from fleetheal.lab.watcher import _expand
 from fleetheal.wait import WaitTimeout, wait_until
 
 BUDGET_S = float(os.environ.get("FLEETHEAL_BENCH_LAB_S", "900"))

@@ -6,14 +6,19 @@ stay cheap: heavy imports (aiohttp, ansible_runner, pulumi) happen inside the ha
 
 This module and the lab are the top layer (tests/test_layering.py): a part's command never imports the lab.
 Where a part's command has a subcommand that needs the lab, the lab adds it here (SUBCOMMANDS).
+
+The lab (fleetheal.lab, with its test doubles) runs from a checkout of fleetheal and is not in the wheel: in an
+installed wheel its commands (LAB_COMMANDS) are still listed, and answer NO_LAB with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from fleetheal import __version__
 from fleetheal.errors import UsageError
@@ -42,6 +47,42 @@ SUBCOMMANDS = {
 }
 
 
+#: The lab's commands, by the module that registers each: (command name, help) of the stand-in that answers
+#: NO_LAB where the lab is absent (an installed wheel).
+LAB_COMMANDS = {
+    "fleetheal.lab.cli": ("lab", "the local lab (runs from a checkout of fleetheal)"),
+    "fleetheal.lab.measure": ("measure", "ETTR of a lab run (runs from a checkout of fleetheal)"),
+}
+NO_LAB = (
+    "the lab runs from a checkout of fleetheal (`make demo` there), not from an installed fleetheal: "
+    "this installation has no fleetheal.lab"
+)
+
+
+def lab_available() -> bool:
+    """Whether fleetheal.lab can be imported: a checkout (editable install) has it, the wheel does not."""
+    return importlib.util.find_spec("fleetheal.lab") is not None
+
+
+def _no_lab(args: argparse.Namespace) -> int:
+    raise UsageError(NO_LAB)
+
+
+def _register_absent_lab(sub: Any, module: str) -> None:
+    """A stand-in for a lab command: it takes any arguments (no option is its own, `--help` included) and
+    answers NO_LAB."""
+    name, help_ = LAB_COMMANDS[module]
+    p = sub.add_parser(name, help=help_, description=NO_LAB, add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_no_lab)
+
+
+def _register(module: str, sub: Any, function: str = "register") -> Any:
+    if module in LAB_COMMANDS and not lab_available():
+        return _register_absent_lab(sub, module)
+    return getattr(importlib.import_module(module), function)(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleetheal",
@@ -50,10 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fleetheal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        added = importlib.import_module(name).register(sub)
+        added = _register(name, sub)
         for extra in SUBCOMMANDS.get(name, ()):
             module, _, function = extra.partition(":")
-            getattr(importlib.import_module(module), function or "register")(added)
+            _register(module, added, function or "register")
     return parser
 
 

@@ -26,6 +26,17 @@ BOTTOM_MODULES = (
 )
 #: The top layer: the lab (it drives every part) and the `fleetheal` command (it dispatches to every part).
 TOP_MODULES = ("fleetheal.lab", "fleetheal.cli", "fleetheal.__main__")
+#: What runs on the nodes and in the cluster, from the wheel, which has no lab (tests/test_wheel.py). Whatever
+#: the layers become, these never import the lab's test doubles and simulators.
+DEPLOYABLE = (
+    "fleetheal.agent",
+    "fleetheal.remediator",
+    "fleetheal.steps",
+    "fleetheal.slurm",
+    "fleetheal.fleet",
+    "fleetheal.infra",
+)
+LAB = "fleetheal.lab"
 # Anything else is a part (agent, remediator, infra, logparse, classify, scontrol, steps, launch, procs,
 # generate, ettr, ...): the middle layer, which is also where a new top-level module lands by default.
 
@@ -112,3 +123,18 @@ def test_no_module_imports_a_layer_above_it() -> None:
                     f"{imported} ({NAMES[layer(imported)]})"
                 )
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
+
+
+def test_no_deployable_part_imports_the_lab() -> None:
+    assert any(_within(m, DEPLOYABLE) for m in MODULES)
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name} imports {imported}"
+        for name, path in MODULES.items()
+        if _within(name, DEPLOYABLE)
+        for line, imported in imports(path)
+        if _within(imported, (LAB,))
+    ]
+    assert not found, (
+        "the deployable parts run from the wheel, which has no lab (its test doubles and simulators); "
+        "move what they need out of fleetheal.lab:\n" + "\n".join(found)
+    )

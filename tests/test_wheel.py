@@ -1,7 +1,9 @@
 """The fleetheal wheel works installed, away from the checkout: built from a clean copy of the sources,
 installed into a fresh virtualenv, `fleetheal remediator serve` answers /healthz from a temporary working
 directory and the remediator's default playbook directory is the wheel's own copy of playbooks/ (roles,
-collection and filter plugins included).
+collection and filter plugins included). The wheel carries no test double: the lab (fleetheal.lab, with its
+fake Kubernetes API server and simulated GPU tools) runs from a checkout, and the installed `fleetheal lab`
+says so.
 
 The fresh virtualenv gets the wheel alone (`pip install --no-deps --no-index`, offline); its dependencies
 come from the project's virtualenv through a `.pth` file naming that site-packages directory. Python adds
@@ -185,3 +187,37 @@ def test_the_installed_remediator_serves_from_a_temporary_directory(venv: Path, 
                 proc.kill()
                 proc.wait(timeout=15)
     assert proc.returncode == 0, log.read_text()
+
+
+#: What only the lab's test doubles are called: the fake Kubernetes API server, the simulated GPU tools.
+DOUBLES = ("FakeKubeApiServer", "simtools", "simprograms", "simnode")
+
+
+def test_the_wheel_carries_no_test_double(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as whl:
+        names = whl.namelist()
+        assert not [n for n in names if n.startswith("fleetheal/lab/")], "the lab is in the wheel"
+        assert not [n for n in names if any(d in n for d in DOUBLES)]
+        # nor their code under another name (no part imports the lab: tests/test_layering.py)
+        for name in names:
+            found = [d for d in DOUBLES if d in whl.read(name).decode(errors="replace")]
+            assert not found, f"{name} names {found}"
+
+
+def test_the_installed_lab_commands_say_the_lab_runs_from_a_checkout(venv: Path, tmp_path: Path) -> None:
+    for argv in (["lab", "up", "--nodes", "2"], ["lab", "--help"], ["ettr", "measure", "run"]):
+        run = subprocess.run(
+            [str(venv / "bin" / "fleetheal"), *argv],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 2, (argv, run.stdout, run.stderr)
+        assert "the lab runs from a checkout of fleetheal (`make demo` there)" in run.stderr, (argv, run.stderr)
+        assert "Traceback" not in run.stderr
+    listed = subprocess.run(
+        [str(venv / "bin" / "fleetheal"), "--help"], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert listed.returncode == 0 and "lab" in listed.stdout

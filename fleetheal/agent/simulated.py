@@ -26,6 +26,11 @@ time. How an injection shows, from when `at` has passed until it is cleared:
   (`xid-79`, `gpu-lost`: every read raises GpuLost) or disappears from the enumeration (`gpu-count-low`).
 - Every fault with an Xid also produces one Xid event (as NVML's event set would), once per injection.
 - Any other fault (NIC down, NaN loss...) produces one event carrying its fault id, once per injection.
+
+Why this double ships in the agent (and in the wheel) while the lab's other doubles do not: it is a backend
+the agent offers (`backend: simulated`), the Ansible role `gpu_health_agent` can install the agent with it,
+and Molecule runs the installed wheel with it. The simulated validation tools that answer from the same
+state file (nvidia-smi, dcgmi...) are the lab's alone, in fleetheal.lab, outside the wheel.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ eviction obeys), service accounts, namespaces and the volume binder (a claim bin
 kube-scheduler runs when asked (`scheduler=True`): the lab binds its own pods, Slinky's operator leaves its
 pods to the scheduler.
 
+The certificates and kubeconfigs are made by `fleetheal.lab.kubepki`. This module stays a little over 500
+lines because `KubeControlPlane` starts its daemons in one order, each waiting on the previous one's files and
+ports, and its API helpers (`request`, `install_crds`, `add_nodes`, tokens) share the admin credentials it made.
+
 Example::
 
     with KubeControlPlane(tmp_path / "kube") as kube:
@@ -28,8 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import json
 import os
 import ssl
@@ -37,16 +39,13 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fleetheal.httpjson import request_json
+from fleetheal.lab.kubepki import SERVICE_CIDR, Pki, cert_kubeconfig
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir
 from fleetheal.wait import WaitTimeout, wait_until
@@ -65,7 +64,6 @@ CONTROLLERS = (
 )
 #: The CRD folders under ../shared/schemas that the lab and the Pulumi stack need.
 CRD_DIRS = ("slinky/crds", "kueue", "prometheus-operator")
-SERVICE_CIDR = "10.96.0.0/24"
 KUBELET_LABELS = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
 _META_FILE = "controlplane.json"
 #: How long a request keeps retrying the API server's 429 (Too Many Requests) before it fails.
@@ -108,117 +106,6 @@ def default_crds(shared: Path) -> list[Path]:
     return sorted(p for d in CRD_DIRS for p in (shared / "schemas" / d).glob("*.yaml"))
 
 
-# --- certificates -------------------------------------------------------------------------------
-
-
-def _name(cn: str, org: str | None = None) -> x509.Name:
-    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
-    if org:
-        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
-    return x509.Name(attrs)
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-class _Pki:
-    """A throw-away CA for one control plane, and the leaf certificates it signs (ECDSA P-256)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        out.mkdir(parents=True, exist_ok=True)
-        self.ca_key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.UTC)
-        self.ca = (
-            x509.CertificateBuilder()
-            .subject_name(_name("fleetheal-lab-ca"))
-            .issuer_name(_name("fleetheal-lab-ca"))
-            .public_key(self.ca_key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=365))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
-            .sign(self.ca_key, hashes.SHA256())
-        )
-        self._write("ca.crt", self.ca.public_bytes(serialization.Encoding.PEM))
-
-    def _write(self, name: str, data: bytes) -> Path:
-        path = self.out / name
-        path.write_bytes(data)
-        path.chmod(0o600)
-        return path
-
-    def issue(self, name: str, cn: str, *, org: str | None = None, server: bool = False, client: bool = False) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.UTC)
-        usages = [
-            u for u, on in ((ExtendedKeyUsageOID.SERVER_AUTH, server), (ExtendedKeyUsageOID.CLIENT_AUTH, client)) if on
-        ]
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn, org))
-            .issuer_name(self.ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=365))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        )
-        if server:
-            service_ip = ipaddress.IPv4Network(SERVICE_CIDR)[1]
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName(
-                    [
-                        x509.DNSName("localhost"),
-                        x509.DNSName("kubernetes"),
-                        x509.DNSName("kubernetes.default"),
-                        x509.DNSName("kubernetes.default.svc"),
-                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                        x509.IPAddress(service_ip),
-                    ]
-                ),
-                critical=False,
-            )
-        cert = builder.sign(self.ca_key, hashes.SHA256())
-        self._write(f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
-        self._write(f"{name}.key", _pem_key(key))
-
-    def service_account_key(self) -> None:
-        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        self._write("sa.key", _pem_key(key))
-        self._write(
-            "sa.pub",
-            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo),
-        )
-
-
-def _kubeconfig(path: Path, server: str, pki: Path, cert: str, user: str) -> Path:
-    """A kubeconfig for `user` with the client certificate `cert` (under `pki`)."""
-    key = {"client-certificate": str(pki / f"{cert}.crt"), "client-key": str(pki / f"{cert}.key")}
-    return write_kubeconfig(path, server, pki / "ca.crt", user, key)
-
-
-def write_kubeconfig(path: Path, server: str, ca_file: Path, user: str, credentials: Mapping[str, str]) -> Path:
-    """A kubeconfig (mode 0600) for `server`, trusting `ca_file`, as `user` with `credentials` (a client
-    certificate and key, or a bearer `token`)."""
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "fleetheal-lab", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
-        "users": [{"name": user, "user": dict(credentials)}],
-        "contexts": [{"name": "fleetheal-lab", "context": {"cluster": "fleetheal-lab", "user": user}}],
-        "current-context": "fleetheal-lab",
-    }
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    path.chmod(0o600)
-    return path
-
-
 def _component_args(kubeconfig: Path) -> list[str]:
     """The flags kube-controller-manager and kube-scheduler share: one identity, no listener, no election."""
     return [
@@ -234,7 +121,7 @@ def _component_args(kubeconfig: Path) -> list[str]:
 # --- the control plane --------------------------------------------------------------------------
 
 
-class KubeControlPlane:
+class KubeControlPlane(Supervisor):
     """etcd + kube-apiserver + kube-controller-manager + kwok on 127.0.0.1, TLS everywhere.
 
     Args:
@@ -286,7 +173,7 @@ class KubeControlPlane:
         if self.state_dir.exists() and (self.state_dir / _META_FILE).exists():
             KubeControlPlane.attach(self.state_dir).stop()
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
-        pki = _Pki(self.pki)
+        pki = Pki(self.pki)
         self._admin_ssl = self._admin_api = None  # new certificates
         pki.issue("etcd", "etcd", server=True, client=True)
         pki.issue("apiserver", "kube-apiserver", server=True)
@@ -297,7 +184,7 @@ class KubeControlPlane:
         pki.service_account_key()
         etcd_port, peer_port, api_port = free_ports(3)
         self.url = f"https://127.0.0.1:{api_port}"
-        _kubeconfig(self.kubeconfig, self.url, self.pki, "admin", "fleetheal-admin")
+        cert_kubeconfig(self.kubeconfig, self.url, self.pki, "admin", "fleetheal-admin")
         deadline = time.monotonic() + timeout
         try:
             self._start_etcd(etcd_port, peer_port)
@@ -315,15 +202,7 @@ class KubeControlPlane:
         return self
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        with open(self.log(name), "ab") as log:
-            proc = subprocess.Popen(
-                [str(self.bin_dir / name), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.state_dir,
-                start_new_session=True,
-            )
+        proc = spawn([str(self.bin_dir / name), *args], self.log(name), cwd=self.state_dir)
         self.pids[name] = proc.pid
         self._save()
 
@@ -414,7 +293,7 @@ class KubeControlPlane:
 
     def _start_controller_manager(self) -> None:
         p = self.pki
-        kubeconfig = _kubeconfig(
+        kubeconfig = cert_kubeconfig(
             self.state_dir / "controller-manager.kubeconfig",
             self.url,
             p,
@@ -436,7 +315,7 @@ class KubeControlPlane:
         )
 
     def _start_scheduler(self) -> None:
-        kubeconfig = _kubeconfig(
+        kubeconfig = cert_kubeconfig(
             self.state_dir / "scheduler.kubeconfig", self.url, self.pki, "scheduler", "system:kube-scheduler"
         )
         self._spawn("kube-scheduler", [*_component_args(kubeconfig), "--v=0"])
@@ -479,14 +358,6 @@ class KubeControlPlane:
         cp.pids = {k: int(v) for k, v in meta["pids"].items()}
         cp.url = str(meta["url"])
         return cp
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # objects
     def client(self) -> Any:

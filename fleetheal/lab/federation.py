@@ -17,6 +17,11 @@ controllers one after another (each listening and registered in the database bef
 `sacctmgr add federation`, then wait until every sibling is `Synced:Yes`. `start`, `rejoin` and
 `resync` follow it; `resync` (remove + add the federation) is the repair when a link stays broken.
 
+A cluster's remediator for this federation is `fleetheal.lab.fedremediator.ClusterRemediator`. This module stays
+over 500 lines because `Federation` is one supervisor whose parts (the shared base's files and namespace, the
+clusters, the ordered forming and repair of the federation, placement reads) follow that one start order and
+share its state; split apart, they would only hand it to each other.
+
 Clients reach the federation through `env` (its `SLURM_CONF` names the slurmdbd and the first cluster's
 controller): `squeue -M all`, `sbatch -M a`, `sacctmgr ...`. Each cluster's own `env` works too.
 
@@ -34,33 +39,36 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import re
-import secrets
 import shlex
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import MappingProxyType, TracebackType
-from typing import Any, Self
+from types import MappingProxyType
+from typing import Self
 
-import psutil
 import yaml
 
-from fleetheal import httpjson, procs
-from fleetheal import taxonomy as taxmod
+from fleetheal import procs
 from fleetheal.fleet.config import NAME, Cluster, FleetConfig
-from fleetheal.lab.slurm import Release, SlurmCluster, SlurmError, find_tool
+from fleetheal.lab.slurm import (
+    Release,
+    SlurmCluster,
+    SlurmError,
+    find_tool,
+    namespace_init,
+    recorded_holder,
+    stop_holder,
+)
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
 from fleetheal.wait import WaitTimeout, wait_until
 
-__all__ = ["DEFAULT_GPU_TYPES", "ClusterRemediator", "Federation", "SlurmError"]
+__all__ = ["DEFAULT_GPU_TYPES", "Federation", "SlurmError"]
 
 #: GPU models of the default clusters: two alike (a, b) and one different (c).
 DEFAULT_GPU_TYPES: Mapping[str, str] = MappingProxyType({"a": "h100", "b": "h100", "c": "a100"})
@@ -81,16 +89,7 @@ PRIORITY_CONF: tuple[str, ...] = (
 )
 
 
-def _recorded_holder(base: Path) -> int | None:
-    try:
-        pid = int(json.loads((base / _META_FILE).read_text())["holder_pid"])
-    except (FileNotFoundError, ValueError, KeyError):
-        return None
-    cmd = procs.cmdline(pid)
-    return pid if procs.alive(pid) and "unshare" in cmd and str(base) in cmd else None
-
-
-class Federation:
+class Federation(Supervisor):
     """A Slurm federation of `clusters` (one slurmctld and `nodes_per_cluster` slurmd each) on loopback.
 
     Args:
@@ -298,29 +297,19 @@ while :; do wait; sleep 1; done
         return self.holder_pid is not None and procs.alive(self.holder_pid)
 
     def _base_ns_init(self) -> int | None:
-        if self.holder_pid is None:
-            return None
-        try:
-            kids = psutil.Process(self.holder_pid).children()
-        except psutil.Error:
-            return None
-        return min(k.pid for k in kids) if kids else None
+        return namespace_init(self.holder_pid)
 
     def _start_base(self, timeout: float) -> None:
-        if _recorded_holder(self.base) is not None:
+        if recorded_holder(self.base, _META_FILE) is not None:
             raise SlurmError(f"a federation is already running in {self.state_dir}; stop it first")
         self._write_base()
         script = self.base / "run" / "init.sh"
         script.write_text(self._init_script())
-        with open(self.base / "log" / "init.out", "ab") as log:
-            self._holder = subprocess.Popen(
-                [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=self.env,
-            )
+        self._holder = spawn(
+            [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
+            self.base / "log" / "init.out",
+            env=self.env,
+        )
         self.holder_pid = self._holder.pid
         self._save_meta()
 
@@ -504,11 +493,7 @@ while :; do wait; sleep 1; done
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(init, signal.SIGTERM)
                 procs.wait_gone([init], timeout)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.holder_pid, signal.SIGKILL)
-            if self._holder is not None:
-                self._holder.wait()
-            left = procs.wait_gone([self.holder_pid] if init is None else [self.holder_pid, init], timeout)
+            left = stop_holder(self._holder, self.holder_pid, init, timeout)
             if left:
                 errors.append(f"federation base in {self.base} did not stop (pids {left})")
             self._holder = None
@@ -523,7 +508,7 @@ while :; do wait; sleep 1; done
         """The federation started earlier (maybe by another process, `fleetheal lab up`) in state_dir."""
         state = Path(state_dir).resolve()
         base = state / "base"
-        if _recorded_holder(base) is None:
+        if recorded_holder(base, _META_FILE) is None:
             raise SlurmError(f"no running federation in {state}")
         meta = json.loads((base / _META_FILE).read_text())
         fed = cls(
@@ -539,14 +524,6 @@ while :; do wait; sleep 1; done
             with contextlib.suppress(SlurmError):
                 fed.clusters[name] = SlurmCluster.attach(state / name)
         return fed
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # ---- jobs ------------------------------------------------------------------------------
 
@@ -649,151 +626,3 @@ while :; do wait; sleep 1; done
             wait_until(check, timeout, what, interval=interval)
         except WaitTimeout as e:
             raise SlurmError(str(e)) from e
-
-
-class ClusterRemediator:
-    """`fleetheal remediator serve` for one cluster of a federation, with the third recovery stage on.
-
-    The cluster has no standby node and an isolation budget of `budget` nodes, so a loss of more nodes than
-    that (a leaf switch) is one it cannot heal: the remediator moves the job to a sibling that reads its
-    checkpoint store (`fleet_file`). Kubernetes and the node lifecycle are off: the federation lab has
-    Slurm only. The playbooks run for real, on the control machine (the lab's nodes are local).
-    """
-
-    def __init__(
-        self,
-        fed: Federation,
-        cluster: str,
-        state_dir: str | os.PathLike[str],
-        fleet_file: str | os.PathLike[str],
-        *,
-        budget: int = 1,
-        wait_s: float = 3.0,
-        grace_s: float = 1.0,
-    ) -> None:
-        self.cluster = cluster
-        self.dir = Path(state_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.token = secrets.token_hex(20)
-        token_file = self.dir / "token"
-        token_file.write_text(self.token)
-        os.chmod(token_file, 0o600)
-        self.port = free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
-        slurm = fed.clusters[cluster]
-        local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-        inventory = self.dir / "inventory.yml"
-        inventory.write_text(yaml.safe_dump({"all": {"children": {
-            "fleetheal_control": {"hosts": {"localhost": local}},
-            "fleetheal_gpu_nodes": {"hosts": dict.fromkeys(slurm.node_names, local)},
-        }}}))  # fmt: skip
-        repo = Path(__file__).resolve().parents[2]
-        cfg = {
-            "cluster": {"name": cluster, "nodes": dict.fromkeys(slurm.node_names, f"{cluster}-leaf-1")},
-            "listen": {"host": "127.0.0.1", "port": self.port},
-            "auth": {"token_file": str(token_file)},
-            "store": {"path": str(self.dir / "remediator.sqlite"), "synchronous": "NORMAL"},
-            "runner": {
-                "playbook_dir": str(repo / "playbooks"),
-                "run_dir": str(self.dir / "runs"),
-                "inventory": str(inventory),
-                "timeout_s": 120,
-                "retries": 0,
-                "site_vars": {
-                    "fleetheal_slurm_env": {"SLURM_CONF": str(slurm.conf_path)},
-                    "fleetheal_grace_seconds": grace_s,
-                    "fleetheal_slurm_retry_delay_s": 1,
-                    "fleetheal_report_dir": str(self.dir / "reports"),
-                },
-            },
-            "gate": {"budget": {"max_isolated": budget, "max_isolated_fraction": 1.0,
-                                "max_isolated_per_domain": budget, "max_isolated_fraction_per_domain": 1.0}},
-            "lifecycle": {"enabled": False},
-            "failover": {"enabled": True, "fleet_file": str(fleet_file), "wait_s": wait_s, "timeout_s": 120},
-        }  # fmt: skip
-        self.config = self.dir / "remediator.yaml"
-        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        self.log = self.dir / "remediator.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60.0) -> Self:
-        env = dict(os.environ)
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
-        with open(self.log, "ab") as out:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetheal", "remediator", "serve", "--config", str(self.config)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                cwd=self.dir,
-            )
-
-        def ready() -> bool:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise SlurmError(f"the remediator of {self.cluster} exited: {self.log.read_text()[-2000:]}")
-            with contextlib.suppress(OSError, ValueError):
-                httpjson.request_json("GET", f"{self.url}/healthz", timeout=2)
-                return True
-            return False
-
-        Federation._wait(f"the remediator of {self.cluster} on {self.url}", ready, timeout, 0.2)
-        return self
-
-    def stop(self) -> None:
-        if self._proc is None:
-            return
-        procs.stop_pid(self._proc.pid, timeout=15.0)  # its process group: the playbooks it started too
-        self._proc.wait(5)
-        self._proc = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def alert(self, nodes: Sequence[str], fault_id: str) -> None:
-        """POST the alerts of `fault_id` on `nodes` to the webhook, in Alertmanager's format (version 4),
-        as the cluster's Alertmanager sends them when its rules fire."""
-        fault = taxmod.load().fault(fault_id)
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        alerts = []
-        for node in nodes:
-            labels = {"alertname": "FleethealNodeFault", "cluster": self.cluster, "node": node, "gpu": "node",
-                      "fault_id": fault_id, "class": fault.fault_class, "action": fault.action,
-                      "severity": fault.severity}  # fmt: skip
-            alerts.append({
-                "status": "firing", "labels": labels, "annotations": {"summary": f"{node}: {fault.name}"},
-                "startsAt": now, "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "",
-                "fingerprint": hashlib.sha256(f"{self.cluster}|{node}|{fault_id}".encode()).hexdigest()[:16],
-            })  # fmt: skip
-        body = {"receiver": "fleetheal-remediator", "status": "firing", "alerts": alerts, "groupLabels": {},
-                "commonLabels": {}, "commonAnnotations": {}, "externalURL": "", "version": "4",
-                "groupKey": "{}:{}", "truncatedAlerts": 0}  # fmt: skip
-        httpjson.request_json("POST", f"{self.url}/webhook", body, token=self.token, timeout=30)
-
-    def incidents(self) -> list[dict[str, Any]]:
-        """The remediator's incidents with their steps and events, from its own store."""
-        from fleetheal.remediator.store import Store
-
-        path = self.dir / "remediator.sqlite"
-        if not path.exists():
-            return []
-        store = Store(str(path), "NORMAL")
-        try:
-            out = []
-            for inc in store.incidents(limit=100):
-                doc = inc.as_dict()
-                doc["steps"] = [
-                    {"name": st.name, "result": st.result, "detail": st.detail, "ended_at": st.ended_at}
-                    for st in store.steps(inc.id)
-                ]
-                doc["events"] = [{"kind": e.kind, "detail": e.detail, "ts": e.ts} for e in store.events(inc.id)]
-                out.append(doc)
-            return out
-        finally:
-            store.close()

@@ -25,6 +25,11 @@
 
 `down()` stops all of it by PID (and checks each PID is still the process it started). State lives
 under the lab dir (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab); `up()` starts from an empty one.
+
+Each part `up` starts is a supervisor in its own module (`slurm`, `controlplane`, `kube`, `monitoring`,
+`federation`); this module is over 500 lines because `Lab` is the one object that wires them together and
+records every process it started in `lab.json`, so `down()` and the read side (`status`, `incidents`,
+`node_states`) can find them again from another process.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, api_reque
 from fleetheal.lab.federation import DEFAULT_GPU_TYPES, Federation
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
+from fleetheal.lab.supervisor import spawn
 from fleetheal.procs import free_ports
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -240,19 +246,14 @@ class Lab:
         tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
         os.replace(tmp, self.meta_path)
 
+    def _done(self, part: str, t0: float, what: str) -> None:
+        """Log one part of `up` as started, with the seconds it took since `t0`."""
+        self.log(f"  {part:<11} {what}  [{time.monotonic() - t0:.1f}s]")
+
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         log = self.dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env or dict(os.environ),
-                start_new_session=True,  # its own process group: `down` stops it and its children
-                cwd=self.dir,
-            )
+        proc = spawn(argv, log, env=env or dict(os.environ), cwd=self.dir)  # `down` stops its process group
         self.meta.setdefault("processes", {})[name] = {"pid": proc.pid, "log": str(log)}
         self._save()
         return proc.pid
@@ -353,9 +354,11 @@ class Lab:
             cluster.scontrol(
                 "update", f"nodename={','.join(self.standby_nodes)}", "state=drain", f"reason={STANDBY_REASON}"
             )
-        self.log(
-            f"  slurm       Slurm {cluster.release.name}: slurmctld + {len(names)} slurmd ({gpus} fake GPUs each), "
-            f"{len(self.standby_nodes)} standby drained '{STANDBY_REASON}'  [{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "slurm",
+            t0,
+            f"Slurm {cluster.release.name}: slurmctld + {len(names)} slurmd ({gpus} fake GPUs each), "
+            f"{len(self.standby_nodes)} standby drained '{STANDBY_REASON}'",
         )
 
     def _up_kube(self) -> None:
@@ -402,9 +405,10 @@ class Lab:
             "spec": {"maxUnavailable": 2, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
         }
         self.kube_request("POST", "/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb)
-        self.log(
-            f"  kubernetes  {what}: {len(self.nodes)} Nodes, slurmd pods under a PodDisruptionBudget  "
-            f"[{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "kubernetes",
+            t0,
+            f"{what}: {len(self.nodes)} Nodes, slurmd pods under a PodDisruptionBudget",
         )
 
     def _node_specs(self) -> list[tuple[str, dict[str, str], list[dict[str, str]]]]:
@@ -501,7 +505,7 @@ class Lab:
         return env
 
     def _up_agents(self, gpus: int) -> None:
-        from fleetheal.agent.simtools import write_sim_tools
+        from fleetheal.lab.simtools import write_sim_tools
 
         t0 = time.monotonic()
         ports = {}
@@ -553,13 +557,14 @@ class Lab:
                 30,
                 self.dir / "logs" / f"agent-{name}.log",
             )
-        self.log(
-            f"  agents      {len(ports)} x `fleetheal agent run` (simulated GPUs), metrics on 127.0.0.1  "
-            f"[{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "agents",
+            t0,
+            f"{len(ports)} x `fleetheal agent run` (simulated GPUs), metrics on 127.0.0.1",
         )
 
     def _up_remediator(self) -> None:
-        from fleetheal.agent.simtools import validation_vars
+        from fleetheal.lab.simtools import validation_vars
 
         t0 = time.monotonic()
         rdir = self.dir / "remediator"
@@ -574,7 +579,7 @@ class Lab:
             fh.write(operator)
         port = free_ports()[0]
         # The lab's nodes are hosts of the control machine (revalidation runs its checks "on the node"), and
-        # their checks are the simulated GPUs' tools (fleetheal.agent.simtools), each node its own.
+        # their checks are the simulated GPUs' tools (fleetheal.lab.simtools), each node its own.
         local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
         inventory = rdir / "inventory.yml"
         inventory.write_text(yaml.safe_dump({"all": {
@@ -638,9 +643,10 @@ class Lab:
             30,
             self.dir / "logs" / "remediator.log",
         )
-        self.log(
-            f"  remediator  `fleetheal remediator serve` at {url}, playbooks from {REPO / 'playbooks'}  "
-            f"[{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "remediator",
+            t0,
+            f"`fleetheal remediator serve` at {url}, playbooks from {REPO / 'playbooks'}",
         )
 
     def _up_monitoring(self) -> None:
@@ -656,9 +662,11 @@ class Lab:
         mon.start()
         self.meta["monitoring"] = {"prometheus": mon.prometheus_url, "alertmanager": mon.alertmanager_url}
         self._save()
-        self.log(
-            f"  monitoring  Prometheus {mon.prometheus_url} (generated alert rules), "
-            f"Alertmanager {mon.alertmanager_url} -> remediator  [{time.monotonic() - t0:.1f}s]"
+        self._done(
+            "monitoring",
+            t0,
+            f"Prometheus {mon.prometheus_url} (generated alert rules), "
+            f"Alertmanager {mon.alertmanager_url} -> remediator",
         )
 
     # ---- down ---------------------------------------------------------------------------------

@@ -35,11 +35,11 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import stop_pid
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -99,7 +99,7 @@ def stop_recorded(base_dir: str | os.PathLike[str]) -> None:
         pidfile.unlink(missing_ok=True)
 
 
-class Monitoring:
+class Monitoring(Supervisor):
     def __init__(
         self,
         base_dir: str | os.PathLike[str],
@@ -201,10 +201,7 @@ class Monitoring:
 
     def _spawn(self, name: str, argv: list[str], url: str) -> Daemon:
         log = self.base / f"{name}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+        proc = spawn(argv, log)
         (self.base / f"{name}.pid").write_text(str(proc.pid))
         return Daemon(name, proc.pid, url, log, proc)
 
@@ -222,7 +219,7 @@ class Monitoring:
                 f"{daemon.name} did not become ready at {daemon.url} within {timeout:g} s:\n{tail}"
             ) from e
 
-    def start(self, timeout: float = 20.0) -> Monitoring:
+    def start(self, timeout: float = 20.0) -> Self:
         if not self.prometheus_bin or not self.alertmanager_bin:
             raise MonitoringError("prometheus and prometheus-alertmanager are not installed (apt-get install them)")
         self.write_configs()
@@ -276,14 +273,6 @@ class Monitoring:
         req = urllib.request.Request(self.prometheus_url + "/-/reload", method="POST")  # noqa: S310 - http URL
         with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - our own http URL
             resp.read()
-
-    def __enter__(self) -> Monitoring:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # --- queries -----------------------------------------------------------------------------------
 

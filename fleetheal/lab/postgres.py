@@ -15,8 +15,10 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Self
 
 from fleetheal.lab.monitoring import free_port
+from fleetheal.lab.supervisor import Supervisor
 from fleetheal.wait import WaitTimeout, wait_until
 
 USER = "fleetheal"
@@ -36,7 +38,7 @@ def bindir() -> Path:
     return Path(found[-1]).parent
 
 
-class Postgres:
+class Postgres(Supervisor):
     def __init__(self, base: str | Path, port: int | None = None) -> None:
         self.base = Path(base)
         self.data = self.base / "data"
@@ -59,7 +61,7 @@ class Postgres:
         if result.returncode != 0:
             raise PostgresError(f"{' '.join(cmd[:2])} failed: {(result.stderr or result.stdout).strip()[-2000:]}")
 
-    def start(self, timeout: float = 60.0) -> Postgres:
+    def start(self, timeout: float = 60.0) -> Self:
         self.base.mkdir(parents=True, exist_ok=True)
         if self._as:
             shutil.chown(self.base, "postgres", "postgres")

@@ -23,12 +23,12 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Self
 
 from fleetheal.httpjson import request_json
 from fleetheal.lab.controlplane import log_tail
 from fleetheal.lab.slurm import SlurmCluster, find_tool
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir, tools_share
 from fleetheal.wait import WaitTimeout, wait_until
@@ -111,7 +111,7 @@ def _try_flock(lock: IO[str]) -> bool:
     return True
 
 
-class Slurmrestd:
+class Slurmrestd(Supervisor):
     """slurmrestd for `cluster` on 127.0.0.1:6820, JWT only, as uid/gid 65534 (it refuses root)."""
 
     def __init__(self, cluster: SlurmCluster, log: Path) -> None:
@@ -137,15 +137,7 @@ class Slurmrestd:
         # SLURM_JWT=daemon: slurmrestd hands each request's token on to slurmctld (Slurm's jwt.html).
         env = {**self.cluster.env, "SLURM_JWT": "daemon"}
         argv = [find_tool("slurmrestd"), "-a", "rest_auth/jwt", "-u", "65534", "-g", "65534"]
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [*argv, f"127.0.0.1:{RESTAPI_PORT}"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # stop_pid signals its process group
-            )
+        self.proc = spawn([*argv, f"127.0.0.1:{RESTAPI_PORT}"], self.log, env=env)
 
         def answers() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
@@ -173,14 +165,8 @@ class Slurmrestd:
             self._lock = None
             _held_here -= 1
 
-    def __enter__(self) -> Self:
-        return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-
-class SlurmOperator:
+class SlurmOperator(Supervisor):
     """The slurm-operator process, on `kubeconfig`, with the command-line `args` a Deployment gives it.
 
     The probe and metrics addresses are moved to loopback (a later flag wins), and the operator calls
@@ -201,10 +187,7 @@ class SlurmOperator:
         self.health_port = free_ports(1)[0]
         argv = [str(self.bin), *self.args, f"--health-addr=127.0.0.1:{self.health_port}", "--metrics-addr=0"]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "DEBUG": "1"}
-        with open(self.log, "ab") as out:
-            proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        proc = spawn(argv, self.log, env=env)
         self.pid = proc.pid
         url = f"http://127.0.0.1:{self.health_port}/readyz"
 
@@ -233,9 +216,3 @@ class SlurmOperator:
         if self.pid is not None:
             stop_pid(self.pid, timeout=15)
             self.pid = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()

@@ -17,6 +17,11 @@ holder process is detached from the caller: killing that one PID takes every dae
 cluster can outlive the Python process that started it (`fleetheal lab up`). `SlurmCluster.attach`
 finds a running cluster again by its state directory. Needs root (the daemons and `unshare` do).
 
+slurm.conf and gres.conf are rendered by `fleetheal.lab.slurmconf`. This module stays over 500 lines because
+`SlurmCluster` is one supervisor: its lifecycle (start, attach, stop, killing, freezing and restarting single
+daemons) and the client helpers the tests call (`scontrol`, `sbatch`, `wait_nodes`) share one state directory
+and PID namespace; split apart, they would only hand that state to each other.
+
 Example::
 
     with SlurmCluster(tmp_path / "slurm", nodes=2, gpus_per_node=8) as cluster:
@@ -41,12 +46,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import psutil
 
 from fleetheal import procs
+from fleetheal.lab.slurmconf import gres_conf, slurm_conf
+from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
 from fleetheal.scontrol import parse_kv_line
 from fleetheal.slurm_nodes import Node, read, sinfo_argv
@@ -120,17 +126,39 @@ class Release:
         return "CgroupPlugin=disabled\n" if self.version >= (24, 11, 0) else ""
 
 
-def _recorded_holder(state_dir: Path) -> int | None:
-    """The holder PID recorded in state_dir, if that process is alive and still our `unshare`."""
+def recorded_holder(state_dir: Path, meta_file: str = _META_FILE) -> int | None:
+    """The holder PID recorded in state_dir's `meta_file`, if that process is alive and still our `unshare`
+    (a cluster's, or a federation's base)."""
     try:
-        pid = int(json.loads((state_dir / _META_FILE).read_text())["holder_pid"])
+        pid = int(json.loads((state_dir / meta_file).read_text())["holder_pid"])
     except (FileNotFoundError, ValueError, KeyError):
         return None
     cmd = procs.cmdline(pid)
     return pid if procs.alive(pid) and "unshare" in cmd and str(state_dir) in cmd else None
 
 
-class SlurmCluster:
+def namespace_init(holder_pid: int | None) -> int | None:
+    """PID 1 of the PID namespace that the `unshare` holder `holder_pid` made, as this namespace sees it."""
+    if holder_pid is None:
+        return None
+    try:
+        kids = psutil.Process(holder_pid).children()
+    except psutil.Error:
+        return None
+    return min(k.pid for k in kids) if kids else None
+
+
+def stop_holder(holder: subprocess.Popen[bytes] | None, holder_pid: int, init: int | None, timeout: float) -> list[int]:
+    """SIGKILL the `unshare --kill-child` holder (its namespace dies with it), reap it if it is our child, and
+    wait up to `timeout` for it and the namespace's init to be gone; the PIDs still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(holder_pid, signal.SIGKILL)
+    if holder is not None:
+        holder.wait()
+    return procs.wait_gone([holder_pid] if init is None else [holder_pid, init], timeout)
+
+
+class SlurmCluster(Supervisor):
     """A private Slurm cluster (slurmctld + N slurmd + munged) on this machine.
 
     Args:
@@ -249,67 +277,22 @@ class SlurmCluster:
 
         ports = free_ports(len(self.node_names) + 1)
         ctld_port, node_ports = ports[0], ports[1:]
-        munge_socket = d / "munge" / "munge.socket"
-        typed = f"{self.gpu_type}:" if self.gpu_type else ""
-        gres = f" Gres=gpu:{typed}{self.gpus_per_node}" if self.gpus_per_node else ""
-        lines = [
-            "# Written by fleetheal.lab.slurm.SlurmCluster; regenerated at every start.",
-            f"ClusterName={self.cluster_name}",
-            "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmctldPort={ctld_port}",
-            f"SlurmUser={self.slurm_user}",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            # cred_expire=5: a requeued job waits cred_expire + 1 s before it can start again.
-            f"AuthInfo=socket={munge_socket},cred_expire=5",
-            f"StateSaveLocation={d / 'ctld'}",
-            f"SlurmdSpoolDir={d / 'spool' / '%n'}",
-            f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
-            f"SlurmdPidFile={d / 'run' / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
-            "SlurmctldDebug=info",
-            "SlurmdDebug=info",
-            # No cgroup delegation in containers: track processes through /proc.
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SwitchType=switch/none",
-            "MpiDefault=none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "SchedulerType=sched/backfill",
-            "SchedulerParameters=sched_interval=2,batch_sched_delay=0",
-            "SlurmdParameters=config_overrides",
-            "GresTypes=gpu",
-            "ReturnToService=1",
-            "JobRequeue=1",
-            "SlurmdTimeout=10",
-            "MessageTimeout=5",
-            "InactiveLimit=0",
-            "KillWait=10",
-            "MinJobAge=300",
-            "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "JobCompType=jobcomp/none",
-            *self.release.conf_lines(),
-            *self.extra_conf,
-        ]
-        for node, port in zip(self.node_names, node_ports, strict=True):
-            lines.append(
-                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
-                f"CPUs={self.cpus_per_node} RealMemory=1000{gres} State=UNKNOWN"
+        self.conf_path.write_text(
+            slurm_conf(
+                cluster_name=self.cluster_name,
+                slurm_user=self.slurm_user,
+                state_dir=d,
+                ctld_port=ctld_port,
+                munge_socket=d / "munge" / "munge.socket",
+                node_ports=dict(zip(self.node_names, node_ports, strict=True)),
+                cpus_per_node=self.cpus_per_node,
+                gpus_per_node=self.gpus_per_node,
+                gpu_type=self.gpu_type,
+                partition=self.partition,
+                extra=[*self.release.conf_lines(), *self.extra_conf],
             )
-        lines.append(f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
-        self.conf_path.write_text("\n".join(lines) + "\n")
-
-        gres_lines = ["AutoDetect=off"]
-        if self.gpus_per_node:
-            for node in self.node_names:
-                devs = d / "dev" / node / f"nvidia[0-{self.gpus_per_node - 1}]"
-                kind = f" Type={self.gpu_type}" if self.gpu_type else ""
-                gres_lines.append(f"NodeName={node} Name=gpu{kind} File={devs}")
-        (d / "etc" / "gres.conf").write_text("\n".join(gres_lines) + "\n")
+        )
+        (d / "etc" / "gres.conf").write_text(gres_conf(d, self.node_names, self.gpus_per_node, self.gpu_type))
         (d / "etc" / "cgroup.conf").write_text(self.release.cgroup_conf())
         if self.slurm_user != "root":
             # slurmctld drops to SlurmUser at start; it keeps writing its state, log and pid file.
@@ -349,25 +332,18 @@ while :; do wait; sleep 1; done
 
     def start(self, timeout: float = 30.0) -> Self:
         """Write the config, start the daemons in their own PID namespace, wait for every node idle."""
-        other = _recorded_holder(self.state_dir)
+        other = recorded_holder(self.state_dir)
         if self.running() or other is not None:
             pid = self.holder_pid if self.running() else other
             raise SlurmError(f"a cluster is already running in {self.state_dir} (holder pid {pid}); stop it first")
         self._write_files()
         script = self.state_dir / "run" / "init.sh"
         script.write_text(self._init_script())
-        log = open(self.log_dir / "init.out", "ab")  # noqa: SIM115 - handed to the child
-        try:
-            self._holder = subprocess.Popen(
-                [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # survives the caller's terminal and Ctrl-C
-                env=self.env,
-            )
-        finally:
-            log.close()
+        self._holder = spawn(
+            [self._tool("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", str(script)],
+            self.log_dir / "init.out",
+            env=self.env,
+        )
         self.holder_pid = self._holder.pid
         (self.state_dir / _META_FILE).write_text(
             json.dumps({"holder_pid": self.holder_pid, "nodes": self.node_names, "gpus_per_node": self.gpus_per_node})
@@ -383,7 +359,7 @@ while :; do wait; sleep 1; done
     def attach(cls, state_dir: str | os.PathLike[str]) -> SlurmCluster:
         """The cluster started earlier (maybe by another process) in `state_dir`."""
         state = Path(state_dir).resolve()
-        if _recorded_holder(state) is None:
+        if recorded_holder(state) is None:
             raise SlurmError(f"no running cluster in {state}")
         meta = json.loads((state / _META_FILE).read_text())
         names: list[str] = meta["nodes"]
@@ -398,13 +374,7 @@ while :; do wait; sleep 1; done
 
     def _ns_init_pid(self) -> int | None:
         """PID 1 of the cluster's namespace, as this namespace sees it."""
-        if self.holder_pid is None:
-            return None
-        try:
-            kids = psutil.Process(self.holder_pid).children()
-        except psutil.Error:
-            return None
-        return min(k.pid for k in kids) if kids else None
+        return namespace_init(self.holder_pid)
 
     def processes(self) -> dict[int, str]:
         """Every process in the cluster's PID namespace: {pid (as we see it): command line}."""
@@ -431,25 +401,13 @@ while :; do wait; sleep 1; done
             with contextlib.suppress(ProcessLookupError):
                 os.kill(init, signal.SIGTERM)
             procs.wait_gone([init], timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.holder_pid, signal.SIGKILL)
-        if self._holder is not None:
-            self._holder.wait()
-        procs.wait_gone([self.holder_pid] if init is None else [self.holder_pid, init], timeout)
+        stop_holder(self._holder, self.holder_pid, init, timeout)
         if init is not None and procs.alive(init):
             raise SlurmError(f"cluster in {self.state_dir} did not stop (namespace init pid {init})")
         self._holder = None
         self.holder_pid = None
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / _META_FILE).unlink()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # ---- one node's slurmd -----------------------------------------------------------------
 
@@ -511,16 +469,11 @@ while :; do wait; sleep 1; done
         init = self._ns_init_pid()
         if init is None:
             raise SlurmError("cluster is not running")
-        out = self.log_dir / f"slurmd-{node}.out"
-        with open(out, "ab") as log:
-            subprocess.Popen(
-                ["nsenter", f"--target={init}", "--pid", "--mount", "--", *self.slurmd_argv(), "-D", "-N", node],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
+        spawn(
+            ["nsenter", f"--target={init}", "--pid", "--mount", "--", *self.slurmd_argv(), "-D", "-N", node],
+            self.log_dir / f"slurmd-{node}.out",
+            env=self.env,
+        )
 
     # ---- the controller --------------------------------------------------------------------
 
@@ -548,15 +501,11 @@ while :; do wait; sleep 1; done
             raise SlurmError("cluster is not running")
         if any(self._is_ctld(cmd) for cmd in self.processes().values()):
             raise SlurmError(f"slurmctld is already running in {self.state_dir}")
-        with open(self.log_dir / "slurmctld.out", "ab") as log:
-            subprocess.Popen(
-                ["nsenter", f"--target={init}", "--pid", "--mount", "--", self._tool("slurmctld"), "-D", "-i"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
+        spawn(
+            ["nsenter", f"--target={init}", "--pid", "--mount", "--", self._tool("slurmctld"), "-D", "-i"],
+            self.log_dir / "slurmctld.out",
+            env=self.env,
+        )
         self.wait_for(
             "slurmctld to answer scontrol ping",
             lambda: "is UP" in self.run("scontrol", "ping", check=False, timeout=10).stdout,

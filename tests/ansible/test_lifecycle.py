@@ -1,7 +1,7 @@
 """The node lifecycle end to end: the remediator's engine and its node lifecycle, the real playbooks through
 ansible-runner, a real private Slurm (fixture `slurm`, nodes n1..n3) and the real kube-apiserver (fixture
 `kube`, Node objects n1..n3). Revalidation runs the node_validation role against each node's simulated GPUs
-(fleetheal.agent.simtools, the same tools the lab uses); a node's "repair" is clearing its injected faults.
+(fleetheal.lab.simtools, the same tools the lab uses); a node's "repair" is clearing its injected faults.
 
 n1 and n2 start active, n3 in the warm-standby pool (drained with the owned standby reason, Node pool
 label standby). Each test says what it checks; together they walk every transition of the lifecycle.
@@ -24,8 +24,8 @@ import yaml
 
 from fleetheal import contracts, steps
 from fleetheal.agent import simulated
-from fleetheal.agent.simtools import validation_vars, write_sim_tools
 from fleetheal.lab.controlplane import KubeControlPlane
+from fleetheal.lab.simtools import validation_vars, write_sim_tools
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.remediator import config as cfgmod
 from fleetheal.remediator.alerts import Alert

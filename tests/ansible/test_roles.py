@@ -88,8 +88,8 @@ NODE_VALIDATION_CHECKS = ["gpu_present", "gpu_count", "pcie_links", "dcgm_diag",
 
 
 def _sim_vars(tmp_path: Path, **extra: object) -> tuple[dict[str, object], Path, Path]:
-    """node_validation variables for a simulated 8-GPU node (fleetheal.agent.simtools)."""
-    from fleetheal.agent.simtools import write_sim_tools
+    """node_validation variables for a simulated 8-GPU node (fleetheal.lab.simtools)."""
+    from fleetheal.lab.simtools import write_sim_tools
 
     state, report = tmp_path / "sim-gpus.json", tmp_path / "nv.json"
     role_vars = write_sim_tools(tmp_path / "sim-bin", state, 8, burnin_seconds=0.2)
@@ -124,8 +124,8 @@ def test_node_validation_fails_a_simulated_node_with_a_double_bit_ecc_error(tmp_
 def test_node_validation_counts_a_hung_burn_in_as_a_failure(tmp_path: Path) -> None:
     """A thermal fault fails the burn-in; a burn-in past its timeout is killed and fails too, and the role
     still reports (a task timeout must not end the play)."""
-    from fleetheal.agent.simtools import write_sim_tools
     from fleetheal.agent.simulated import inject
+    from fleetheal.lab.simtools import write_sim_tools
 
     role_vars, state, report = _sim_vars(tmp_path, node_validation_fail_on_error=False)
     inject(state, "thermal-slowdown", gpu=5)

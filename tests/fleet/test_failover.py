@@ -113,7 +113,7 @@ def test_the_remediator_moves_a_job_its_cluster_cannot_heal(
     """The third recovery stage end to end: a's leaf switch is lost (both nodes stop answering, the job hangs),
     the alerts reach a's remediator, which may isolate one node (budget 1) and has no standby: it isolates
     one, requeues the job, and moves it to b, which reads its checkpoint store. A wrong store is never used."""
-    from fleetheal.lab.federation import ClusterRemediator
+    from fleetheal.lab.fedremediator import ClusterRemediator
 
     jid, run_dir = job_on_a
     fleet_file = federation.write_fleet_file(tmp_path / "fleet.yaml", run_dir)

@@ -19,9 +19,11 @@ import pytest
 
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY
 from fleetheal.lab.controlplane import tools_built
-from fleetheal.lab.demo import CHECKPOINT_EVERY, LOST_GPU, STEP_TIME, continuity, run_demo, run_scenarios
+from fleetheal.lab.demo import run_demo, run_scenarios
 from fleetheal.lab.lab import Lab
+from fleetheal.lab.scenarios import CHECKPOINT_EVERY, LOST_GPU, STEP_TIME
 from fleetheal.lab.train import read_events
+from fleetheal.lab.watcher import continuity
 from fleetheal.procs import alive, cmdline, pids_mentioning
 from fleetheal.wait import wait_until
 
@@ -278,7 +280,7 @@ def test_down_leaves_nothing_behind(lab, scenarios):
 def test_the_lost_gpu_scenario_follows_whichever_of_its_alerts_acted():
     """Xid 79 and NVML's gpu-lost race to the remediator (CI saw gpu-lost first): the scenario's incident is
     the one the gate let act, not the Xid's by name."""
-    from fleetheal.lab.demo import _incident_for
+    from fleetheal.lab.scenarios import _incident_for
 
     class Incidents:
         def incidents(self):

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from fleetheal.lab.demo import continuity
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.lab.train import batch_script, ettr, loss_at, read_checkpoint, read_events
+from fleetheal.lab.watcher import continuity
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

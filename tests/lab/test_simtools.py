@@ -1,4 +1,4 @@
-"""The simulated validation tools (fleetheal.agent.simtools): outputs judged with the node_validation role's
+"""The simulated validation tools (fleetheal.lab.simtools, .simnode, .simprograms): outputs judged with the node_validation role's
 own parsing rules, fault injections failing the right checks, and the wrapper executables."""
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetheal.agent import simtools
-from fleetheal.agent.simtools import BURNIN_TOOL, SIMULATOR, effect, node_state, run_tool, write_sim_tools
 from fleetheal.agent.simulated import clear, inject, read_injections
+from fleetheal.lab import simnode
+from fleetheal.lab.simnode import BURNIN_TOOL, SIMULATOR, TOOLS, effect, node_state
+from fleetheal.lab.simtools import run_tool, write_sim_tools
 from fleetheal.taxonomy import load
 
 REPO = Path(__file__).resolve().parents[2]
 SMI_QUERY = ["--query-gpu=index,pci.bus_id,pcie.link.gen.max,pcie.link.width.current", "--format=csv,noheader,nounits"]
 NCCL_ARGS = ["-b", "512M", "-e", "4G", "-f", "2"]
 BURNIN_ARGS = ["--no-dcgm-validation", "-t", "1004", "-d", "30"]
-MIN_BUSBW = simtools.SIM_MIN_BUSBW_GBPS
+MIN_BUSBW = simnode.SIM_MIN_BUSBW_GBPS
 
 
 def _judge(state: Path, gpus: int = 8, expected: int = 8, level: int = 2) -> dict[str, bool]:
@@ -58,7 +59,7 @@ def test_healthy_node_passes_every_check(tmp_path: Path) -> None:
         ["gpu_present", "gpu_count", "pcie_links", "dcgm_diag", "nccl_busbw", "burn_in"], True
     )
     out, _, _ = run_tool("all_reduce_perf", [*NCCL_ARGS, "-g", "8"], state, 8)
-    assert 400 < float(re.findall(r"Avg bus bandwidth\s*:\s*([0-9.]+)", out)[0]) <= simtools.HEALTHY_BUSBW_GBPS
+    assert 400 < float(re.findall(r"Avg bus bandwidth\s*:\s*([0-9.]+)", out)[0]) <= simnode.HEALTHY_BUSBW_GBPS
     out, _, _ = run_tool("nvidia-smi", SMI_QUERY, state, 8)
     assert out.splitlines()[3] == "3, 00000000:1B:00.0, 5, 16"  # the backend's bus ids
 
@@ -103,7 +104,7 @@ def test_what_each_tool_says_about_the_faults(tmp_path: Path) -> None:
     assert "00000000:1B:00.0: GPU is lost" in err
     out, _, rc = run_tool("dcgmi", ["diag", "-r", "2", "-j"], state, 8)
     doc = json.loads(out)
-    assert rc == simtools.DCGM_FAIL_RC
+    assert rc == simnode.DCGM_FAIL_RC
     tests = {t["name"]: t["results"] for c in doc["DCGM GPU Diagnostic"]["test_categories"] for t in c["tests"]}
     assert [r["gpu_id"] for r in tests["GPU Memory"] if r["status"] == "Fail"] == ["1", "3"]
     assert [r["gpu_id"] for r in tests["PCIe"] if r["status"] == "Fail"] == ["3"]  # the lost GPU fails everything
@@ -127,9 +128,9 @@ def test_dcgm_levels_and_text_output(tmp_path: Path) -> None:
     assert rc == 0 and "GPU Memory" not in out  # level 1: deployment checks only; a DBE is not one of them
     inject(state, "row-remap-pending", gpu=2)
     _, _, rc = run_tool("dcgmi", ["diag", "-r", "quick", "-j"], state, 8)
-    assert rc == simtools.DCGM_FAIL_RC  # "Page Retirement/Row Remap"
+    assert rc == simnode.DCGM_FAIL_RC  # "Page Retirement/Row Remap"
     out, _, rc = run_tool("dcgmi", ["diag", "-r", "3"], state, 8)
-    assert rc == simtools.DCGM_FAIL_RC and "| GPU Memory                | Fail - GPU: 1, 2" in out
+    assert rc == simnode.DCGM_FAIL_RC and "| GPU Memory                | Fail - GPU: 1, 2" in out
     assert "Targeted Power" in out and SIMULATOR in out
     _, err, rc = run_tool("dcgmi", ["diag", "-r", "9", "-j"], state, 8)
     assert rc == 2 and "levels 1-4" in err
@@ -167,11 +168,11 @@ def test_gpu_reset_repairs_reset_gpu_faults_only(tmp_path: Path) -> None:
     assert sorted((i.fault, i.gpu) for i in read_injections(state)) == [("xid-48", 2), ("xid-74", 2)]
     inject(state, "xid-79", gpu=5)
     _, err, rc = run_tool("nvidia-smi", ["--gpu-reset", "-i", "5"], state, 8)
-    assert rc == simtools.NVSMI_GPU_LOST_RC and "GPU is lost" in err
+    assert rc == simnode.NVSMI_GPU_LOST_RC and "GPU is lost" in err
     _, _, rc = run_tool("nvidia-smi", ["--gpu-reset"], state, 8)
-    assert rc == simtools.NVSMI_GPU_LOST_RC
+    assert rc == simnode.NVSMI_GPU_LOST_RC
     out, _, rc = run_tool("nvidia-smi", ["--gpu-reset", "-i", "8"], state, 8)
-    assert rc == simtools.NVSMI_NO_DEVICES_RC and "No devices were found" in out
+    assert rc == simnode.NVSMI_NO_DEVICES_RC and "No devices were found" in out
 
 
 def test_malformed_state_file_exits_2_with_one_line(tmp_path: Path) -> None:
@@ -224,7 +225,7 @@ def test_write_sim_tools_writes_executables_and_role_vars(tmp_path: Path) -> Non
     assert role_vars["node_validation_nccl_min_busbw_gbps"] == MIN_BUSBW
     argv = role_vars["node_validation_burnin_argv"]
     assert argv[0] == str(bin_dir.resolve() / BURNIN_TOOL) and argv[1:] == BURNIN_ARGS
-    for tool in simtools.TOOLS:
+    for tool in TOOLS:
         assert stat.S_IMODE((bin_dir / tool).stat().st_mode) == 0o755
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([role_vars["node_validation_nvidia_smi"], *SMI_QUERY], capture_output=True, text=True, env=env)
@@ -232,7 +233,7 @@ def test_write_sim_tools_writes_executables_and_role_vars(tmp_path: Path) -> Non
     inject(state, "xid-48", gpu=3)
     assert state.exists() and not (tmp_path / "state").exists()
     run = subprocess.run([role_vars["node_validation_dcgmi"], "diag", "-r", "2", "-j"], capture_output=True, text=True)
-    assert run.returncode == simtools.DCGM_FAIL_RC
+    assert run.returncode == simnode.DCGM_FAIL_RC
     run = subprocess.run([role_vars["node_validation_nccl_binary"], *NCCL_ARGS, "-g", "4"], capture_output=True)
     assert run.returncode == 0
     run = subprocess.run(argv, capture_output=True, text=True)
@@ -243,7 +244,7 @@ def test_write_sim_tools_writes_executables_and_role_vars(tmp_path: Path) -> Non
 
 def test_cli(tmp_path: Path) -> None:
     state = tmp_path / "sim.json"
-    cmd = [sys.executable, "-m", "fleetheal.agent.simtools", "--state", str(state), "--gpus", "2"]
+    cmd = [sys.executable, "-m", "fleetheal.lab.simtools", "--state", str(state), "--gpus", "2"]
     run = subprocess.run([*cmd, "nvidia-smi", *SMI_QUERY], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("0, 00000000:18:00.0, 5, 16\n1, ")
     run = subprocess.run(cmd, capture_output=True, text=True)
