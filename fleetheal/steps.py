@@ -8,8 +8,8 @@ changed, and a step that finds it there reports `done` without acting again), re
 the shape of the playbooks' report (`{"step", "outcome", "detail"}`, outcome done | would | skipped |
 failed), and honours a dry run ("would ...", nothing changed).
 
-Slurm is driven through its own commands (`scontrol`, `scancel`, `squeue --json`, `sinfo` read by
-`fleetheal.slurm_nodes`), with the retries, delay and timeout of `playbooks/vars/remediation.yml`.
+Slurm is driven through its own commands (`fleetheal.slurm`: `scontrol`, `scancel`, `squeue --json` and `sinfo`
+read by its job and node readers), with the retries, delay and timeout of `playbooks/vars/remediation.yml`.
 Kubernetes through the official client.
 """
 
@@ -17,22 +17,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fleetheal import contracts, launch, slurm_nodes
+from fleetheal import contracts, kubeclient, launch
+from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm.client import Client
+from fleetheal.slurm.jobs import slurm_max_priority, target_jobs
+from fleetheal.slurm.runner import Runner
 
-_ACTIVE_JOB_STATES = ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
 #: Slurm's highest settable priority minus the values it reserves.
 MAX_PRIORITY = 4294967293
 
@@ -120,375 +120,26 @@ class Settings:
         return bool(self.kubeconfig) or self.k8s_in_cluster
 
 
-# --- Slurm's JSON -------------------------------------------------------------------------------------
-# Debian's Slurm 22.05 (openapi v0.0.38): `squeue --json` ignores its filter options and prints every job,
-# so selection happens here, by exact job id and node name. The fields whose shape a data parser changes
-# (22.05's v0.0.38 to 26.05's v0.0.45) are read by `fleetheal.slurm_nodes`, which also reads the nodes.
-
-
-def _doc(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, str) and value.strip():
-        parsed = json.loads(value)
-        if isinstance(parsed, dict):
-            return parsed
-    raise ValueError("expected the JSON document printed by `squeue --json`")
-
-
-_MEMO = "_fleetheal_index"
-
-
-def _memo(doc: dict[str, Any], key: str, build: Callable[[dict[str, Any]], Any]) -> Any:
-    """What `build` derives from `doc`, built once per document: a storm's first responses share one read
-    of the fleet, and scanning it whole for each of N incidents made the storm quadratic. Concurrent
-    callers may both build; they build the same thing."""
-    memo = doc.setdefault(_MEMO, {})
-    if key not in memo:
-        memo[key] = build(doc)
-    return memo[key]
-
-
-def _stdout_path(job: dict[str, Any]) -> str:
-    """The job's output file with Slurm's filename patterns (%j %A %a %x %u %%) expanded. Slurm's default
-    when the job named none (22.05 prints "", 26.05 the pattern itself) is `slurm-%j.out`, `slurm-%A_%a.out`
-    for an array task; a relative path is relative to the job's working directory."""
-    job_id = str(job.get("job_id", ""))
-    task = slurm_nodes.number(job.get("array_task_id"), -1)
-    path = str(job.get("standard_output") or "") or ("slurm-%A_%a.out" if task >= 0 else "slurm-%j.out")
-    subst = {
-        "j": job_id,
-        "A": str(slurm_nodes.number(job.get("array_job_id")) or job_id),
-        "a": "" if task < 0 else str(task),
-        "x": str(job.get("name") or ""),
-        "u": str(job.get("user_name") or ""),
-        "%": "%",
-    }
-    path = re.sub(r"%([jAaxu%])", lambda m: subst[m.group(1)], path)
-    if not path.startswith("/"):
-        cwd = str(job.get("current_working_directory") or "")
-        return f"{cwd.rstrip('/')}/{path}" if cwd else ""
-    return path
-
-
-def _summary(job: dict[str, Any]) -> dict[str, Any]:
-    uid = job.get("user_id")
-    return {
-        "job_id": str(job.get("job_id")),
-        "name": str(job.get("name") or ""),
-        "user": str(job.get("user_name") or ""),
-        "state": slurm_nodes.job_state(job.get("job_state")),
-        "state_reason": str(job.get("state_reason") or ""),
-        "nodes": slurm_nodes.job_nodes(job),
-        "batch_host": str(job.get("batch_host") or ""),
-        "required_nodes": str(job.get("required_nodes") or ""),
-        "excluded_nodes": str(job.get("excluded_nodes") or ""),
-        "requeue": bool(job.get("requeue")),
-        "priority": slurm_nodes.number(job.get("priority")),
-        "restart_cnt": slurm_nodes.number(job.get("restart_cnt")),
-        "comment": str(job.get("comment") or ""),
-        "stdout": _stdout_path(job),
-        "uid": -1 if uid is None else int(uid),
-    }
-
-
-def _jobs_by_id(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    by_id: dict[str, dict[str, Any]] = {}
-    for job in doc.get("jobs", []):
-        by_id.setdefault(str(job.get("job_id")), _summary(job))
-    return by_id
-
-
-def _active_jobs_by_node(doc: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    by_node: dict[str, list[dict[str, Any]]] = {}
-    for job in sorted(_memo(doc, "jobs", _jobs_by_id).values(), key=lambda j: int(j["job_id"])):
-        if job["state"] in _ACTIVE_JOB_STATES:
-            for node in dict.fromkeys(job["nodes"]):
-                by_node.setdefault(node, []).append(job)
-    return by_node
-
-
-def _copy(job: dict[str, Any]) -> dict[str, Any]:
-    return {**job, "nodes": list(job["nodes"])}  # the caller's own: the index is shared
-
-
-def slurm_job(squeue: Any, job_id: Any) -> dict[str, Any]:
-    """One job of `squeue --json` by id (summary fields), or {} when Slurm no longer lists it."""
-    job = _memo(_doc(squeue), "jobs", _jobs_by_id).get(str(job_id))
-    return _copy(job) if job else {}
-
-
-def slurm_jobs_on_node(squeue: Any, node: str) -> list[dict[str, Any]]:
-    """Active jobs (running, configuring, completing, suspended) that hold an allocation on `node`."""
-    return [_copy(j) for j in _memo(_doc(squeue), "on_node", _active_jobs_by_node).get(node, [])]
-
-
-def _max_priority(doc: dict[str, Any]) -> int:
-    best = 0
-    for job in doc.get("jobs", []):
-        state = slurm_nodes.job_state(job.get("job_state"))
-        if state != "PENDING" and state not in _ACTIVE_JOB_STATES:
-            continue
-        best = max(best, slurm_nodes.number(job.get("priority")))
-    return best
-
-
-def slurm_max_priority(squeue: Any) -> int:
-    """The highest priority among pending and active jobs."""
-    return int(_memo(_doc(squeue), "max_priority", _max_priority))
-
-
-def target_jobs(squeue: Any, node: str, job_id: str = "") -> list[dict[str, Any]]:
-    """The jobs an action on `node` hits: job `job_id` alone when given (and still active there), else
-    every active job on the node. A job-scoped fault never reaches the node's other jobs."""
-    if job_id:
-        job = slurm_job(squeue, job_id)
-        return [job] if job and job["state"] in _ACTIVE_JOB_STATES and node in job["nodes"] else []
-    return slurm_jobs_on_node(squeue, node)
-
-
 # --- Slurm commands ---------------------------------------------------------------------------------------
 
 
-class _Shared:
-    """Concurrent calls share one read: a call waits for the next read to start (which its first waiter
-    runs), so a caller always sees at least its own earlier writes, and a storm of N first responses
-    costs about two reads, not N. A caller that only needs a read taken after a moment of its own
-    (`since`, wall clock: a first response needs one taken after its alert arrived) also takes the last
-    read or the one in flight when either started after that moment."""
-
-    def __init__(self, fetch: Callable[[], Any]) -> None:
-        self._fetch = fetch
-        self._cond = threading.Condition()
-        self._running: Future[Any] | None = None  # the read in flight
-        self._claimed = False  # whether a caller is running it
-        self._running_since = 0.0  # when (wall clock) the read in flight started
-        self._next: Future[Any] | None = None  # the read that callers arriving now wait for
-        self._last: tuple[float, Any] | None = None  # (when it started, wall clock; its result)
-
-    def get(self, since: float | None = None) -> tuple[float, Any]:
-        """(when the read started, on the monotonic clock; what it read)."""
-        with self._cond:
-            if since is not None and self._last is not None and self._last[0] >= since:
-                return self._last[1]  # type: ignore[no-any-return]
-            if since is not None and self._claimed and self._running is not None and self._running_since >= since:
-                fut = self._running
-                while not fut.done():
-                    self._cond.wait()
-                return fut.result()  # type: ignore[no-any-return]
-            if self._running is None:
-                fut = self._running = Future()
-            else:
-                fut = self._next = self._next or Future()
-                while not fut.done() and (self._running is not fut or self._claimed):
-                    self._cond.wait()
-                if fut.done():
-                    return fut.result()  # type: ignore[no-any-return]
-            self._claimed = True
-            self._running_since = wall = time.time()
-        started = time.monotonic()
-        try:
-            fut.set_result((started, self._fetch()))
-        except BaseException as exc:
-            fut.set_exception(exc)
-        finally:
-            with self._cond:
-                if not fut.exception():
-                    self._last = (wall, fut.result())
-                self._running, self._next, self._claimed = self._next, None, False
-                self._cond.notify_all()
-        return fut.result()  # type: ignore[no-any-return]
-
-
-class _Batched:
-    """Concurrent commands go to Slurm together: what is submitted while a batch runs becomes the next
-    batch, run by one of its submitters (a caller never runs a batch after the one holding its command).
-    `run_batch` takes the items and returns one error (or None) each."""
-
-    def __init__(self, run_batch: Callable[[list[Any]], list[Exception | None]]) -> None:
-        self._run_batch = run_batch
-        self._cond = threading.Condition()
-        self._busy = False
-        self._pending: list[tuple[Any, Future[None]]] = []
-
-    def submit(self, item: Any) -> None:
-        fut: Future[None] = Future()
-        with self._cond:
-            self._pending.append((item, fut))
-            while self._busy and not fut.done():
-                self._cond.wait()
-            if fut.done():
-                return fut.result()
-            self._busy = True
-            batch, self._pending = self._pending, []
-        try:
-            try:
-                errors = self._run_batch([i for i, _ in batch])
-            except Exception as exc:
-                errors = [exc] * len(batch)
-            for (_, done), error in zip(batch, errors, strict=True):
-                if error is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(error)
-        finally:
-            for _, done in batch:  # interrupted: nobody waits forever
-                if not done.done():
-                    done.set_exception(StepError("interrupted while the command ran"))
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-        return fut.result()
-
-
-def _scontrol_word(arg: str) -> str:
-    """One argument as scontrol's command reader splits a line: quoted when it holds a blank."""
-    if '"' in arg or "\n" in arg:
-        raise StepError(f"scontrol argument {arg!r} holds a quote or a newline")
-    if " " not in arg and "\t" not in arg:
-        return arg
-    key, sep, value = arg.partition("=")
-    return f'{key}="{value}"' if sep else f'"{arg}"'
-
-
-def _stdin_safe(cmd: Sequence[str]) -> bool:
-    """Whether scontrol reading `cmd` from its input stores what argv would: it keeps the quotes around a
-    value with a blank (a comment would read '"a b"', and its words would not match), but for a reason."""
-    return all((" " not in a and "\t" not in a) or a.lower().startswith("reason=") for a in cmd)
-
-
-class Slurm:
-    """Slurm's commands with the playbooks' retries, delay and timeout.
-
-    Shared by concurrent callers (the first responder's threads): `sinfo()` and `squeue()` share reads
-    (`_Shared`), and `scontrol()` and `scancel_signal()` send what is submitted at the same time as one
-    command (`scontrol` reading its commands from stdin, one `scancel` per signal)."""
+class Slurm(Client):
+    """Slurm's commands (`fleetheal.slurm.client.Client`) with the playbooks' bin dir, environment, retries,
+    delay and timeout; its errors are StepErrors."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.env = {**os.environ, **settings.slurm_env}
-        self.prefix = (settings.slurm_bin_dir.rstrip("/") + "/") if settings.slurm_bin_dir else ""
-        self._sinfo = _Shared(lambda: slurm_nodes.parse_text(self.run("sinfo", *slurm_nodes.NODES_ARGS)))
-        self._squeue = _Shared(lambda: _doc(self.run("squeue", "--json")))
-        self._scontrol = _Batched(self._scontrol_batch)
-        self._scancel = _Batched(self._scancel_batch)
-
-    def run(self, command: str, *args: str, stdin: str | None = None, retries: int | None = None) -> str:
-        s = self.settings
-        tries = 1 + (s.slurm_retries if retries is None else retries)
-        last = ""
-        for attempt in range(tries):
-            try:
-                proc = subprocess.run(
-                    [self.prefix + command, *args],
-                    env=self.env,
-                    input=stdin,
-                    capture_output=True,
-                    text=True,
-                    timeout=s.slurm_timeout_s,
-                    check=False,
-                )
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                last = f"{command}: {exc}"
-            else:
-                if proc.returncode == 0 and not (stdin and proc.stderr.strip()):
-                    return proc.stdout
-                last = (
-                    f"{command} {' '.join(args)} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:300]}"
-                )
-            if attempt + 1 < tries:
-                time.sleep(s.slurm_retry_delay_s)
-        raise StepError(last)
-
-    def sinfo(self) -> slurm_nodes.Nodes:
-        return self.sinfo_at()[1]
-
-    def sinfo_at(self, since: float | None = None) -> tuple[float, slurm_nodes.Nodes]:
-        """Every node (`fleetheal.slurm_nodes`) and when (monotonic) the read started; `since`: see `_Shared`."""
-        return self._sinfo.get(since)
-
-    def squeue(self, since: float | None = None) -> dict[str, Any]:
-        return self._squeue.get(since)[1]  # type: ignore[no-any-return]
-
-    def scontrol(self, *args: str) -> None:
-        """One scontrol command (`update ...`, `requeue ...`), sent with the others submitted meanwhile.
-        Checked before it joins a batch: a newline in a value would be a second command in scontrol's input,
-        and a refused command must fail for its caller only."""
-        self.scontrol_seq([tuple(args)])
-
-    def scontrol_seq(self, commands: Sequence[Sequence[str]]) -> None:
-        """Commands that must run in this order (a requeue, then the update of the pending job), sent in
-        one batch: a storm's requeues then wait for one batch of scontrol, not two."""
-        cmds = tuple(tuple(c) for c in commands)
-        for cmd in cmds:
-            for arg in cmd:
-                _scontrol_word(arg)
-        self._scontrol.submit(cmds)
-
-    def scancel_signal(self, signal: str, job_ids: Sequence[str]) -> None:
-        """`scancel --batch --signal=SIGNAL` to `job_ids`, with the other jobs signalled meanwhile."""
-        self._scancel.submit((signal, tuple(job_ids)))
-
-    def _scontrol_batch(self, batch: list[tuple[tuple[str, ...], ...]]) -> list[Exception | None]:
-        """Each caller's commands in order: the leading ones scontrol can read from its input go to one
-        scontrol together; the rest (a value with a blank, which scontrol reading its input would store
-        with its quotes, but for a reason) then run on their own, concurrently across callers."""
-        heads: list[tuple[tuple[str, ...], ...]] = []
-        tails: list[tuple[tuple[str, ...], ...]] = []
-        for cmds in batch:
-            n = next((i for i, cmd in enumerate(cmds) if not _stdin_safe(cmd)), len(cmds))
-            heads.append(cmds[:n])
-            tails.append(cmds[n:])
-        errors = self._scontrol_script(heads)
-        todo = [i for i, tail in enumerate(tails) if tail and errors[i] is None]
-        if len(todo) == 1:
-            errors[todo[0]] = _error_of(self._scontrol_again, tails[todo[0]])
-        elif todo:
-            with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
-                for i, error in zip(
-                    todo, pool.map(lambda i: _error_of(self._scontrol_again, tails[i]), todo), strict=True
-                ):
-                    errors[i] = error
-        return errors
-
-    def _scontrol_script(self, heads: list[tuple[tuple[str, ...], ...]]) -> list[Exception | None]:
-        lines = [cmd for head in heads for cmd in head]
-        if len(lines) <= 1:
-            error = _error_of(self.run, "scontrol", *lines[0]) if lines else None
-            return [error if head else None for head in heads]
-        script = "".join(" ".join(_scontrol_word(a) for a in cmd) + "\n" for cmd in lines)
-        if _error_of(self.run, "scontrol", stdin=script + "quit\n", retries=0) is None:
-            return [None] * len(heads)
-        # Which line failed is not told: each caller's commands again on their own, in order. They are
-        # idempotent, but for a requeue, which finds its jobs requeued by the batch already ("pending").
-        return [_error_of(self._scontrol_again, head) if head else None for head in heads]
-
-    def _scontrol_again(self, cmds: tuple[tuple[str, ...], ...]) -> None:
-        for cmd in cmds:
-            try:
-                self.run("scontrol", *cmd)
-            except StepError as exc:
-                if cmd[0] != "requeue" or "pending" not in str(exc).lower():
-                    raise
-
-    def _scancel_batch(self, items: list[tuple[str, tuple[str, ...]]]) -> list[Exception | None]:
-        errors: list[Exception | None] = [None] * len(items)
-        for signal in dict.fromkeys(sig for sig, _ in items):
-            mine = [i for i, (sig, _) in enumerate(items) if sig == signal]
-            ids = list(dict.fromkeys(j for i in mine for j in items[i][1]))
-            flag = f"--signal={signal}"
-            if _error_of(self.run, "scancel", "--batch", flag, *ids, retries=0) is not None:
-                for i in mine:  # which job failed is not told: each caller's jobs on their own
-                    errors[i] = _error_of(self.run, "scancel", "--batch", flag, *items[i][1])
-        return errors
-
-
-def _error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Exception | None:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return exc
-    return None
+        super().__init__(
+            Runner(
+                bin_dir=settings.slurm_bin_dir,
+                env={**os.environ, **settings.slurm_env},
+                timeout_s=settings.slurm_timeout_s,
+                retries=settings.slurm_retries,
+                retry_delay_s=settings.slurm_retry_delay_s,
+                error=StepError,
+                said_chars=300,
+            )
+        )
 
 
 def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False, sinfo: Any = None) -> StepResult:
@@ -882,19 +533,13 @@ class Kube:
         _ = (client.Configuration, client.ApiClient, client.CoreV1Api, client.VersionApi, client.exceptions)
 
     def __init__(self, settings: Settings) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        conf = client.Configuration()
-        if settings.kubeconfig:
-            config.load_kube_config(config_file=settings.kubeconfig, client_configuration=conf)  # type: ignore[no-untyped-call]
-        else:
-            config.load_incluster_config(client_configuration=conf)  # type: ignore[no-untyped-call]
-        conf.connection_pool_maxsize = self.CONNECTIONS
         # No silent retries inside the client (urllib3's default is 3, so a stopped API server held each
         # call for 4 timeouts): a step fails in TIMEOUT_S, and the remediator waits for the API server to
         # answer before it retries the attempt.
-        conf.retries = 0
-        self.core = client.CoreV1Api(client.ApiClient(conf))
+        api = kubeclient.api_client(settings.kubeconfig, retries=0, connections=self.CONNECTIONS)
+        self.core = client.CoreV1Api(api)
         self._exc = client.exceptions.ApiException
 
     def unavailable(self) -> str | None:

@@ -11,7 +11,7 @@ job's data lives. This module adds that policy and leaves the rest to Slurm:
   missing data costs least (and the decision says what to copy). When no cluster can start it now, the job
   goes to every eligible cluster and the federation picks the first that frees capacity.
 - `read_states` reads the clusters' state from the federation itself: one `sinfo -M all` through
-  fleetheal.slurm_nodes's node read (the same read as `fleetheal fleet status`).
+  fleetheal.slurm.nodes's node read (the same read as `fleetheal fleet status`).
 - `sync_features` turns the fleet file's data catalogue into Slurm cluster features (`data-<name>`), so
   `sbatch --cluster-constraint` and `sacctmgr show cluster` see it too.
 - `parse_request` reads the GPUs a job asks for from its `sbatch` arguments and `#SBATCH` lines.
@@ -33,8 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.errors import UsageError
-from fleetheal.fleet.status import run_checked
 from fleetheal.settings import ConfigError
+from fleetheal.slurm.fields import sections
+from fleetheal.slurm.gres import parse_gres
+from fleetheal.slurm.nodes import FLEET_SINFO_ARGS, node_state, with_gres
+from fleetheal.slurm.runner import Runner
 
 if TYPE_CHECKING:
     from fleetheal.fleet.config import FleetConfig, Placement
@@ -419,34 +422,21 @@ def parse_request(argv: Sequence[str]) -> Request:
 
 
 def parse_states(sinfo_text: str, cfg: FleetConfig) -> list[ClusterState]:
-    """Each cluster of the fleet file from what `sinfo fleetheal.fleet.status.SINFO_ARGS` printed (one
+    """Each cluster of the fleet file from what `sinfo fleetheal.slurm.nodes.FLEET_SINFO_ARGS` printed (one
     `CLUSTER:` section per cluster reached; a cluster without one is not up). A node's GPUs count as free
     when it takes jobs (idle, mixed or allocated, not drained or down) and its `GresUsed` leaves them."""
-    from fleetheal import slurm_nodes
-    from fleetheal.fleet import status
-
-    parts = status.sections(sinfo_text)
+    parts = sections(sinfo_text)
     out = []
     for name, cl in cfg.clusters.items():
         held = frozenset(d for d, ds in cfg.datasets.items() if name in ds.clusters)
         text = parts.get(name, "")
         free: dict[str, int] = {}
         total = 0
-        for line in text.splitlines():
-            fields = line.rsplit(slurm_nodes.SEP, 3)
-            if len(fields) != 4:
-                continue
-            head, gres, used, _ = fields
-            read = slurm_nodes.parse_text(head + slurm_nodes.SEP)
-            if len(read) != 1:
-                continue
-            node = next(iter(read.values()))
-            if node.name in free:
-                continue
-            have = sum(status.parse_gres(gres, cl.gpu_type).values())
-            busy = sum(status.parse_gres(used, cl.gpu_type).values())
+        for node, gres, used in with_gres(text):
+            have = sum(parse_gres(gres, cl.gpu_type).values())
+            busy = sum(parse_gres(used, cl.gpu_type).values())
             total += have
-            usable = status.node_state(node) in ("idle", "mixed", "allocated")
+            usable = node_state(node) in ("idle", "mixed", "allocated")
             free[node.name] = max(have - busy, 0) if usable else 0
         out.append(
             ClusterState(
@@ -464,12 +454,8 @@ def parse_states(sinfo_text: str, cfg: FleetConfig) -> list[ClusterState]:
 
 def read_states(cfg: FleetConfig, env: Mapping[str, str] | None = None, timeout: float = 20.0) -> list[ClusterState]:
     """The state of every cluster of the fleet file, from one `sinfo -M all`."""
-    from fleetheal.fleet import status
-
     try:
-        proc = subprocess.run(
-            ["sinfo", *status.SINFO_ARGS], capture_output=True, text=True, env=env, timeout=timeout, check=False
-        )
+        proc = Runner(env=env, timeout_s=timeout).completed("sinfo", *FLEET_SINFO_ARGS)
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
         raise PlacementError(
@@ -515,7 +501,7 @@ def sync_features(cfg: FleetConfig, env: Mapping[str, str] | None = None, timeou
     not touched). Returns the clusters changed, with their new features."""
 
     def sacctmgr(*args: str) -> str:
-        return run_checked(["sacctmgr", "-i", *args], env, timeout, PlacementError)
+        return Runner(env=env, timeout_s=timeout, error=PlacementError).checked("sacctmgr", "-i", *args)
 
     current = parse_features(sacctmgr("-n", "-P", "show", "cluster", "format=cluster,features"))
     changed = {}
@@ -590,7 +576,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(argv))
         return 0
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    proc = Runner(timeout_s=None).completed(*argv)
     sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
         return proc.returncode

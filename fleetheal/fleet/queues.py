@@ -25,8 +25,10 @@ from datetime import datetime
 from typing import Any
 
 from fleetheal.fleet.config import FleetConfig, Placement, Queues
-from fleetheal.fleet.status import ClusterStatus, read_cluster, run_checked
-from fleetheal.slurm_nodes import SEP
+from fleetheal.fleet.status import ClusterStatus, read_cluster
+from fleetheal.slurm.fields import SEP
+from fleetheal.slurm.gres import tres_gpus
+from fleetheal.slurm.runner import Runner
 
 POLICIES = ("fifo", "backfill", "lend")
 
@@ -98,20 +100,6 @@ def parse_csv(lines: Iterable[str]) -> list[Job]:
     return sorted(jobs, key=lambda j: (j.submit, j.line))
 
 
-def _gpus_of(tres: str) -> int:
-    """GPUs in a TRES string: the untyped `gres/gpu=N` when present (Slurm also lists the typed
-    `gres/gpu:h100=N` beside it), otherwise the sum of the typed counts."""
-    untyped = None
-    typed = 0
-    for item in tres.split(","):
-        key, _, val = item.partition("=")
-        if key == "gres/gpu":
-            untyped = int(val)
-        elif key.startswith("gres/gpu:"):
-            typed += int(val)
-    return typed if untyped is None else untyped
-
-
 def _time(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
@@ -144,7 +132,7 @@ def parse_sacct(lines: Iterable[str]) -> list[Job]:
             continue
         tres = row.get("ReqTRES") or row.get("AllocTRES") or ""
         try:
-            gpus = _gpus_of(tres)
+            gpus = tres_gpus(tres)
             submit, start, end = _time(row["Submit"]), _time(row["Start"]), _time(row["End"])
         except ValueError as exc:
             raise TraceError(f"line {n}: {exc}") from None
@@ -419,9 +407,13 @@ class LendError(RuntimeError):
     """Slurm refused a read or the QOS change; the message says which command and why."""
 
 
+def _slurm(env: Mapping[str, str] | None) -> Runner:
+    return Runner(env=env, timeout_s=30, error=LendError)
+
+
 def qos_limit(qos: str, env: Mapping[str, str] | None = None) -> int | None:
     """The QOS's GrpTRES gres/gpu now (None: no limit); LendError when the QOS does not exist."""
-    out = run_checked(["sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,GrpTRES"], env, 30, LendError)
+    out = _slurm(env).checked("sacctmgr", "-n", "-P", "show", "qos", qos, "format=Name,GrpTRES")
     for line in out.splitlines():
         name, _, tres = line.partition("|")
         if name == qos:
@@ -446,14 +438,14 @@ def lend_once(
     if cfg.reclaim:
         fields = ",".join(f"{f}:{SEP}" for f in _HEAD_FIELDS)
         argv = ["squeue", "-M", cluster, "-h", "-t", "PENDING", "-q", cfg.large_qos, "-O", fields]
-        heads = run_checked(argv, env, 30, LendError)
+        heads = _slurm(env).checked(*argv)
     load = load_of(seen, cfg, heads, time.time())
     before = qos_limit(cfg.small_qos, env)
     want = decide(load, cfg)
     changed = before != want
     if changed and not dry_run:
         argv = ["sacctmgr", "-i", "modify", "qos", cfg.small_qos, "set", f"GrpTRES=gres/gpu={want}"]
-        run_checked(argv, env, 30, LendError)
+        _slurm(env).checked(*argv)
     return load, before, want, changed
 
 

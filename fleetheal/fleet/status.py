@@ -6,7 +6,7 @@ the cluster's remediator, the standby pool and the open incidents. One table for
 JSON document for programs (`status --json`), and the same numbers as Prometheus metrics collected on
 each scrape (`exporter`; docs/metrics.md, section "Fleet").
 
-Two Slurm reads for the whole fleet, whatever its size: `sinfo -M all` (fleetheal.slurm_nodes's node
+Two Slurm reads for the whole fleet, whatever its size: `sinfo -M all` (fleetheal.slurm.nodes's node
 read, plus the `Gres` and `GresUsed` fields) and `squeue -M all`, run side by side. With `-M` each client
 prints one `CLUSTER: <name>` section per cluster it reached and only that cluster's own jobs (the origin's
 REVOKED copy of a job that runs elsewhere is not PENDING or RUNNING, so it is not counted). A cluster of
@@ -25,9 +25,7 @@ import argparse
 import contextlib
 import json
 import logging
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -36,9 +34,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fleetheal import slurm_nodes
 from fleetheal.errors import UsageError
-from fleetheal.slurm_nodes import SEP
+from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm.fields import sections
+from fleetheal.slurm.gres import parse_gres
+from fleetheal.slurm.jobs import FLEET_SQUEUE_ARGS, QueuedJob, parse_queue
+from fleetheal.slurm.nodes import FLEET_SINFO_ARGS, node_state
+from fleetheal.slurm.runner import Read, Runner
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -46,30 +48,10 @@ if TYPE_CHECKING:
 
     from fleetheal.fleet.config import FleetConfig
 
-#: The node read of fleetheal.slurm_nodes on every cluster, with two more fields at the end of each line.
-_NODE_EXTRA = ("Gres", "GresUsed")
-#: Without `-h`: with it, `-M` leaves out the `CLUSTER: <name>` lines (measured on 22.05.8).
-SINFO_ARGS = (
-    "-M",
-    "all",
-    *(a for a in slurm_nodes.NODES_ARGS[:-1] if a != "-h"),
-    slurm_nodes.NODES_ARGS[-1] + "," + ",".join(f"{f}:{SEP}" for f in _NODE_EXTRA),
-)
-#: `tres-alloc` is what a running job holds and what a pending one asks for (squeue(1)).
-_JOB_FIELDS = ("JobID", "State", "QOS", "tres-alloc")
-#: `-r`: one line per array task, so a pending array counts as the jobs it will become.
-SQUEUE_ARGS = ("-M", "all", "-r", "-t", "PENDING,RUNNING", "-O", ",".join(f"{f}:{SEP}" for f in _JOB_FIELDS))
-
-_CLUSTER_HEADER = re.compile(r"^CLUSTER: (\S+)\s*$")
-#: The first field of the column titles that follow each `CLUSTER:` line (`NODELIST`, `JOBID`).
-_TITLES = frozenset({"NODELIST", "JOBID"})
-#: One GRES of a `Gres`/`GresUsed` field: `gpu:h100:8(S:0-1)`, `gpu:2(IDX:0,2)`; commas inside `(...)`.
-_GRES = re.compile(r"([^,(]+)(?:\([^)]*\))?")
 #: Node states of the view, in table order.
 NODE_STATES = ("idle", "mixed", "allocated", "drained", "down", "other")
 #: GPU states: in use by jobs; usable now; idle on a node that takes no jobs (drained, down, UNKNOWN...).
 GPU_STATES = ("allocated", "free", "unavailable")
-JOB_STATES = ("pending", "running")
 #: Incident states that are finished (fleetheal.remediator.store.TERMINAL); the others are open.
 _FINISHED_INCIDENTS = frozenset({"done", "failed"})
 DEFAULT_TIMEOUT_S = 20.0
@@ -96,16 +78,6 @@ class Gpus:
 
 
 @dataclass(frozen=True)
-class Job:
-    """One job (or array task) of a cluster's queue."""
-
-    id: str
-    state: str  # pending, running
-    qos: str
-    gpus: int
-
-
-@dataclass(frozen=True)
 class Queue:
     pending: int = 0
     running: int = 0
@@ -121,7 +93,7 @@ class Queue:
         }
 
 
-def queue_of(jobs: Iterable[Job]) -> Queue:
+def queue_of(jobs: Iterable[QueuedJob]) -> Queue:
     pending = running = pending_gpus = running_gpus = 0
     for j in jobs:
         if j.state == "pending":
@@ -131,9 +103,9 @@ def queue_of(jobs: Iterable[Job]) -> Queue:
     return Queue(pending, running, pending_gpus, running_gpus)
 
 
-def by_qos(jobs: Iterable[Job], always: Sequence[str] = ()) -> dict[str, Queue]:
+def by_qos(jobs: Iterable[QueuedJob], always: Sequence[str] = ()) -> dict[str, Queue]:
     """The queue of each QOS: those in `always` (the large and small queues) even when empty, then any other."""
-    groups: dict[str, list[Job]] = {q: [] for q in always}
+    groups: dict[str, list[QueuedJob]] = {q: [] for q in always}
     for j in jobs:
         groups.setdefault(j.qos, []).append(j)
     return {q: queue_of(js) for q, js in groups.items()}
@@ -168,7 +140,7 @@ class ClusterStatus:
     gpus: Mapping[str, Gpus] = field(default_factory=dict)
     #: Nodes by NODE_STATES.
     nodes: Mapping[str, int] = field(default_factory=dict)
-    jobs: tuple[Job, ...] = ()
+    jobs: tuple[QueuedJob, ...] = ()
     #: QOS names shown even without jobs (the fleet file's large and small queues).
     qos_names: tuple[str, ...] = ()
     #: None when the fleet file names no remediator for the cluster.
@@ -220,9 +192,9 @@ class FleetStatus:
         return {s: sum(c.nodes.get(s, 0) for c in self.up) for s in NODE_STATES}
 
     @property
-    def jobs(self) -> tuple[Job, ...]:
+    def jobs(self) -> tuple[QueuedJob, ...]:
         """Every job once: a federated job pending on several siblings, or running on one of them, counts once."""
-        seen: dict[str, Job] = {}
+        seen: dict[str, QueuedJob] = {}
         for c in self.up:
             for j in c.jobs:
                 if j.id not in seen or j.state == "running":
@@ -256,69 +228,12 @@ class FleetStatus:
 # --- parsing what Slurm printed -----------------------------------------------------------------------------
 
 
-def sections(text: str) -> dict[str, str]:
-    """`sinfo -M ...`/`squeue -M ...` output split by its `CLUSTER: <name>` lines: name -> that cluster's lines,
-    without the column titles that follow each `CLUSTER:` line."""
-    out: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        m = _CLUSTER_HEADER.match(line)
-        if m:
-            current = out.setdefault(m.group(1), [])
-        elif current is not None and line.strip():
-            if not current and line.split(SEP, 1)[0].strip() in _TITLES:
-                continue
-            current.append(line)
-    return {name: "\n".join(lines) + ("\n" if lines else "") for name, lines in out.items()}
-
-
-def parse_gres(text: str, default_type: str = "") -> dict[str, int]:
-    """GPUs by type in a `Gres`/`GresUsed` field: `gpu:h100:8(S:0-1),gpu:a100:2` -> {h100: 8, a100: 2};
-    an untyped `gpu:8` counts under `default_type`. Other GRES (`shard`, `mps`) and `(null)` are ignored."""
-    counts: dict[str, int] = {}
-    for m in _GRES.finditer(text.strip()):
-        parts = m.group(1).strip().split(":")
-        if parts[0] != "gpu" or len(parts) < 2:
-            continue
-        count = parts[-1]
-        if not count.isdigit():  # `gpu:h100` without a count: one GPU (gres.conf semantics)
-            count, kind = "1", parts[1]
-        else:
-            kind = parts[1] if len(parts) > 2 else default_type
-        counts[kind] = counts.get(kind, 0) + int(count)
-    return counts
-
-
-def node_state(node: slurm_nodes.Node) -> str:
-    """The view's state of a node: down (DOWN, not responding) before drained (DRAIN) before the base state."""
-    if not node.responding:
-        return "down"
-    if node.drained:
-        return "drained"
-    base = node.state.lower()
-    return base if base in ("idle", "mixed", "allocated") else "other"
-
-
 def parse_nodes(text: str, default_type: str = "") -> tuple[dict[str, int], dict[str, Gpus]]:
-    """One cluster's section of `sinfo SINFO_ARGS`: nodes by state, GPUs by type and state.
-
-    Each line is fleetheal.slurm_nodes's node line followed by the two GRES fields; the node's state is read
-    by fleetheal.slurm_nodes. `-N` lists a node once per partition: the first line counts."""
+    """One cluster's section of `sinfo FLEET_SINFO_ARGS` (fleetheal.slurm.nodes): nodes by state, GPUs by type
+    and state."""
     nodes: dict[str, int] = dict.fromkeys(NODE_STATES, 0)
     gpus: dict[str, Gpus] = {}
-    seen: set[str] = set()
-    for line in text.splitlines():
-        parts = line.rsplit(SEP, len(_NODE_EXTRA) + 1)
-        if len(parts) != len(_NODE_EXTRA) + 2:
-            continue
-        head, gres, used, _ = parts
-        read = slurm_nodes.parse_text(head + SEP)
-        if len(read) != 1:
-            continue
-        node = next(iter(read.values()))
-        if node.name in seen:
-            continue
-        seen.add(node.name)
+    for node, gres, used in slurm_nodes.with_gres(text):
         state = node_state(node)
         nodes[state] += 1
         in_use = parse_gres(used, default_type)
@@ -328,36 +243,6 @@ def parse_nodes(text: str, default_type: str = "") -> tuple[dict[str, int], dict
             rest = total - busy
             gpus[kind] = gpus.get(kind, Gpus()) + Gpus(busy, rest if usable else 0, 0 if usable else rest)
     return nodes, dict(sorted(gpus.items()))
-
-
-def tres_gpus(tres: str) -> int:
-    """GPUs in a TRES string: `cpu=1,mem=1G,node=1,billing=1,gres/gpu=8` -> 8 (typed `gres/gpu:h100=8` when
-    only those are present)."""
-    plain = typed = 0
-    for item in tres.split(","):
-        key, _, value = item.strip().partition("=")
-        if not value.isdigit():
-            continue
-        if key == "gres/gpu":
-            plain += int(value)
-        elif key.startswith("gres/gpu:"):
-            typed += int(value)
-    return plain or typed
-
-
-def parse_jobs(text: str) -> tuple[Job, ...]:
-    """One cluster's section of `squeue SQUEUE_ARGS`."""
-    jobs: list[Job] = []
-    for line in text.splitlines():
-        fields = line.split(SEP)
-        if len(fields) < len(_JOB_FIELDS):
-            continue
-        job_id, state, qos, tres = (f.strip() for f in fields[: len(_JOB_FIELDS)])
-        state = state.lower()
-        if not job_id or state not in JOB_STATES:
-            continue
-        jobs.append(Job(job_id, state, qos, tres_gpus(tres)))
-    return tuple(jobs)
 
 
 # --- the remediator ----------------------------------------------------------------------------------------
@@ -407,44 +292,8 @@ def read_remediator(url: str, timeout: float = 5.0) -> Remediator:
 # --- collecting ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Read:
-    """What one Slurm client printed; `error` says why it printed nothing usable for some cluster."""
-
-    out: str
-    error: str = ""
-
-
-def run_read(argv: Sequence[str], env: Mapping[str, str] | None, timeout: float) -> Read:
-    """Run a Slurm client; a non-zero exit keeps what it printed (the clusters it reached) and its first error line."""
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=timeout, check=False)
-    except FileNotFoundError:
-        return Read("", f"{argv[0]} not found")
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return Read(out, f"{argv[0]} did not finish in {timeout:g}s")
-    first = next((ln.strip() for ln in proc.stderr.splitlines() if ln.strip()), "")
-    return Read(proc.stdout, first if proc.returncode else "")
-
-
-def run_checked(
-    argv: Sequence[str], env: Mapping[str, str] | None, timeout: float, error: type[Exception] = RuntimeError
-) -> str:
-    """Run a Slurm client that must succeed (a change, or a read that is useless in part); its output, or
-    `error` naming the command and what it said."""
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise error(f"{argv[0]}: {exc}") from None
-    if proc.returncode != 0:
-        said = proc.stderr.strip() or proc.stdout.strip()
-        raise error(f"{' '.join(argv)} exited {proc.returncode}: {said}")
-    return proc.stdout
-
-
 def _one_cluster(args: Sequence[str], name: str) -> list[str]:
-    """SINFO_ARGS/SQUEUE_ARGS for cluster `name` only (`-M name`, the CLUSTER line kept)."""
+    """FLEET_SINFO_ARGS/FLEET_SQUEUE_ARGS for cluster `name` only (`-M name`, the CLUSTER line kept)."""
     out = list(args)
     out[out.index("-M") + 1] = name
     return out
@@ -458,8 +307,9 @@ def read_cluster(
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> ClusterStatus:
     """One cluster of the fleet, read as `collect` reads every cluster (no remediator)."""
-    nodes_read = run_read(["sinfo", *_one_cluster(SINFO_ARGS, name)], env, timeout)
-    jobs_read = run_read(["squeue", *_one_cluster(SQUEUE_ARGS, name)], env, timeout)
+    slurm = Runner(env=env, timeout_s=timeout)
+    nodes_read = slurm.read("sinfo", *_one_cluster(FLEET_SINFO_ARGS, name))
+    jobs_read = slurm.read("squeue", *_one_cluster(FLEET_SQUEUE_ARGS, name))
     view = build(cfg, nodes_read, jobs_read)
     return next(c for c in view.clusters if c.name == name)
 
@@ -471,7 +321,8 @@ def build(
     remediators: Mapping[str, Remediator] | None = None,
     duration_s: float = 0.0,
 ) -> FleetStatus:
-    """The view from what `sinfo SINFO_ARGS` and `squeue SQUEUE_ARGS` printed and what the remediators said."""
+    """The view from what `sinfo FLEET_SINFO_ARGS` and `squeue FLEET_SQUEUE_ARGS` printed and what the
+    remediators said."""
     remediators = remediators or {}
     node_sections = sections(nodes_read.out)
     job_sections = sections(jobs_read.out)
@@ -491,7 +342,7 @@ def build(
             why = jobs_read.error or "not in the answer of squeue -M all"
             clusters.append(ClusterStatus(name, False, error=why, qos_names=qos_names, remediator=rem))
             continue
-        jobs = parse_jobs(job_sections.get(name, ""))
+        jobs = parse_queue(job_sections.get(name, ""))
         clusters.append(ClusterStatus(name, True, "", gpus, nodes, jobs, qos_names, rem))
     return FleetStatus(cfg.federation, tuple(clusters), qos_names, duration_s)
 
@@ -508,8 +359,9 @@ def collect(
     t0 = time.monotonic()
     urls = {n: c.remediator_url for n, c in cfg.clusters.items() if c.remediator_url}
     with ThreadPoolExecutor(max_workers=2 + len(urls), thread_name_prefix="fleet-status") as pool:
-        nodes_f = pool.submit(run_read, [sinfo, *SINFO_ARGS], env, timeout)
-        jobs_f = pool.submit(run_read, [squeue, *SQUEUE_ARGS], env, timeout)
+        slurm = Runner(env=env, timeout_s=timeout)
+        nodes_f = pool.submit(slurm.read, sinfo, *FLEET_SINFO_ARGS)
+        jobs_f = pool.submit(slurm.read, squeue, *FLEET_SQUEUE_ARGS)
         rem_f: dict[str, Future[Remediator]] = {
             n: pool.submit(read_remediator, u, min(timeout, 5.0)) for n, u in urls.items()
         }

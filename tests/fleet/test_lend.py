@@ -17,7 +17,8 @@ from fleetheal.errors import UsageError
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import queues, status
 from fleetheal.fleet.config import Queues
-from fleetheal.slurm_nodes import SEP
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm.fields import SEP
 from fleetheal.wait import wait_until
 
 if TYPE_CHECKING:
@@ -32,11 +33,11 @@ CLUSTER = status.ClusterStatus(
     True,
     gpus={"h100": status.Gpus(allocated=8, free=8)},
     jobs=(
-        status.Job("1", "running", "small", 4),
-        status.Job("2", "running", "large", 4),
-        status.Job("3", "pending", "large", 16),
-        status.Job("4", "pending", "large", 8),
-        status.Job("5", "pending", "small", 1),
+        slurm_jobs.QueuedJob("1", "running", "small", 4),
+        slurm_jobs.QueuedJob("2", "running", "large", 4),
+        slurm_jobs.QueuedJob("3", "pending", "large", 16),
+        slurm_jobs.QueuedJob("4", "pending", "large", 8),
+        slurm_jobs.QueuedJob("5", "pending", "small", 1),
     ),
 )
 #: `squeue -O JobID,PriorityLong,SubmitTime` of the pending large jobs (and a line that is not one).

@@ -288,10 +288,10 @@ def running_on(fed: Federation, job_id: str, timeout: float = 30.0) -> str:
 
 def squeue_running(fed: Federation, job_id: str) -> list[str]:
     """The clusters whose section of `squeue -M all -t RUNNING` lists the job."""
-    from fleetheal.fleet import status
+    from fleetheal.slurm import fields
 
     text = fed.squeue("-t", "RUNNING", "-o", "%i")
-    return sorted(c for c, lines in status.sections(text).items() if job_id in lines.split())
+    return sorted(c for c, lines in fields.sections(text).items() if job_id in lines.split())
 
 
 def hold(fed: Federation, cluster: str, gpus: int, tmp_path: Path) -> str:

@@ -19,6 +19,9 @@ from fleetheal import procs
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import status
 from fleetheal.remediator.app import Service
+from fleetheal.slurm import fields, gres, runner
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm import nodes as slurm_nodes
 from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config
 
@@ -59,20 +62,20 @@ def fleet(**remediators: str) -> fleetcfg.FleetConfig:
 )
 def test_gres_fields_count_gpus_by_type(text: str, want: dict[str, int]) -> None:
     """The GRES forms of Slurm's sinfo(1) `Gres`/`GresUsed`: a comma inside `(IDX:...)` does not split."""
-    assert status.parse_gres(text, default_type="x") == want
+    assert gres.parse_gres(text, default_type="x") == want
 
 
 def test_tres_gpus() -> None:
-    assert status.tres_gpus("cpu=1,mem=100M,node=1,billing=1,gres/gpu=8") == 8
-    assert status.tres_gpus("cpu=2,node=1,gres/gpu:h100=4") == 4
-    assert status.tres_gpus("cpu=2,node=1,gres/gpu=4,gres/gpu:h100=4") == 4
-    assert status.tres_gpus("cpu=1,mem=100M,node=1") == 0
-    assert status.tres_gpus("") == 0
+    assert gres.tres_gpus("cpu=1,mem=100M,node=1,billing=1,gres/gpu=8") == 8
+    assert gres.tres_gpus("cpu=2,node=1,gres/gpu:h100=4") == 4
+    assert gres.tres_gpus("cpu=2,node=1,gres/gpu=4,gres/gpu:h100=4") == 4
+    assert gres.tres_gpus("cpu=1,mem=100M,node=1") == 0
+    assert gres.tres_gpus("") == 0
 
 
 def test_sections_split_by_cluster() -> None:
     text = "CLUSTER: a\nx1\nx2\n\nCLUSTER: b\n\nCLUSTER: c\ny\n"
-    assert status.sections(text) == {"a": "x1\nx2\n", "b": "", "c": "y\n"}
+    assert fields.sections(text) == {"a": "x1\nx2\n", "b": "", "c": "y\n"}
 
 
 # --- the view, from what the federation printed (tests/fleet/data) ------------------------------------------
@@ -85,13 +88,13 @@ def captured(name: str) -> str:
     return path.read_text()
 
 
-def read(tool: str, scene: str) -> status.Read:
+def read(tool: str, scene: str) -> runner.Read:
     """A captured read as `run_read` returns it: the output, and the first error line when it exited non-zero."""
     meta = json.loads(captured(f"{tool}-{scene}.meta"))
-    args = status.SINFO_ARGS if tool == "sinfo" else status.SQUEUE_ARGS
+    args = slurm_nodes.FLEET_SINFO_ARGS if tool == "sinfo" else slurm_jobs.FLEET_SQUEUE_ARGS
     assert meta["argv"] == [tool, *args], "the arguments changed since the capture: capture again"
     first = next((ln for ln in meta["stderr"].splitlines() if ln.strip()), "")
-    return status.Read(captured(f"{tool}-{scene}.txt"), first if meta["rc"] else "")
+    return runner.Read(captured(f"{tool}-{scene}.txt"), first if meta["rc"] else "")
 
 
 def view(scene: str, **remediators: status.Remediator) -> status.FleetStatus:
@@ -155,22 +158,22 @@ def test_a_cluster_missing_from_the_answer_is_unreachable_and_the_others_show() 
 
 def test_a_failed_read_makes_every_cluster_it_misses_unreachable() -> None:
     """slurmdbd down: `-M all` answers nothing; the error is shown for every cluster, nothing is raised."""
-    st = status.build(fleet(), status.Read("", "sinfo: error: slurmdbd unreachable"), read("squeue", "busy"))
+    st = status.build(fleet(), runner.Read("", "sinfo: error: slurmdbd unreachable"), read("squeue", "busy"))
     assert [(x.up, x.error) for x in st.clusters] == [(False, "sinfo: error: slurmdbd unreachable")] * 3
     assert st.as_dict()["total"]["queue"]["pending"] == 0
-    jobs_failed = status.build(fleet(), read("sinfo", "busy"), status.Read("", "squeue: error: timeout"))
+    jobs_failed = status.build(fleet(), read("sinfo", "busy"), runner.Read("", "squeue: error: timeout"))
     assert [x.error for x in jobs_failed.clusters] == ["squeue: error: timeout"] * 3
 
 
 def test_drained_nodes_hold_no_free_gpus() -> None:
-    """Node b2 drained: its idle GPUs are `unavailable`, the node counts as drained (fleetheal.slurm_nodes)."""
+    """Node b2 drained: its idle GPUs are `unavailable`, the node counts as drained (fleetheal.slurm.nodes)."""
     b = view("drained").clusters[1]
     assert b.nodes["drained"] == 1 and b.nodes["mixed"] == 1
     assert b.gpus == {"h100": status.Gpus(allocated=8, free=0, unavailable=8)}
 
 
 def test_node_states() -> None:
-    from fleetheal.slurm_nodes import Node
+    from fleetheal.slurm.nodes import Node
 
     def state(base: str, *flags: str) -> str:
         return status.node_state(Node("n", base, frozenset(flags)))
