@@ -19,6 +19,7 @@ from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.slurm import client
 from fleetheal.slurm import jobs as slurm_jobs
 from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.steps import kube as kube_steps
 from tests.ansible.conftest import job_json, wait_until
 
 pytestmark = pytest.mark.slurm  # a real Slurm: `make compat` runs these on 22.05 too
@@ -560,7 +561,7 @@ def test_a_drain_refuses_pods_no_controller_would_recreate_and_keeps_daemonset_a
         pod("bare-done", phase="Succeeded"),
         pod("slurmd", owner="NodeSet"),
     ]
-    evict, unmanaged = steps._pods_to_evict(pods)
+    evict, unmanaged = kube_steps._pods_to_evict(pods)
     assert evict == [("ns", "job"), ("ns", "bare-done"), ("ns", "slurmd")]
     assert unmanaged == ["ns/bare"]
 
