@@ -1,4 +1,4 @@
-"""Capture what `sinfo`/`squeue` print for fleetheal.fleet.status, from a real lab federation (README.md).
+"""Capture what `sinfo`/`squeue` print for fleetheal.fleet.view, from a real lab federation (README.md).
 
 .venv/bin/python tests/fleet/data/capture.py tests/fleet/data
 """
