@@ -1,16 +1,21 @@
-"""The playbook variables the steps need (`Settings`), with the defaults of `playbooks/vars/remediation.yml`."""
+"""The playbook variables the steps need (`Settings`), with the defaults of `playbooks/vars/remediation.yml`.
+
+Read with fleetheal.settings's coercion, like every other fleetheal setting: a variable `fleetheal_<name>` sets
+field `<name>`; names the steps do not use are ignored (the playbooks have many more).
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+from fleetheal import contracts, settings
 
-from fleetheal import contracts
+#: What the playbook variables' names start with.
+PREFIX = "fleetheal_"
 
 
 @dataclass(frozen=True)
@@ -36,38 +41,32 @@ class Settings:
 
     @classmethod
     def from_vars(cls, values: Mapping[str, Any]) -> Settings:
-        """From playbook variables (`fleetheal_<name>`); names it does not use are ignored."""
-        kwargs: dict[str, Any] = {}
-        for f in cls.__dataclass_fields__.values():
-            key = f"fleetheal_{f.name}"
-            if key not in values:
+        """From playbook variables (`fleetheal_<name>`); names it does not use are ignored, an empty value
+        (`null`) keeps the default. ConfigError (a ValueError) names the variable."""
+        doc: dict[str, Any] = {}
+        for f in fields(cls):
+            key = PREFIX + f.name
+            raw = values.get(key)
+            if raw is None:
                 continue
-            raw = values[key]
             if isinstance(raw, str):
                 # vars/remediation.yml writes the owned pool reasons with the one template Ansible would
                 # render from the contract; any other template cannot be rendered outside Ansible.
                 raw = raw.replace("{{ fleetheal_drain_reason_prefix }}", contracts.DRAIN_REASON_PREFIX)
                 if "{{" in raw or "{%" in raw:
-                    raise ValueError(f"{key}: {raw!r} is a Jinja template; give the remediator a plain value")
-            default = getattr(cls, f.name, None)
-            if f.name == "slurm_env":
-                kwargs[f.name] = {str(k): str(v) for k, v in dict(raw or {}).items()}
-            elif isinstance(default, bool):
-                kwargs[f.name] = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
-            elif isinstance(default, int):
-                kwargs[f.name] = int(raw)
-            elif isinstance(default, float):
-                kwargs[f.name] = float(raw)
-            else:
-                kwargs[f.name] = str(raw)
-        return cls(**kwargs)
+                    raise settings.ConfigError(f"{key}: {raw!r} is a Jinja template; give the remediator a plain value")
+            doc[f.name] = raw
+        try:
+            return settings.build(cls, doc, {}, PREFIX)
+        except settings.ConfigError as exc:
+            raise settings.ConfigError(f"{PREFIX}{exc}") from None
 
     @classmethod
     def load(cls, playbook_dir: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Settings:
         """`vars/remediation.yml` under `playbook_dir` (when there is one), then `overrides` (the remediator's
         site vars). The field defaults above are that file's values (tests/ansible/test_steps.py keeps them equal)."""
         path = Path(playbook_dir) / "vars" / "remediation.yml"
-        values = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+        values = settings.read_yaml(path) if path.is_file() else {}
         values.update(dict(overrides or {}))
         return cls.from_vars(values)
 

@@ -169,6 +169,17 @@ def test_a_templated_setting_the_remediator_cannot_render_is_refused() -> None:
     )
 
 
+def test_settings_are_coerced_as_every_fleetheal_setting_and_errors_name_the_variable() -> None:
+    """fleetheal.settings's coercion: quoted numbers and yes/no are read, a wrong value names its variable."""
+    got = steps.Settings.from_vars(
+        {"fleetheal_slurm_retries": "5", "fleetheal_promote_standby": "no", "fleetheal_slurm_env": {"A": 1}}
+    )
+    assert (got.slurm_retries, got.promote_standby, dict(got.slurm_env)) == (5, False, {"A": "1"})
+    assert steps.Settings.from_vars({"fleetheal_unused": 1, "fleetheal_kubeconfig": None}) == steps.Settings()
+    with pytest.raises(ValueError, match=r"^fleetheal_slurm_retries: expected an integer, got 'x'$"):
+        steps.Settings.from_vars({"fleetheal_slurm_retries": "x"})
+
+
 #: A job run by `fleetheal launch`: each start of the command, and each signal it gets, is logged.
 LAUNCH_SCRIPT = """#!/bin/sh
 export PYTHONPATH={repo}
