@@ -35,12 +35,12 @@ def _p99(values: list[float]) -> float:
 
 def _running_on(fed: Any, job_id: str, timeout: float = 30.0) -> str:
     """Poll `squeue -M all -t RUNNING` until the job shows; the cluster whose section lists it."""
-    from fleetheal.fleet import status
+    from fleetheal.slurm import fields
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         proc = fed.run("squeue", "-M", "all", "-t", "RUNNING", "-o", "%i", check=False)
-        for cluster, lines in status.sections(proc.stdout).items():
+        for cluster, lines in fields.sections(proc.stdout).items():
             if job_id in lines.split():
                 return str(cluster)
         time.sleep(POLL_S)

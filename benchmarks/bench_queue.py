@@ -15,30 +15,30 @@ import random
 from pathlib import Path
 from typing import Any
 
-from fleetheal.fleet import queues
+from fleetheal.fleet import queue_policy
 from fleetheal.fleet.config import Queues
 
 HERE = Path(__file__).resolve().parent
 NODES, GPUS_PER_NODE = 8, 8
 
 
-def _trace() -> tuple[list[queues.Job], str]:
+def _trace() -> tuple[list[queue_policy.Job], str]:
     shipped = sorted((HERE / "traces").glob("*.csv"))
     if shipped:
         with shipped[0].open(encoding="utf-8") as fh:
-            return queues.parse_csv(fh), f"trace {shipped[0].name}"
+            return queue_policy.parse_csv(fh), f"trace {shipped[0].name}"
     rng = random.Random(20)
     jobs, t = [], 0.0
     for _ in range(3000):
         t += rng.expovariate(1 / 400.0)
         gpus = rng.choice((1, 1, 1, 2, 4, 8, 16, 32)) if rng.random() < 0.97 else 64
-        jobs.append(queues.Job(t, gpus, rng.lognormvariate(7.0, 1.2)))
+        jobs.append(queue_policy.Job(t, gpus, rng.lognormvariate(7.0, 1.2)))
     return jobs, "SYNTHETIC seeded trace (no public trace may be shipped: licences, see the module)"
 
 
 def run() -> list[dict[str, Any]]:
     jobs, what = _trace()
-    res = {r["policy"]: r for r in queues.replay(jobs, NODES * GPUS_PER_NODE, Queues())}
+    res = {r["policy"]: r for r in queue_policy.replay(jobs, NODES * GPUS_PER_NODE, Queues())}
     lend = res["lend"]
     out: list[dict[str, Any]] = []
     for base in ("fifo", "backfill"):

@@ -7,7 +7,7 @@ nodes with JWT as its alternative authentication, and slurmrestd (`-a rest_auth/
 nobody: given by name, the relocated slurmrestd does not resolve it) on loopback.
 The REST client holds a root token from `scontrol token` and keeps one HTTP connection open, as a
 long-lived remediator would. Each round times one call from the request until its answer is parsed:
-  - node read: `sinfo fleetheal.slurm_nodes.NODES_ARGS` + `slurm_nodes.read`, against GET /slurm/v0.0.44/nodes
+  - node read: `sinfo fleetheal.slurm.nodes.NODES_ARGS` + `slurm_nodes.read`, against GET /slurm/v0.0.44/nodes
     + `slurm_nodes.read` (the same `Nodes`; checked once),
   - drain: `scontrol update nodename=N state=DRAIN reason=...`, against POST /slurm/v0.0.44/node/N with the same
     state and reason (each round drains another node; all are resumed between the two methods).
@@ -54,9 +54,9 @@ class _Rest:
 
 
 def run() -> list[dict[str, Any]]:
-    from fleetheal import slurm_nodes
     from fleetheal.lab.slurm import SlurmCluster, find_tool
     from fleetheal.procs import free_ports
+    from fleetheal.slurm import nodes as slurm_nodes
     from fleetheal.wait import wait_until
 
     base = Path(tempfile.mkdtemp(prefix="fleetheal-bench-rest-"))

@@ -74,7 +74,7 @@ from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.procs import free_ports, pids_mentioning, wait_gone
 from fleetheal.remediator.config import BreakerConfig, BudgetConfig
 from fleetheal.remediator.store import Store
-from fleetheal.scontrol import parse_kv_line
+from fleetheal.slurm.fields import parse_kv_line
 from fleetheal.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[1]

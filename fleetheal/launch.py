@@ -50,6 +50,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from fleetheal.slurm.jobs import job_allocation, job_comment, one_job
+from fleetheal.slurm.runner import Runner
+
 TAG = "fleetheal-launch"
 #: The restart order; one fixed signal, so the remediator and every job agree on it.
 RESTART_SIGNAL = signal.SIGUSR2
@@ -88,22 +91,8 @@ def needed_nodes(comment: str) -> int | None:
     return count if count else None
 
 
-def _squeue(job: str, fmt: str, *more: str) -> str | None:
-    """One job's fields (`squeue --format`), or None when squeue fails. Text, not --json: Slurm 22.05's
-    `squeue --json` ignores --jobs and would return every job of the cluster (measured)."""
-    out = subprocess.run(
-        ["squeue", "--noheader", "--jobs", job, "--format", fmt, *more],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _job_comment(job: str) -> str | None:
-    comment = _squeue(job, "%k")
-    return "" if comment == "(null)" else comment
+#: `squeue` and `scontrol` for the wrapper's own job.
+_SLURM = Runner(timeout_s=10)
 
 
 def is_batch_script(ppid: int | None = None) -> bool:
@@ -140,7 +129,7 @@ class Launcher:
                 "`exec fleetheal launch -- ...`; running the command without restart in place"
             )
             return False
-        comment = _job_comment(self.job)
+        comment = job_comment(_SLURM, self.job)
         if comment is None:
             _say(f"cannot read job {self.job}'s comment (squeue failed): no restart in place")
             return False
@@ -157,13 +146,7 @@ class Launcher:
                 wanted.append(f"{NODES_WORD}{self.nodes}")
         if any(w not in words for w in wanted):
             new = " ".join([*[w for w in words if w != TAG and not w.startswith(NODES_WORD)], *wanted])
-            out = subprocess.run(
-                ["scontrol", "update", f"jobid={self.job}", f"comment={new}"],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
+            out = _SLURM.completed("scontrol", "update", f"jobid={self.job}", f"comment={new}")
             if out.returncode != 0:
                 _say(f"cannot mark job {self.job} ({out.stderr.strip()}): no restart in place")
                 return False
@@ -182,7 +165,7 @@ class Launcher:
     def _wanted(self, *, quiet: bool = False) -> bool:
         """Restart for an incident not handled yet, or for a SIGUSR2 with no incident (the owner's).
         `quiet`: asked because the command failed, not because of an order: no incident, no restart."""
-        comment = _job_comment(self.job) if self.job else ""
+        comment = job_comment(_SLURM, self.job) if self.job else ""
         match = _INCIDENT.search(comment or "")
         if match is None:
             self.incident = ""
@@ -204,13 +187,14 @@ class Launcher:
             return
         deadline = time.monotonic() + SHRINK_WAIT_S
         # Listed for that node while it is still allocated to the job; an error (squeue down) is no answer.
-        while _squeue(self.job, "%i", "--nodelist", self.shrink) != "":
+        while one_job(_SLURM, self.job, "%i", "--nodelist", self.shrink) != "":
             if time.monotonic() > deadline:
                 _say(f"{self.shrink} is still in the allocation after {SHRINK_WAIT_S:g} s: starting on it")
                 break
             time.sleep(0.1)
-        count, _, nodelist = (_squeue(self.job, "%D %N") or "").partition(" ")
-        if count.isdigit() and nodelist:
+        allocation = job_allocation(_SLURM, self.job)
+        if allocation is not None:
+            count, nodelist = allocation
             self.allocation = {
                 "SLURM_JOB_NODELIST": nodelist,
                 "SLURM_NODELIST": nodelist,

@@ -37,7 +37,7 @@ DEPLOYABLE = (
     "fleetheal.infra",
 )
 LAB = "fleetheal.lab"
-# Anything else is a part (agent, remediator, infra, logparse, classify, scontrol, steps, launch, procs,
+# Anything else is a part (agent, remediator, infra, logparse, classify, slurm, steps, launch, procs,
 # generate, ettr, ...): the middle layer, which is also where a new top-level module lands by default.
 
 
@@ -111,6 +111,9 @@ def test_the_layers_cover_real_modules() -> None:
         assert any(_within(m, (name,)) for m in MODULES), f"{name} is listed in a layer but is no module of fleetheal"
     assert layer("fleetheal.lab.demo") == TOP and layer("fleetheal.contracts") == BOTTOM
     assert layer("fleetheal.remediator.store.db") == MIDDLE and layer("fleetheal.something_new") == MIDDLE
+    assert (
+        layer("fleetheal.slurm.runner") == MIDDLE
+    )  # the Slurm wing: a part, which agent, remediator, fleet, steps use
 
 
 def test_no_module_imports_a_layer_above_it() -> None:

@@ -1,7 +1,7 @@
 """The fast path: isolate this node before any alert has travelled.
 
-`SlurmDrainer` reads the nodes with `sinfo` (`fleetheal.slurm_nodes`) and drains this node with the real
-`scontrol` and an owned reason
+`SlurmDrainer` reads the nodes with `sinfo` (`fleetheal.slurm.nodes`) and drains this node with the real
+`scontrol` (run by `fleetheal.slurm.runner`) and an owned reason
 (`fleetheal.contracts.drain_reason`). It never touches a node drained for a reason fleetheal does not
 own (an operator's drain keeps its reason), and it never undrains: returning a node to service is the
 remediator's REJOIN, after revalidation.
@@ -40,7 +40,8 @@ from fleetheal.contracts import (
     budget_limit,
     owns_reason,
 )
-from fleetheal.slurm_nodes import Node, read, sinfo_argv
+from fleetheal.slurm.nodes import Node, read, sinfo_argv
+from fleetheal.slurm.runner import Run, Runner
 
 if TYPE_CHECKING:
     import ssl
@@ -51,8 +52,6 @@ OVER_BUDGET = "over_budget"
 #: After its drain, an agent waits this long before it checks the budget again: slurmctld's clock has then
 #: left the second its drain is stamped with, so every drain stamped no later is visible.
 TIE_WAIT_S = 1.2
-
-Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 class FastPathError(RuntimeError):
@@ -70,7 +69,7 @@ class SlurmDrainer:
         slurm_conf: str | None = None,
         timeout_s: float = 10.0,
         dry_run: bool = False,
-        run: Runner = subprocess.run,
+        run: Run = subprocess.run,
         env: Mapping[str, str] | None = None,
         budget_nodes: int = FLEET_BUDGET_NODES,
         budget_share: float = FLEET_BUDGET_SHARE,
@@ -85,32 +84,16 @@ class SlurmDrainer:
         self.sinfo = sinfo or (os.path.join(os.path.dirname(scontrol), "sinfo") if os.sep in scontrol else "sinfo")
         self.timeout_s = timeout_s
         self.dry_run = dry_run
-        self._run = run
         self.env = dict(os.environ if env is None else env)
         if slurm_conf:
             self.env["SLURM_CONF"] = slurm_conf
+        self._runner = Runner(env=self.env, timeout_s=timeout_s, error=FastPathError, run=run)
 
     def _scontrol(self, *args: str) -> str:
         return self._command(self.scontrol, *args)
 
     def _command(self, tool: str, *args: str) -> str:
-        name = os.path.basename(tool)
-        try:
-            proc = self._run(
-                [tool, *args],
-                capture_output=True,
-                text=True,
-                timeout=self.timeout_s,
-                env=self.env,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise FastPathError(f"{name} {' '.join(args)}: {exc}") from exc
-        if proc.returncode != 0:
-            raise FastPathError(
-                f"{name} {' '.join(args)} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}"
-            )
-        return proc.stdout
+        return self._runner.checked(tool, *args)
 
     def node_info(self) -> Node:
         info = read(self._command(*sinfo_argv(self.sinfo, self.node))).get(self.node)
@@ -211,7 +194,7 @@ class JobOwners:
         negative_ttl_s: float = 10.0,
         lookups_per_s: float = 5.0,
         max_entries: int = 4096,
-        run: Runner = subprocess.run,
+        run: Run = subprocess.run,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
@@ -222,11 +205,11 @@ class JobOwners:
         self.negative_ttl_s = negative_ttl_s
         self.lookups_per_s = lookups_per_s
         self.max_entries = max_entries
-        self._run = run
         self._clock = clock
-        self._env = dict(os.environ)
+        env = dict(os.environ)
         if slurm_conf:
-            self._env["SLURM_CONF"] = slurm_conf
+            env["SLURM_CONF"] = slurm_conf
+        self._runner = Runner(env=env, timeout_s=timeout_s, run=run)
         self._cache: dict[str, tuple[float, int | None, str]] = {}  # job -> (expires, owner uid, why not)
         self._tokens = lookups_per_s
         self._refilled = clock()
@@ -267,9 +250,9 @@ class JobOwners:
         return owner, why
 
     def _ask(self, job: str) -> tuple[int | None, str]:
-        argv = [self.squeue or "squeue", "-h", "-j", job, "-w", self.node, "-t", "RUNNING,COMPLETING", "-o", "%U"]
+        args = ("-h", "-j", job, "-w", self.node, "-t", "RUNNING,COMPLETING", "-o", "%U")
         try:
-            proc = self._run(argv, capture_output=True, text=True, timeout=self.timeout_s, env=self._env, check=False)
+            proc = self._runner.completed(self.squeue or "squeue", *args)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return None, f"job {job}: cannot ask Slurm who owns it: {exc}"
         out = proc.stdout.split()

@@ -20,10 +20,11 @@ import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from fleetheal import slurm_nodes
 from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.fleet.config import FleetConfig
-from fleetheal.fleet.status import run_checked, run_read
+from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm.jobs import COPIES_ARGS, copies
+from fleetheal.slurm.runner import Runner
 from fleetheal.wait import WaitTimeout, wait_until
 
 log = logging.getLogger(__name__)
@@ -48,28 +49,14 @@ class Decision:
 
 
 def _run(env: Mapping[str, str] | None, *argv: str, check: bool = True) -> str:
-    """A Slurm client's output; with `check`, FailoverError when it fails (fleetheal.fleet.status's runners)."""
-    if check:
-        return run_checked(argv, env, 30, FailoverError)
-    return run_read(argv, env, 30).out
+    """A Slurm client's output; with `check`, FailoverError when it fails (fleetheal.slurm.runner)."""
+    slurm = Runner(env=env, timeout_s=30, error=FailoverError)
+    return slurm.checked(*argv) if check else slurm.read(*argv).out
 
 
 def where(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """{cluster: state} of every copy of `job_id`, from each controller's own view (`squeue -M all --local`;
-    with `-h` squeue drops the CLUSTER headers, so they are kept and the column header skipped). The origin
-    keeps a REVOKED copy of a job that runs on a sibling."""
-    out = _run(env, "squeue", "-M", "all", "--local", "-t", "all", "-o", "%i|%T", check=False)
-    found: dict[str, str] = {}
-    cluster = ""
-    for raw in out.splitlines():
-        line = raw.strip()
-        if line.startswith("CLUSTER:"):
-            cluster = line.split(":", 1)[1].strip()
-        elif "|" in line:
-            jid, state = line.split("|", 1)
-            if jid == job_id and cluster:  # the column header "JOBID|STATE" never matches
-                found[cluster] = state
-    return found
+    """{cluster: state} of every copy of `job_id`, from each controller's own view (`fleetheal.slurm.jobs.copies`)."""
+    return copies(_run(env, "squeue", *COPIES_ARGS, check=False), job_id)
 
 
 def choose_target(fleet: FleetConfig, store: str, source: str, target: str | None = None) -> tuple[str, str]:

@@ -54,13 +54,13 @@ from fleetheal import procs
 from fleetheal.lab.slurmconf import gres_conf, slurm_conf
 from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
-from fleetheal.scontrol import parse_kv_line
-from fleetheal.slurm_nodes import Node, read, sinfo_argv
+from fleetheal.slurm.fields import parse_kv_line
+from fleetheal.slurm.nodes import Node, read, sinfo_argv
 from fleetheal.wait import WaitTimeout, wait_until
 
 __all__ = ["IDLE", "Node", "Release", "SlurmCluster", "SlurmError", "find_tool", "parse_kv_line"]
 
-#: A base state Slurm reports (`fleetheal.slurm_nodes.BASE_STATES`).
+#: A base state Slurm reports (`fleetheal.slurm.nodes.BASE_STATES`).
 IDLE = "IDLE"
 
 _META_FILE = "cluster.json"
@@ -541,7 +541,7 @@ while :; do wait; sleep 1; done
         return out.split(";", 1)[0]
 
     def nodes(self) -> dict[str, Node]:
-        """Every node's state and reason (`fleetheal.slurm_nodes`)."""
+        """Every node's state and reason (`fleetheal.slurm.nodes`)."""
         return read(self.run(*sinfo_argv()).stdout)
 
     def node(self, name: str) -> Node:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fleetheal import kubeclient
 from fleetheal.remediator.config import LeaderElectionConfig
 
 log = logging.getLogger("fleetheal.remediator.leader")
@@ -89,16 +90,8 @@ class Probe:
 
 
 def api_client(kubeconfig: str, retries: int | None = None) -> Any:
-    """A Kubernetes ApiClient from `kubeconfig`, or ("") from the pod's service account."""
-    from kubernetes import client, config
-
-    conf = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=conf)  # type: ignore[no-untyped-call]
-    else:
-        config.load_incluster_config(client_configuration=conf)  # type: ignore[no-untyped-call]
-    conf.retries = retries
-    return client.ApiClient(conf)
+    """A Kubernetes ApiClient from `kubeconfig`, or ("") from the pod's service account (`fleetheal.kubeclient`)."""
+    return kubeclient.api_client(kubeconfig, retries=retries)
 
 
 class LeaderElector:

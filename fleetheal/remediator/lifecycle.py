@@ -42,9 +42,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fleetheal import contracts, httpjson, slurm_nodes, steps
+from fleetheal import contracts, httpjson, steps
 from fleetheal.remediator.config import Config
 from fleetheal.remediator.store import ACTIVE, FollowUp, Incident, NodeState, Store
+from fleetheal.slurm import nodes as slurm_nodes
 from fleetheal.taxonomy import Taxonomy
 
 log = logging.getLogger("fleetheal.remediator.lifecycle")

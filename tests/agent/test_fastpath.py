@@ -1,7 +1,7 @@
 """Fast path: the owned-reason rules of SlurmDrainer and KubeNodeTainter.
 
 The Slurm side runs against a real slurmctld in test_integration.py; here `FakeSlurm` (a test double
-of Slurm's clients for one node: `sinfo` with fleetheal.slurm_nodes' arguments and `scontrol update`, as
+of Slurm's clients for one node: `sinfo` with fleetheal.slurm.nodes' arguments and `scontrol update`, as
 Slurm 22.05 answers them) checks every branch,
 and `FakeKubeApiServer` (the lab's Kubernetes API test double) stands in for the API server.
 """
@@ -22,7 +22,7 @@ from fleetheal.agent.fastpath import (
     SlurmDrainer,
 )
 from fleetheal.contracts import LABEL_FAULT, TAINT_UNHEALTHY, drain_reason
-from fleetheal.slurm_nodes import NODES_ARGS
+from fleetheal.slurm.nodes import NODES_ARGS
 
 
 class FakeSlurm:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from fleetheal import steps
 from fleetheal.lab.slurm import SlurmCluster
+from fleetheal.slurm import jobs as slurm_jobs
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOKS = REPO / "playbooks"
@@ -144,16 +144,16 @@ def wait_until(predicate: Any, timeout: float = 60.0) -> bool:
 
 
 def job_json(cluster: SlurmCluster, job: str) -> dict[str, Any]:
-    """The job as `squeue --json` reports it, read as the playbooks read it (`fleetheal.steps.slurm_job`:
+    """The job as `squeue --json` reports it, read as the playbooks read it (`fleetheal.jobs.slurm_job`:
     state, nodes, priority, restart_cnt, comment...; scontrol's key=value text cannot hold a comment with `=`)."""
-    entry = steps.slurm_job(cluster.run("squeue", "--json").stdout, job)
+    entry = slurm_jobs.slurm_job(cluster.run("squeue", "--json").stdout, job)
     if not entry:
         raise AssertionError(f"job {job} not listed by squeue")
     return entry
 
 
 def node_json(cluster: SlurmCluster, node: str) -> dict[str, Any]:
-    """The node as the playbooks read it (`fleetheal.slurm_nodes`: state, flags, reason, comment, extra)."""
+    """The node as the playbooks read it (`fleetheal.slurm.nodes`: state, flags, reason, comment, extra)."""
     return cluster.node(node).as_dict()
 
 

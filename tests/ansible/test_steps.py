@@ -14,8 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
-from fleetheal import slurm_nodes, steps
+from fleetheal import steps
 from fleetheal.lab.slurm import SlurmCluster
+from fleetheal.slurm import client
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.steps import kube as kube_steps
 from tests.ansible.conftest import job_json, wait_until
 
 pytestmark = pytest.mark.slurm  # a real Slurm: `make compat` runs these on 22.05 too
@@ -165,6 +169,17 @@ def test_a_templated_setting_the_remediator_cannot_render_is_refused() -> None:
     )
 
 
+def test_settings_are_coerced_as_every_fleetheal_setting_and_errors_name_the_variable() -> None:
+    """fleetheal.settings's coercion: quoted numbers and yes/no are read, a wrong value names its variable."""
+    got = steps.Settings.from_vars(
+        {"fleetheal_slurm_retries": "5", "fleetheal_promote_standby": "no", "fleetheal_slurm_env": {"A": 1}}
+    )
+    assert (got.slurm_retries, got.promote_standby, dict(got.slurm_env)) == (5, False, {"A": "1"})
+    assert steps.Settings.from_vars({"fleetheal_unused": 1, "fleetheal_kubeconfig": None}) == steps.Settings()
+    with pytest.raises(ValueError, match=r"^fleetheal_slurm_retries: expected an integer, got 'x'$"):
+        steps.Settings.from_vars({"fleetheal_slurm_retries": "x"})
+
+
 #: A job run by `fleetheal launch`: each start of the command, and each signal it gets, is logged.
 LAUNCH_SCRIPT = """#!/bin/sh
 export PYTHONPATH={repo}
@@ -272,7 +287,7 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     assert [r.outcome for r in again] == ["skipped"], again
 
     # No spare left, and n1 runs the launcher: both are requeued as any job.
-    job_now = steps.slurm_job(slurm.squeue(), job)
+    job_now = slurm_jobs.slurm_job(slurm.squeue(), job)
     assert not steps.can_shrink(job_now, "n3") and not steps.can_shrink(job_now, "n1")
     requeued = steps.requeue_jobs(slurm, "n1", "inc-2", "xid-79")
     assert "requeued it" in requeued[-1].detail, requeued
@@ -296,7 +311,7 @@ def test_a_shared_read_taken_since_a_moment_serves_every_caller_who_needs_no_new
     """A storm's first responses take any read that started after their alert arrived (no new one each);
     a plain call still waits for a read that starts after it (it must see its own earlier writes)."""
     reads: list[float] = []
-    shared = steps._Shared(lambda: reads.append(time.time()) or len(reads))
+    shared = client.Shared(lambda: reads.append(time.time()) or len(reads))
     before = time.time()
     assert shared.get()[1] == 1
     assert shared.get(since=before)[1] == 1 and len(reads) == 1  # the last read started after `before`
@@ -404,7 +419,7 @@ def test_a_shared_read_never_started_before_its_caller_asked() -> None:
         time.sleep(0.05)
         return len(reads)
 
-    shared = steps._Shared(fetch)
+    shared = client.Shared(fetch)
 
     def ask(delay: float) -> tuple[float, float]:
         time.sleep(delay)
@@ -430,7 +445,7 @@ def test_callers_that_ask_while_a_read_is_in_flight_share_the_next_one() -> None
             assert release.wait(60)
         return len(reads)
 
-    shared = steps._Shared(fetch)
+    shared = client.Shared(fetch)
     with ThreadPoolExecutor(10) as pool:
         first = pool.submit(shared.get)
         assert first_started.wait(60)
@@ -453,7 +468,7 @@ def test_a_batch_caller_waits_for_its_own_batch_only_and_gets_its_own_error() ->
         seen.extend(items)
         return [ValueError(f"item {i}") if i % 5 == 0 else None for i in items]
 
-    batched = steps._Batched(run_batch)
+    batched = client.Batched(run_batch)
 
     def call(i: int) -> tuple[float, float, str]:
         time.sleep(i * 0.01)
@@ -484,7 +499,7 @@ def test_commands_submitted_while_a_batch_runs_go_as_one_next_batch() -> None:
             assert release.wait(60)
         return [None] * len(items)
 
-    batched = steps._Batched(run_batch)
+    batched = client.Batched(run_batch)
     with ThreadPoolExecutor(30) as pool:
         first = pool.submit(batched.submit, 0)
         assert first_started.wait(60)
@@ -557,7 +572,7 @@ def test_a_drain_refuses_pods_no_controller_would_recreate_and_keeps_daemonset_a
         pod("bare-done", phase="Succeeded"),
         pod("slurmd", owner="NodeSet"),
     ]
-    evict, unmanaged = steps._pods_to_evict(pods)
+    evict, unmanaged = kube_steps._pods_to_evict(pods)
     assert evict == [("ns", "job"), ("ns", "bare-done"), ("ns", "slurmd")]
     assert unmanaged == ["ns/bare"]
 

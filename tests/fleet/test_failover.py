@@ -145,13 +145,13 @@ def test_the_remediator_moves_a_job_its_cluster_cannot_heal(
 
 
 def test_the_checkpoint_store_comes_from_the_comment_and_survives_fleetheals_rewrites() -> None:
-    from fleetheal import steps
+    from fleetheal.steps import slurm as slurm_steps
 
     assert failover.checkpoint_store(f"x {CHECKPOINT_WORD}ckpt y") == "ckpt"
     assert failover.checkpoint_store("fleetheal: requeued", default="shared") == "shared"
     job = {"comment": f"{CHECKPOINT_WORD}ckpt fleetheal-launch fleetheal-nodes=2"}
-    assert steps._launch_words(job).split()[0] == f"{CHECKPOINT_WORD}ckpt"
-    assert steps._launch_words({"comment": f"user text {CHECKPOINT_WORD}ckpt"}) == f" {CHECKPOINT_WORD}ckpt"
+    assert slurm_steps._launch_words(job).split()[0] == f"{CHECKPOINT_WORD}ckpt"
+    assert slurm_steps._launch_words({"comment": f"user text {CHECKPOINT_WORD}ckpt"}) == f" {CHECKPOINT_WORD}ckpt"
 
 
 @pytest.mark.federation

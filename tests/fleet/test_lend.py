@@ -15,9 +15,10 @@ import yaml
 
 from fleetheal.errors import UsageError
 from fleetheal.fleet import config as fleetcfg
-from fleetheal.fleet import queues, status
+from fleetheal.fleet import queue_policy, queues, view
 from fleetheal.fleet.config import Queues
-from fleetheal.slurm_nodes import SEP
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm.fields import SEP
 from fleetheal.wait import wait_until
 
 if TYPE_CHECKING:
@@ -25,18 +26,18 @@ if TYPE_CHECKING:
 
 CFG = Queues(small_guaranteed_gpus=4)
 
-#: Cluster a as fleetheal.fleet.status reads it: 16 GPUs, 4 running small and 4 running large, two large
+#: Cluster a as fleetheal.fleet.view reads it: 16 GPUs, 4 running small and 4 running large, two large
 #: jobs and a small one waiting.
-CLUSTER = status.ClusterStatus(
+CLUSTER = view.ClusterStatus(
     "a",
     True,
-    gpus={"h100": status.Gpus(allocated=8, free=8)},
+    gpus={"h100": view.Gpus(allocated=8, free=8)},
     jobs=(
-        status.Job("1", "running", "small", 4),
-        status.Job("2", "running", "large", 4),
-        status.Job("3", "pending", "large", 16),
-        status.Job("4", "pending", "large", 8),
-        status.Job("5", "pending", "small", 1),
+        slurm_jobs.QueuedJob("1", "running", "small", 4),
+        slurm_jobs.QueuedJob("2", "running", "large", 4),
+        slurm_jobs.QueuedJob("3", "pending", "large", 16),
+        slurm_jobs.QueuedJob("4", "pending", "large", 8),
+        slurm_jobs.QueuedJob("5", "pending", "small", 1),
     ),
 )
 #: `squeue -O JobID,PriorityLong,SubmitTime` of the pending large jobs (and a line that is not one).
@@ -44,21 +45,23 @@ HEADS = f"3{SEP}900{SEP}2026-12-05T10:00:30{SEP}\n4{SEP}500{SEP}2026-12-05T09:00
 
 
 def test_the_load_comes_from_the_fleet_status_read_and_the_head_from_its_priority() -> None:
-    now = queues._time("2026-12-05T10:01:00")
+    now = queue_policy._time("2026-12-05T10:01:00")
     # the highest-priority pending large job is the head (not the oldest)
-    assert queues.load_of(CLUSTER, CFG, HEADS, now) == queues.Load(16, 4, 4, head_gpus=16, head_waited_s=30.0)
-    assert queues.load_of(CLUSTER, CFG) == queues.Load(16, 4, 4)  # without reclaim, no head is read
+    assert queue_policy.load_of(CLUSTER, CFG, HEADS, now) == queue_policy.Load(
+        16, 4, 4, head_gpus=16, head_waited_s=30.0
+    )
+    assert queue_policy.load_of(CLUSTER, CFG) == queue_policy.Load(16, 4, 4)  # without reclaim, no head is read
 
 
 def test_decide_lends_idle_gpus_and_takes_them_back_only_with_reclaim() -> None:
-    idle = queues.Load(16, 0, 0)
-    assert queues.decide(idle, CFG) == 16  # everything is lent
-    assert queues.decide(queues.Load(16, 8, 4), CFG) == 8  # what the large queue runs is not
-    waiting = queues.Load(16, 0, 12, head_gpus=16, head_waited_s=600)
-    assert queues.decide(waiting, CFG) == 16  # default: Slurm's backfill reservation protects the head
+    idle = queue_policy.Load(16, 0, 0)
+    assert queue_policy.decide(idle, CFG) == 16  # everything is lent
+    assert queue_policy.decide(queue_policy.Load(16, 8, 4), CFG) == 8  # what the large queue runs is not
+    waiting = queue_policy.Load(16, 0, 12, head_gpus=16, head_waited_s=600)
+    assert queue_policy.decide(waiting, CFG) == 16  # default: Slurm's backfill reservation protects the head
     reclaim = dataclasses.replace(CFG, reclaim=True, reclaim_after_s=300)
-    assert queues.decide(waiting, reclaim) == 4  # back to the guarantee, nothing stopped
-    assert queues.decide(dataclasses.replace(waiting, head_waited_s=60), reclaim) == 16  # not yet
+    assert queue_policy.decide(waiting, reclaim) == 4  # back to the guarantee, nothing stopped
+    assert queue_policy.decide(dataclasses.replace(waiting, head_waited_s=60), reclaim) == 16  # not yet
 
 
 def _states(fed: Federation, ids: list[str]) -> dict[str, str]:

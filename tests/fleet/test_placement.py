@@ -18,7 +18,7 @@ from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.errors import UsageError
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import placement
-from fleetheal.fleet.placement import ClusterState, Job, PlacementError, parse_request, place
+from fleetheal.fleet.placement_policy import ClusterState, Decision, Job, PlacementError, parse_request, place
 from fleetheal.wait import wait_until
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def test_bad_requests_are_usage_errors(argv: list[str], match: str) -> None:
 
 
 def test_the_sbatch_command_keeps_the_users_arguments() -> None:
-    d = placement.Decision(("a", "b"), False, "data-x")
+    d = Decision(("a", "b"), False, "data-x")
     user = ["--gres=gpu:2", "-J", "train", "job.sh", "--parsable"]
     assert placement.sbatch_argv(d, user) == [
         "sbatch",
@@ -288,10 +288,10 @@ def running_on(fed: Federation, job_id: str, timeout: float = 30.0) -> str:
 
 def squeue_running(fed: Federation, job_id: str) -> list[str]:
     """The clusters whose section of `squeue -M all -t RUNNING` lists the job."""
-    from fleetheal.fleet import status
+    from fleetheal.slurm import fields
 
     text = fed.squeue("-t", "RUNNING", "-o", "%i")
-    return sorted(c for c, lines in status.sections(text).items() if job_id in lines.split())
+    return sorted(c for c, lines in fields.sections(text).items() if job_id in lines.split())
 
 
 def hold(fed: Federation, cluster: str, gpus: int, tmp_path: Path) -> str:

@@ -17,8 +17,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from fleetheal import procs
 from fleetheal.fleet import config as fleetcfg
-from fleetheal.fleet import status
+from fleetheal.fleet import render, status, view
 from fleetheal.remediator.app import Service
+from fleetheal.slurm import fields, gres, runner
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm import nodes as slurm_nodes
 from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config
 
@@ -59,20 +62,20 @@ def fleet(**remediators: str) -> fleetcfg.FleetConfig:
 )
 def test_gres_fields_count_gpus_by_type(text: str, want: dict[str, int]) -> None:
     """The GRES forms of Slurm's sinfo(1) `Gres`/`GresUsed`: a comma inside `(IDX:...)` does not split."""
-    assert status.parse_gres(text, default_type="x") == want
+    assert gres.parse_gres(text, default_type="x") == want
 
 
 def test_tres_gpus() -> None:
-    assert status.tres_gpus("cpu=1,mem=100M,node=1,billing=1,gres/gpu=8") == 8
-    assert status.tres_gpus("cpu=2,node=1,gres/gpu:h100=4") == 4
-    assert status.tres_gpus("cpu=2,node=1,gres/gpu=4,gres/gpu:h100=4") == 4
-    assert status.tres_gpus("cpu=1,mem=100M,node=1") == 0
-    assert status.tres_gpus("") == 0
+    assert gres.tres_gpus("cpu=1,mem=100M,node=1,billing=1,gres/gpu=8") == 8
+    assert gres.tres_gpus("cpu=2,node=1,gres/gpu:h100=4") == 4
+    assert gres.tres_gpus("cpu=2,node=1,gres/gpu=4,gres/gpu:h100=4") == 4
+    assert gres.tres_gpus("cpu=1,mem=100M,node=1") == 0
+    assert gres.tres_gpus("") == 0
 
 
 def test_sections_split_by_cluster() -> None:
     text = "CLUSTER: a\nx1\nx2\n\nCLUSTER: b\n\nCLUSTER: c\ny\n"
-    assert status.sections(text) == {"a": "x1\nx2\n", "b": "", "c": "y\n"}
+    assert fields.sections(text) == {"a": "x1\nx2\n", "b": "", "c": "y\n"}
 
 
 # --- the view, from what the federation printed (tests/fleet/data) ------------------------------------------
@@ -85,34 +88,34 @@ def captured(name: str) -> str:
     return path.read_text()
 
 
-def read(tool: str, scene: str) -> status.Read:
+def read(tool: str, scene: str) -> runner.Read:
     """A captured read as `run_read` returns it: the output, and the first error line when it exited non-zero."""
     meta = json.loads(captured(f"{tool}-{scene}.meta"))
-    args = status.SINFO_ARGS if tool == "sinfo" else status.SQUEUE_ARGS
+    args = slurm_nodes.FLEET_SINFO_ARGS if tool == "sinfo" else slurm_jobs.FLEET_SQUEUE_ARGS
     assert meta["argv"] == [tool, *args], "the arguments changed since the capture: capture again"
     first = next((ln for ln in meta["stderr"].splitlines() if ln.strip()), "")
-    return status.Read(captured(f"{tool}-{scene}.txt"), first if meta["rc"] else "")
+    return runner.Read(captured(f"{tool}-{scene}.txt"), first if meta["rc"] else "")
 
 
-def view(scene: str, **remediators: status.Remediator) -> status.FleetStatus:
+def view_of(scene: str, **remediators: view.Remediator) -> view.FleetStatus:
     urls = {n: r.url for n, r in remediators.items()}
-    return status.build(fleet(**urls), read("sinfo", scene), read("squeue", scene), remediators, duration_s=0.25)
+    return view.build(fleet(**urls), read("sinfo", scene), read("squeue", scene), remediators, duration_s=0.25)
 
 
 def test_the_view_of_a_busy_federation() -> None:
     """An 8-GPU job runs on a and one on b; a 16-GPU job is pending on a only, another on a and b (README.md)."""
-    st = view("busy")
+    st = view_of("busy")
     a, b, c = st.clusters
     assert [x.up for x in st.clusters] == [True, True, True]
-    assert a.gpus == {"h100": status.Gpus(allocated=8, free=8, unavailable=0)} == b.gpus
-    assert c.gpus == {"a100": status.Gpus(allocated=0, free=16, unavailable=0)}
+    assert a.gpus == {"h100": view.Gpus(allocated=8, free=8, unavailable=0)} == b.gpus
+    assert c.gpus == {"a100": view.Gpus(allocated=0, free=16, unavailable=0)}
     assert a.nodes == {"idle": 1, "mixed": 1, "allocated": 0, "drained": 0, "down": 0, "other": 0}
     assert c.nodes["idle"] == 2
-    assert a.queue == status.Queue(pending=2, running=1, pending_gpus=32, running_gpus=8)
-    assert b.queue == status.Queue(pending=1, running=1, pending_gpus=16, running_gpus=8)
-    assert c.queue == status.Queue()
-    assert a.queue_by_qos == {"large": status.Queue(2, 0, 32, 0), "small": status.Queue(0, 1, 0, 8)}
-    assert c.queue_by_qos == {"large": status.Queue(), "small": status.Queue()}
+    assert a.queue == view.Queue(pending=2, running=1, pending_gpus=32, running_gpus=8)
+    assert b.queue == view.Queue(pending=1, running=1, pending_gpus=16, running_gpus=8)
+    assert c.queue == view.Queue()
+    assert a.queue_by_qos == {"large": view.Queue(2, 0, 32, 0), "small": view.Queue(0, 1, 0, 8)}
+    assert c.queue_by_qos == {"large": view.Queue(), "small": view.Queue()}
     doc = st.as_dict()
     # The federated job pending on a and b counts once in the fleet.
     assert doc["total"]["queue"] == {"pending": 2, "running": 2, "pending_gpus": 32, "running_gpus": 16}
@@ -125,7 +128,7 @@ def test_the_view_of_a_busy_federation() -> None:
     assert doc["total"]["clusters_up"] == 3 and doc["total"]["standby_nodes"] is None
     assert doc["clusters"][0]["remediator"] is None
     assert json.loads(json.dumps(doc)) == doc
-    lines = status.table(st).splitlines()
+    lines = render.table(st).splitlines()
     assert lines[0].split()[:2] == ["CLUSTER", "STATE"] and len(lines) == 5
     row = {ln.split()[0]: ln.split() for ln in lines[1:]}
     assert row["a"] == ["a", "up", "h100", "8/16", "1/1/0/0/0", "2/1", "32", "large", "2/0", "small", "0/1", "-", "-"]
@@ -137,43 +140,43 @@ def test_the_view_of_a_busy_federation() -> None:
 
 def test_a_cluster_missing_from_the_answer_is_unreachable_and_the_others_show() -> None:
     """Cluster c's slurmctld stopped: `-M all` leaves it out (and exits 0)."""
-    st = view("c-down")
+    st = view_of("c-down")
     assert [x.up for x in st.clusters] == [True, True, False]
     a, _, c = st.clusters
     assert c.error == "not in the answer of sinfo -M all"
-    assert a.gpus == {"h100": status.Gpus(8, 8, 0)} and a.queue.pending == 2
+    assert a.gpus == {"h100": view.Gpus(8, 8, 0)} and a.queue.pending == 2
     cdoc = c.as_dict()
     assert cdoc["gpus"] is None and cdoc["queue"] is None and cdoc["nodes"] is None
     total = st.as_dict()["total"]
     assert total["clusters_up"] == 2 and "a100" not in total["gpus"] and total["queue"]["running"] == 2
-    table = status.table(st)
+    table = render.table(st)
     assert re.search(r"^c\s+unreachable(\s+-){7}$", table, re.M) and "2/3 up" in table
     assert "c: not in the answer of sinfo -M all" in table
-    back = view("c-back")
+    back = view_of("c-back")
     assert [x.up for x in back.clusters] == [True, True, True]
 
 
 def test_a_failed_read_makes_every_cluster_it_misses_unreachable() -> None:
     """slurmdbd down: `-M all` answers nothing; the error is shown for every cluster, nothing is raised."""
-    st = status.build(fleet(), status.Read("", "sinfo: error: slurmdbd unreachable"), read("squeue", "busy"))
+    st = view.build(fleet(), runner.Read("", "sinfo: error: slurmdbd unreachable"), read("squeue", "busy"))
     assert [(x.up, x.error) for x in st.clusters] == [(False, "sinfo: error: slurmdbd unreachable")] * 3
     assert st.as_dict()["total"]["queue"]["pending"] == 0
-    jobs_failed = status.build(fleet(), read("sinfo", "busy"), status.Read("", "squeue: error: timeout"))
+    jobs_failed = view.build(fleet(), read("sinfo", "busy"), runner.Read("", "squeue: error: timeout"))
     assert [x.error for x in jobs_failed.clusters] == ["squeue: error: timeout"] * 3
 
 
 def test_drained_nodes_hold_no_free_gpus() -> None:
-    """Node b2 drained: its idle GPUs are `unavailable`, the node counts as drained (fleetheal.slurm_nodes)."""
-    b = view("drained").clusters[1]
+    """Node b2 drained: its idle GPUs are `unavailable`, the node counts as drained (fleetheal.slurm.nodes)."""
+    b = view_of("drained").clusters[1]
     assert b.nodes["drained"] == 1 and b.nodes["mixed"] == 1
-    assert b.gpus == {"h100": status.Gpus(allocated=8, free=0, unavailable=8)}
+    assert b.gpus == {"h100": view.Gpus(allocated=8, free=0, unavailable=8)}
 
 
 def test_node_states() -> None:
-    from fleetheal.slurm_nodes import Node
+    from fleetheal.slurm.nodes import Node
 
     def state(base: str, *flags: str) -> str:
-        return status.node_state(Node("n", base, frozenset(flags)))
+        return slurm_nodes.node_state(Node("n", base, frozenset(flags)))
 
     assert state("IDLE") == "idle" and state("MIXED") == "mixed" and state("ALLOCATED") == "allocated"
     assert state("IDLE", "DRAIN") == "drained" and state("ALLOCATED", "DRAIN") == "drained"
@@ -193,8 +196,8 @@ def test_standby_pool_and_open_incidents_from_the_real_remediator(tmp_path: Path
         async with TestClient(TestServer(service.app(), host="127.0.0.1")) as client:
             url = str(client.make_url("/")).rstrip("/")
             loop = asyncio.get_running_loop()
-            before = await loop.run_in_executor(None, status.read_remediator, url)
-            assert before == status.Remediator(url, True, standby_nodes=0, open_incidents=0)
+            before = await loop.run_in_executor(None, view.read_remediator, url)
+            assert before == view.Remediator(url, True, standby_nodes=0, open_incidents=0)
             assert (await client.post("/webhook", data=body(alert(node="gpu-001")), headers=AUTH)).status == 202
             service.store.transition("gpu-005", "standby", "test: revalidated")
 
@@ -202,17 +205,17 @@ def test_standby_pool_and_open_incidents_from_the_real_remediator(tmp_path: Path
                 return service.store.held_count() == 1
 
             await loop.run_in_executor(None, lambda: wait_until(held, 10, "the incident held at the paused gate"))
-            after = await loop.run_in_executor(None, status.read_remediator, url + "/")
-            assert after == status.Remediator(url + "/", True, standby_nodes=1, open_incidents=1)
+            after = await loop.run_in_executor(None, view.read_remediator, url + "/")
+            assert after == view.Remediator(url + "/", True, standby_nodes=1, open_incidents=1)
             # the view and the metrics carry it
-            st = view("busy", a=after)
+            st = view_of("busy", a=after)
             assert st.as_dict()["clusters"][0]["remediator"]["standby_nodes"] == 1
             assert st.as_dict()["total"]["open_incidents"] == 1
-            text = render(st)
+            text = scrape(st)
             assert 'fleetheal_fleet_standby_nodes{cluster="a"} 1.0' in text
             assert 'fleetheal_fleet_open_incidents{cluster="a"} 1.0' in text
             assert 'fleetheal_fleet_remediator_up{cluster="a"} 1.0' in text
-            wrong = await loop.run_in_executor(None, status.read_remediator, url + "/nowhere")
+            wrong = await loop.run_in_executor(None, view.read_remediator, url + "/nowhere")
             assert not wrong.up and wrong.error.startswith("HTTP 404")
 
     asyncio.run(main())
@@ -221,27 +224,27 @@ def test_standby_pool_and_open_incidents_from_the_real_remediator(tmp_path: Path
 def test_a_remediator_that_does_not_answer_shows_a_question_mark() -> None:
     (port,) = procs.free_ports(1)
     url = f"http://127.0.0.1:{port}"
-    rem = status.read_remediator(url, timeout=2)
+    rem = view.read_remediator(url, timeout=2)
     assert not rem.up and rem.standby_nodes is None and "refused" in rem.error.lower()
-    st = view("busy", a=rem)
-    row = next(ln for ln in status.table(st).splitlines() if ln.startswith("a "))
+    st = view_of("busy", a=rem)
+    row = next(ln for ln in render.table(st).splitlines() if ln.startswith("a "))
     assert row.split()[-2:] == ["?", "?"]
-    assert f"a: remediator: {rem.error}" in status.table(st)
-    assert 'fleetheal_fleet_remediator_up{cluster="a"} 0.0' in render(st)
-    assert "fleetheal_fleet_standby_nodes{" not in render(st)
+    assert f"a: remediator: {rem.error}" in render.table(st)
+    assert 'fleetheal_fleet_remediator_up{cluster="a"} 0.0' in scrape(st)
+    assert "fleetheal_fleet_standby_nodes{" not in scrape(st)
 
 
 # --- the metrics ---------------------------------------------------------------------------------------------
 
 
-def render(st: status.FleetStatus) -> str:
+def scrape(st: view.FleetStatus) -> str:
     from prometheus_client import generate_latest
 
-    return generate_latest(status.registry(lambda: st)).decode()
+    return generate_latest(render.registry(lambda: st)).decode()
 
 
 def test_the_metrics_of_a_view_and_that_every_one_is_documented() -> None:
-    text = render(view("busy"))
+    text = scrape(view_of("busy"))
     for line in (
         'fleetheal_fleet_cluster_up{cluster="a"} 1.0',
         'fleetheal_fleet_gpus{cluster="a",gpu_type="h100",state="allocated"} 8.0',
@@ -313,13 +316,13 @@ def test_status_and_exporter_on_the_real_federation(federation, tmp_path: Path) 
     running = a.sbatch("#!/bin/sh\nsleep 300\n", "--gres=gpu:8", "-M", "a")
     pending = ""
 
-    def a_busy() -> status.FleetStatus | None:
-        st = status.collect(cfg, env=fed.env)
+    def a_busy() -> view.FleetStatus | None:
+        st = view.collect(cfg, env=fed.env)
         q = st.clusters[0].queue
         return st if st.clusters[0].up and (q.running, q.pending) == (1, 1) else None
 
-    def all_up() -> status.FleetStatus | None:
-        st = status.collect(cfg, env=fed.env)
+    def all_up() -> view.FleetStatus | None:
+        st = view.collect(cfg, env=fed.env)
         return st if all(c.up for c in st.clusters) else None
 
     try:
@@ -328,9 +331,9 @@ def test_status_and_exporter_on_the_real_federation(federation, tmp_path: Path) 
         pending = a.sbatch("#!/bin/sh\nsleep 300\n", "--gres=gpu:8", "-N", "2", "-M", "a")
         st = wait_until(a_busy, 30, "one job running and one pending on cluster a")
         sa = st.clusters[0]
-        assert sa.gpus == {"h100": status.Gpus(allocated=8, free=8, unavailable=0)}
+        assert sa.gpus == {"h100": view.Gpus(allocated=8, free=8, unavailable=0)}
         assert sa.queue.pending_gpus == 16 and sa.nodes["mixed"] + sa.nodes["allocated"] == 1
-        assert st.clusters[2].gpus == {"a100": status.Gpus(0, 16, 0)}
+        assert st.clusters[2].gpus == {"a100": view.Gpus(0, 16, 0)}
         # The command line: JSON and the table
         out = subprocess.run(
             _fleet_cmd("status", "--fleet", str(fleet_file), "--json"), env=fed.env, capture_output=True, text=True
@@ -379,10 +382,10 @@ def test_status_and_exporter_on_the_real_federation(federation, tmp_path: Path) 
         # Cluster c drops out: shown unreachable, the others still shown
         fed.drop("c")
         try:
-            st = status.collect(cfg, env=fed.env)
+            st = view.collect(cfg, env=fed.env)
             assert [c.up for c in st.clusters] == [True, True, False]
             assert st.clusters[2].error and st.clusters[0].gpus["h100"].allocated == 8
-            assert re.search(r"^c\s+unreachable", status.table(st), re.M)
+            assert re.search(r"^c\s+unreachable", render.table(st), re.M)
         finally:
             fed.rejoin("c")
         back = wait_until(all_up, 60, "cluster c back in the view")

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from fleetheal import contracts, slurm_nodes, steps
+from fleetheal import contracts, steps
 from fleetheal.infra import config, mocks, program
 from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, default_crds, tools_built
 from fleetheal.lab.kubepki import write_kubeconfig
@@ -45,6 +45,7 @@ from fleetheal.lab.slinky import (
 )
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.remediator.membership import MembershipController
+from fleetheal.slurm import nodes as slurm_nodes
 from fleetheal.wait import wait_until
 
 from ..ansible.conftest import Playbooks

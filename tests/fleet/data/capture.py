@@ -1,4 +1,4 @@
-"""Capture what `sinfo`/`squeue` print for fleetheal.fleet.status, from a real lab federation (README.md).
+"""Capture what `sinfo`/`squeue` print for fleetheal.fleet.view, from a real lab federation (README.md).
 
 .venv/bin/python tests/fleet/data/capture.py tests/fleet/data
 """
@@ -10,8 +10,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fleetheal.fleet import status
 from fleetheal.lab.federation import Federation
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm import nodes as slurm_nodes
 from fleetheal.wait import wait_until
 
 SLEEP = "#!/bin/sh\nsleep 600\n"
@@ -24,7 +25,7 @@ def main(out: Path) -> None:
         fed.start()
 
         def save(tag: str) -> None:
-            for tool, args in (("sinfo", status.SINFO_ARGS), ("squeue", status.SQUEUE_ARGS)):
+            for tool, args in (("sinfo", slurm_nodes.FLEET_SINFO_ARGS), ("squeue", slurm_jobs.FLEET_SQUEUE_ARGS)):
                 p = fed.run(tool, *args, check=False)
                 (out / f"{tool}-{tag}.txt").write_text(p.stdout)
                 meta = {"argv": [tool, *args], "rc": p.returncode, "stderr": p.stderr}

@@ -73,7 +73,9 @@ def work(steps, settings, p, dry):
         return steps.requeue_jobs(*args, job_id=p["job_id"], same_nodes=p["same_nodes"], dry_run=dry), {}
     if p["state"] == "told":
         return steps.tell_jobs(slurm, p["node"], p["incident"], p["cause"], job_id=p["job_id"], dry_run=dry), {}
-    jobs = steps.target_jobs(slurm.squeue(), p["node"], p["job_id"])
+    from fleetheal.slurm.jobs import target_jobs
+
+    jobs = target_jobs(slurm.squeue(), p["node"], p["job_id"])
     return [steps.signal_jobs(slurm, [j["job_id"] for j in jobs], settings.grace_signal, dry_run=dry)], {}
 
 

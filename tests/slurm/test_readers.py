@@ -1,4 +1,4 @@
-"""fleetheal.slurm_nodes, the one node reader: `sinfo` text and the JSON shapes of each Slurm version,
+"""fleetheal.slurm.nodes, the one node reader: `sinfo` text and the JSON shapes of each Slurm version,
 and the drained / responding / owned-reason rules. The text is what Slurm 22.05 printed in the lab
 (tests/ansible/test_steps.py checks text and JSON against a real slurmctld)."""
 
@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from fleetheal import steps
-from fleetheal.slurm_nodes import (
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm.fields import number
+from fleetheal.slurm.jobs import job_nodes, job_state
+from fleetheal.slurm.nodes import (
     NODES_ARGS,
     Node,
-    job_nodes,
-    job_state,
-    number,
     parse_json,
     parse_text,
     read,
@@ -176,7 +175,7 @@ def test_refuses_what_is_no_node_read():
         read({"sinfo": [{"nodes": {"nodes": ["n1"]}, "node": {"state": ["IDLE"]}}]})  # sinfo --json of 24.11
 
 
-# --- jobs of `squeue --json`, read by fleetheal.steps through slurm_nodes' field readers -----------------
+# --- jobs of `squeue --json`, read by fleetheal.slurm.jobs ---------------------------------------------------
 #: `squeue --json` of the same three jobs on 22.05.8 (openapi v0.0.38) and 26.05.5 (data_parser v0.0.45),
 #: trimmed to the fields fleetheal reads: job 1 on n1 with a comment and an output pattern, array tasks 2_1
 #: (job 3) and 2_2 (job 2) on n2 with Slurm's default output.
@@ -187,14 +186,16 @@ SQUEUE = Path(__file__).parent / "data" / "slurm"
 def test_each_data_parser_reads_to_the_same_jobs(release: str) -> None:
     doc = json.loads((SQUEUE / f"squeue-{release}.json").read_text())
     cap = f"/tmp/cap{release[:2]}"  # where the capture ran
-    first, task2, task1 = (steps.slurm_job(doc, j) for j in ("1", "2", "3"))
+    first, task2, task1 = (slurm_jobs.slurm_job(doc, j) for j in ("1", "2", "3"))
     assert (first["state"], first["nodes"], first["comment"], first["restart_cnt"], first["uid"]) == (
         "RUNNING", ["n1"], "hello", 0, 0,
     )  # fmt: skip
     assert first["stdout"] == f"{cap}/out-1-{first['name']}.txt"
     assert (task1["stdout"], task2["stdout"]) == (f"{cap}/jobs/slurm-2_1.out", f"{cap}/jobs/slurm-2_2.out")
-    assert [j["job_id"] for j in steps.slurm_jobs_on_node(doc, "n2")] == ["2", "3"]
-    assert first["priority"] > 0 and steps.slurm_max_priority(doc) == max(j["priority"] for j in (first, task1, task2))
+    assert [j["job_id"] for j in slurm_jobs.slurm_jobs_on_node(doc, "n2")] == ["2", "3"]
+    assert first["priority"] > 0 and slurm_jobs.slurm_max_priority(doc) == max(
+        j["priority"] for j in (first, task1, task2)
+    )
 
 
 def test_field_shapes_of_every_data_parser() -> None:

@@ -17,8 +17,10 @@ one; this module is the one place that knows its shapes: `sinfo --json` of Slurm
 parser v0.0.39+: `state` a list of upper-case words, base state and flags together; `reason_changed_at`
 an integer, from v0.0.40 `{"set", "infinite", "number"}`), up to 26.05's v0.0.45. A newer `sinfo --json`
 prints partition rows (`"sinfo": [...]`, 24.11) instead of nodes: refused, not read as an empty cluster.
-`number`, `job_state` and `job_nodes` read the same versions' fields for `fleetheal.steps`' jobs of
-`squeue --json`: these are the only places that know how a data parser shapes a field.
+The same versions' job fields are read by `fleetheal.slurm.jobs`.
+
+The fleet's read (`FLEET_SINFO_ARGS`, `with_gres`) is the same node read of every cluster (`-M all`) with the
+`Gres` and `GresUsed` fields at the end of each line: `fleetheal fleet status` and placement read it.
 
 Standard library only (and fleetheal.contracts): the agent imports it.
 """
@@ -28,17 +30,26 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fleetheal.contracts import DRAIN_REASON_PREFIX, owns_reason
+from fleetheal.slurm.fields import SEP, number
 
-#: The end of every `-O` field of a node read (a control character no name or reason contains).
-SEP = "\x1f"
 _FIELDS = ("NodeList", "StateComplete", "Timestamp", "Reason", "Comment", "Extra")
 #: `sinfo` arguments of a node read (`sinfo_argv`); add `-n NODE` for one node.
 NODES_ARGS = ("-N", "-h", "-O", ",".join(f"{f}:{SEP}" for f in _FIELDS))
+#: The two fields the fleet's read adds at the end of each node line.
+_GRES_FIELDS = ("Gres", "GresUsed")
+#: The fleet's read: the node read of every cluster with the GRES fields; without `-h`: with it, `-M` leaves out
+#: the `CLUSTER: <name>` lines (measured on 22.05.8).
+FLEET_SINFO_ARGS = (
+    "-M",
+    "all",
+    *(a for a in NODES_ARGS[:-1] if a != "-h"),
+    NODES_ARGS[-1] + "," + ",".join(f"{f}:{SEP}" for f in _GRES_FIELDS),
+)
 #: Slurm's base node states (slurm.h NODE_STATE_BASE); everything else in a state is a flag.
 BASE_STATES = frozenset({"UNKNOWN", "DOWN", "IDLE", "ALLOCATED", "ERROR", "MIXED", "FUTURE"})
 #: What Slurm appends to a base state in text: `*` not responding, `~` powered off, `#` powering up...
@@ -162,40 +173,6 @@ def parse_text(text: str) -> Nodes:
     return nodes
 
 
-def number(value: Any, unset: int = 0) -> int:
-    """A JSON number field of any data parser: a plain integer (v0.0.38, v0.0.39), or from v0.0.40 on
-    `{"set": true, "infinite": false, "number": 7}`; `unset` when not set or infinite."""
-    if isinstance(value, Mapping):
-        value = value.get("number") if value.get("set") and not value.get("infinite") else None
-    return unset if value is None or value == "" else int(value)
-
-
-#: A job's state flags that Slurm's own text shows instead of its base state, first match wins (the order of
-#: `job_state_string` in Slurm's slurm_protocol_defs.c): a requeued job that is still completing is COMPLETING.
-_JOB_FLAG_NAMES = (
-    "COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
-    "SPECIAL_EXIT", "STOPPED", "REVOKED", "RESV_DEL_HOLD", "SIGNALING",
-)  # fmt: skip
-
-
-def job_state(value: Any) -> str:
-    """A job's state as one upper-case word, as `squeue -o %T` prints it: v0.0.38 gives that word
-    (`"RUNNING"`); from v0.0.39 a list of the base state and its flags (`["PENDING", "REQUEUED"]`)."""
-    if isinstance(value, list):
-        words = [str(w).upper() for w in value]
-        return next((f for f in _JOB_FLAG_NAMES if f in words), words[0] if words else "")
-    return str(value or "").upper()
-
-
-def job_nodes(job: Mapping[str, Any]) -> list[str]:
-    """The nodes a job of `squeue --json` holds: v0.0.38 `job_resources.allocated_nodes[].nodename`; from
-    v0.0.40 `job_resources.nodes.allocation[].name`."""
-    resources = job.get("job_resources") or {}
-    if isinstance(resources.get("nodes"), Mapping):
-        return [str(a["name"]) for a in resources["nodes"].get("allocation") or [] if a.get("name")]
-    return [str(n["nodename"]) for n in resources.get("allocated_nodes") or [] if n.get("nodename")]
-
-
 def _time(value: Any) -> str:
     seconds = number(value)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(seconds)) if seconds > 0 else ""
@@ -240,10 +217,40 @@ def read(value: Any) -> Nodes:
         return parse_json(value)
     if isinstance(value, str):
         return parse_json(json.loads(value)) if value.lstrip().startswith("{") else parse_text(value)
-    raise ValueError("expected what `sinfo` printed for fleetheal.slurm_nodes.NODES_ARGS, or a JSON document of nodes")
+    raise ValueError("expected what `sinfo` printed for fleetheal.slurm.nodes.NODES_ARGS, or a JSON document of nodes")
 
 
 def slurm_node(nodes: Any, name: str, owned_prefix: str = DRAIN_REASON_PREFIX) -> dict[str, Any]:
     """One node of `read(nodes)` as a dict (`Node.as_dict`); `{"found": False, ...}` when Slurm does not know it."""
     node = read(nodes).get(name)
     return node.as_dict(owned_prefix) if node is not None else {**_MISSING, "name": name}
+
+
+def node_state(node: Node) -> str:
+    """The fleet view's state of a node (`fleetheal fleet status`, placement): down (DOWN, not responding)
+    before drained (DRAIN) before the base state."""
+    if not node.responding:
+        return "down"
+    if node.drained:
+        return "drained"
+    base = node.state.lower()
+    return base if base in ("idle", "mixed", "allocated") else "other"
+
+
+def with_gres(text: str) -> Iterator[tuple[Node, str, str]]:
+    """(node, its `Gres`, its `GresUsed`) for each node of one cluster's section of `sinfo FLEET_SINFO_ARGS`.
+    `-N` lists a node once per partition: the first line counts."""
+    seen: set[str] = set()
+    for line in text.splitlines():
+        parts = line.rsplit(SEP, len(_GRES_FIELDS) + 1)
+        if len(parts) != len(_GRES_FIELDS) + 2:
+            continue
+        head, gres, used, _ = parts
+        read = parse_text(head + SEP)
+        if len(read) != 1:
+            continue
+        node = next(iter(read.values()))
+        if node.name in seen:
+            continue
+        seen.add(node.name)
+        yield node, gres, used
