@@ -181,9 +181,9 @@ def run_engine(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetheal.infra import config, render
+    from fleetheal.infra import config, project, render
 
-    root = args.root if args.root is not None else config.REPO_ROOT
+    root = args.root if args.root is not None else project.REPO_ROOT
     if not (root / "Pulumi.yaml").exists():
         raise UsageError(f"--root {root}: no Pulumi.yaml there")
     stacks: list[str] = list(dict.fromkeys(args.stack))

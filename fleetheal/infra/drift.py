@@ -20,8 +20,8 @@ import yaml
 
 from fleetheal.errors import UsageError
 from fleetheal.infra import policy
-from fleetheal.infra.config import BUILTIN_QOS
 from fleetheal.infra.fleet_file import FLEET_CONFIGMAP, FLEET_FILE_KEY
+from fleetheal.infra.stack_model import BUILTIN_QOS
 
 #: The categories the drift check compares, in the order it reports them.
 CATEGORIES = (

@@ -22,7 +22,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from fleetheal.infra import common, policy, slinky
-from fleetheal.infra.config import FederationSpec
+from fleetheal.infra.stack_model import FederationSpec
 
 COMPONENT = "FederationManager"
 SCRIPT_CONFIGMAP = "fleetheal-federation"

@@ -15,7 +15,6 @@ from fleetheal.infra import common, policy
 from fleetheal.infra.accounting_db import AccountingDatabase
 from fleetheal.infra.agent import HealthAgent
 from fleetheal.infra.alerting import AlertRouting
-from fleetheal.infra.config import StackConfig
 from fleetheal.infra.dcgm import DcgmExporter
 from fleetheal.infra.federation import FederationManager
 from fleetheal.infra.fleet_file import FLEET_CONFIGMAP, FLEET_FILE_KEY, fleet_file_text
@@ -23,6 +22,7 @@ from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
 from fleetheal.infra.remediator import Remediator, RemediatorArgs, RemediatorStore
 from fleetheal.infra.slinky import SlinkyCluster
+from fleetheal.infra.stack_model import StackConfig
 from fleetheal.infra.storage import SharedStorage
 
 OPERATOR_NAMESPACE = "slinky"

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from fleetheal.errors import UsageError
-from fleetheal.infra import config, mocks
+from fleetheal.infra import config, mocks, project
 
 MARKER = ".fleetheal-render"
 REDACTED = "<redacted>"
@@ -101,16 +101,16 @@ def records_to_files(records: Iterable[mocks.Recorded], header: str) -> dict[str
     return dict(sorted(files.items()))
 
 
-def record_stack(stack: str, root: Path = config.REPO_ROOT) -> list[mocks.Recorded]:
+def record_stack(stack: str, root: Path = project.REPO_ROOT) -> list[mocks.Recorded]:
     """Every resource registration of `stack` (Pulumi.yaml + Pulumi.<stack>.yaml) under the mock engine."""
     from fleetheal.infra import program
 
-    cfg = config.from_values(config.stack_values(stack, root), root / "Pulumi.yaml")
+    cfg = config.from_values(project.stack_values(stack, root), root / "Pulumi.yaml")
     return mocks.run(lambda: program.build(cfg), stack=stack)
 
 
 def render_stack(
-    stack: str, root: Path = config.REPO_ROOT, records: list[mocks.Recorded] | None = None
+    stack: str, root: Path = project.REPO_ROOT, records: list[mocks.Recorded] | None = None
 ) -> dict[str, str]:
     """Relative path -> YAML text for every object of `stack`."""
     if records is None:
@@ -184,8 +184,8 @@ def load_inputs(paths: Sequence[Path]) -> list[tuple[str, list[dict[str, Any]]]]
             for d in subs or [path]:
                 out.append((str(d), _rendered_dir_objects(d)))
         elif (path / "Pulumi.yaml").is_file():
-            for stack in config.list_stacks(path):
-                raw = config.stack_values(stack, path).get("federation") or {}
+            for stack in project.list_stacks(path):
+                raw = project.stack_values(stack, path).get("federation") or {}
                 if isinstance(raw, dict) and raw.get("role", "none") != "none":
                     out.append((stack, _render_objects(stack, path)))
         elif path.is_dir():

@@ -21,7 +21,7 @@ import yaml
 
 from fleetheal import contracts
 from fleetheal.infra import common, policy, slurm_hooks
-from fleetheal.infra.config import GpuPool
+from fleetheal.infra.stack_model import GpuPool
 
 COMPONENT = "SlinkyCluster"
 API = "slinky.slurm.net/v1beta1"

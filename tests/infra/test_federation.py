@@ -27,7 +27,19 @@ from kubernetes import client as k8s_client
 from fleetheal import cli
 from fleetheal.fleet import config as fleet_config
 from fleetheal.infra import cli as infra_cli
-from fleetheal.infra import config, drift, engine, federation, fleet_file, mocks, policy, program, render
+from fleetheal.infra import (
+    config,
+    drift,
+    engine,
+    federation,
+    fleet_file,
+    mocks,
+    policy,
+    program,
+    project,
+    render,
+    stack_model,
+)
 from fleetheal.infra.drift import Finding
 from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import KubeControlPlane
@@ -47,7 +59,7 @@ def _records(values: dict[str, Any]) -> list[mocks.Recorded]:
 
 @pytest.fixture(scope="module")
 def stack_records() -> dict[str, list[mocks.Recorded]]:
-    return {s: _records(config.stack_values(s)) for s in STACKS}
+    return {s: _records(project.stack_values(s)) for s in STACKS}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +82,7 @@ def _one(records: list[mocks.Recorded], kind: str, name: str | None = None) -> d
 
 
 def _manager_values(**federation_over: Any) -> dict[str, Any]:
-    values = copy.deepcopy(config.stack_values("fleet-manager"))
+    values = copy.deepcopy(project.stack_values("fleet-manager"))
     values["federation"].update(federation_over)
     return values
 
@@ -122,7 +134,7 @@ def test_manager_runs_slurmdbd_for_the_federation_and_applies_it_with_a_job(
 
 
 def test_the_job_is_named_after_what_it_applies() -> None:
-    first = config.from_values(config.stack_values("fleet-manager"))
+    first = config.from_values(project.stack_values("fleet-manager"))
     changed = config.from_values(_manager_values(qos=[{"name": "large", "priority": 5}, {"name": "small"}]))
     names = []
     for cfg in (first, first, changed):
@@ -412,7 +424,7 @@ def test_drift_report_text_names_each_cluster() -> None:
 
 
 def _worker(**fed: Any) -> dict[str, Any]:
-    values = copy.deepcopy(config.stack_values("fleet-a"))
+    values = copy.deepcopy(project.stack_values("fleet-a"))
     values["federation"] = fed
     return values
 
@@ -501,7 +513,7 @@ def _worker(**fed: Any) -> dict[str, Any]:
         (
             _worker(role="worker", manager="dbd", managerStack="nope"),
             "fleetheal:federation.managerStack: stack 'nope' cannot be read: stack 'nope': "
-            f"{REPO}/Pulumi.nope.yaml does not exist; stacks here: {', '.join(config.list_stacks(REPO))}",
+            f"{REPO}/Pulumi.nope.yaml does not exist; stacks here: {', '.join(project.list_stacks(REPO))}",
         ),
         (
             _worker(role="worker", manager="dbd", managerStack="fleet-a"),
@@ -536,8 +548,8 @@ def test_a_worker_outside_the_declared_federation_has_no_fleet_file_and_no_failo
     assert "failover" not in rem_cfg
 
 
-def test_a_stand_alone_stack_is_unchanged(dev_config: config.StackConfig) -> None:
-    assert dev_config.federation == config.FederationSpec()
+def test_a_stand_alone_stack_is_unchanged(dev_config: stack_model.StackConfig) -> None:
+    assert dev_config.federation == stack_model.FederationSpec()
     records = mocks.run(lambda: program.build(dev_config))
     controller = _one(records, "Controller")
     assert policy.LABEL_FEDERATION_ROLE not in controller["metadata"]["labels"]

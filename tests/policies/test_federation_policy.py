@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fleetheal.infra import config, mocks, policy, program
+from fleetheal.infra import config, mocks, policy, program, project
 
 Props = dict[str, Any]
 Graph = list[tuple[str, str, Props]]
@@ -21,7 +21,7 @@ PRODUCTION = {"environment": "production", "remediatorReplicas": 2, "remediatorS
 
 
 def _graph(stack: str, **over: Any) -> Graph:
-    cfg = config.from_values({**config.stack_values(stack), **over})
+    cfg = config.from_values({**project.stack_values(stack), **over})
     records = mocks.run(lambda: program.build(cfg))
     return [(r.type, r.name, r.inputs) for r in records if r.custom]
 

@@ -16,7 +16,7 @@ import yaml
 from pulumi_policy import ResourceValidationArgs, StackValidationArgs
 
 from fleetheal import contracts
-from fleetheal.infra import agent, config, mocks, policy, program
+from fleetheal.infra import agent, config, mocks, policy, program, project
 from fleetheal.infra.remediator import remediator_config
 
 SLINKY = "slinky.slurm.net/v1beta1"
@@ -884,7 +884,7 @@ def test_policies_readme_lists_every_rule() -> None:
 
 @pytest.fixture(scope="module")
 def example_graph() -> list[tuple[str, str, Props]]:
-    cfg = config.from_values(config.stack_values("dev"))
+    cfg = config.from_values(project.stack_values("dev"))
     records = mocks.run(lambda: program.build(cfg))
     return [(r.type, r.name, r.inputs) for r in records if r.custom]
 
@@ -1023,7 +1023,7 @@ def test_whole_pack_fails_the_example_stack_marked_production(example_graph: lis
     ],
 )
 def test_whole_pack_passes_the_other_modes(overrides: Props) -> None:
-    cfg = config.from_values({**config.stack_values("dev"), **overrides})
+    cfg = config.from_values({**project.stack_values("dev"), **overrides})
     records = mocks.run(lambda: program.build(cfg))
     graph = [(r.type, r.name, r.inputs) for r in records if r.custom]
     assert policy.evaluate(graph) == []
