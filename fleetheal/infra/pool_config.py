@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetheal.infra import schema
 from fleetheal.infra.config_checks import RFC1123_LABEL, RFC1123_SUBDOMAIN
 from fleetheal.infra.project import PROJECT
 from fleetheal.infra.stack_model import GpuPool, standby_size
@@ -15,6 +16,30 @@ _POOL_KEYS = {
     "existing": (*_POOL_KEYS_COMMON, "nodeNames", "standbyNodeNames"),
     "eks": (*_POOL_KEYS_COMMON, "nodes", "instanceType"),
 }
+#: What a JSON Schema can say about a pool's fields (fleetheal.infra.schema); the node lists are code.
+_POOL_PROPERTIES: dict[str, dict[str, Any]] = {
+    "name": {
+        "type": "string",
+        "pattern": RFC1123_LABEL.pattern,
+        "maxLength": 40,
+        "x-hint": "use lower-case letters, digits and '-', at most 40 characters",
+    },
+    "gpuType": {"type": "string", "pattern": RFC1123_LABEL.pattern, "x-hint": "use a lower-case name such as h100"},
+    "gpusPerNode": {"type": "integer", "minimum": 1, "maximum": 16, "x-hint": "use an integer from 1 to 16"},
+    "nodes": {"type": "integer", "minimum": 1, "x-hint": "use an integer >= 1"},
+    "instanceType": {"type": "string", "minLength": 1, "x-hint": "use an EC2 type such as p5.48xlarge"},
+}
+
+
+def _pool_schema(provider: str) -> dict[str, Any]:
+    """A pool's fields for `provider` (its node lists are checked by _node_names: names across pools)."""
+    properties = {k: _POOL_PROPERTIES.get(k, {}) for k in _POOL_KEYS[provider]}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(_POOL_KEYS[provider]),
+        "additionalProperties": False,
+    }
 
 
 def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) -> tuple[GpuPool, ...]:
@@ -26,32 +51,20 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
     out: list[GpuPool] = []
     seen_names: set[str] = set()
     seen_nodes: set[str] = set()
-    accepted = _POOL_KEYS[provider]
     for i, item in enumerate(raw):
         where = f"{key}[{i}]"
-        unknown = sorted(set(item) - set(accepted))
-        if unknown:
-            raise ConfigError(
-                f"{where}: unknown field(s) {', '.join(unknown)} for nodeProvider={provider}; "
-                f"accepted fields: {', '.join(accepted)}"
-            )
-        missing = [k for k in accepted if k not in item]
-        if missing:
-            raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}; accepted fields: {', '.join(accepted)}")
+        problems = schema.errors(_pool_schema(provider), item, where, f"for nodeProvider={provider}")
+        # The object's shape and its name first, then the name's uniqueness, then the other fields.
+        if problems and problems[0][0] in ("", "name"):
+            raise ConfigError(problems[0][1])
         name = item["name"]
-        if not isinstance(name, str) or not RFC1123_LABEL.match(name) or len(name) > 40:
-            raise ConfigError(
-                f"{where}.name: {name!r} is not accepted; use lower-case letters, digits and '-', at most 40 characters"
-            )
         if name in seen_names:
             raise ConfigError(f"{where}.name: pool {name!r} is declared twice; pool names must be unique")
         seen_names.add(name)
+        if problems:
+            raise ConfigError(problems[0][1])
         gpu_type = item["gpuType"]
-        if not isinstance(gpu_type, str) or not RFC1123_LABEL.match(gpu_type):
-            raise ConfigError(f"{where}.gpuType: {gpu_type!r} is not accepted; use a lower-case name such as h100")
         gpn = item["gpusPerNode"]
-        if isinstance(gpn, bool) or not isinstance(gpn, int | float) or int(gpn) != gpn or not 1 <= gpn <= 16:
-            raise ConfigError(f"{where}.gpusPerNode: {gpn!r} is not accepted; use an integer from 1 to 16")
         if provider == "existing":
             names = _node_names(f"{where}.nodeNames", item["nodeNames"], seen_nodes, allow_empty=False)
             standby_names = _node_names(f"{where}.standbyNodeNames", item["standbyNodeNames"], seen_nodes)
@@ -65,13 +78,7 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
             out.append(GpuPool(name, gpu_type, int(gpn), len(names), len(standby_names), names, standby_names))
         else:
             nodes = item["nodes"]
-            if isinstance(nodes, bool) or not isinstance(nodes, int | float) or int(nodes) != nodes or nodes < 1:
-                raise ConfigError(f"{where}.nodes: {nodes!r} is not accepted; use an integer >= 1")
             itype = item["instanceType"]
-            if not isinstance(itype, str) or not itype:
-                raise ConfigError(
-                    f"{where}.instanceType: {itype!r} is not accepted; use an EC2 type such as p5.48xlarge"
-                )
             out.append(
                 GpuPool(
                     name,
