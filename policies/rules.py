@@ -43,7 +43,7 @@ LABEL_FEDERATION_ROLE = K8S_PREFIX + "federation-role"
 #: The manager's ConfigMap holding the federation's `sacctmgr` script (app.kubernetes.io/component).
 FEDERATION_COMPONENT = "federation"
 FEDERATION_SCRIPT_KEY = "apply.sh"
-#: The script's statements, one per line (fleetheal.infra.federation writes them, the drift check reads them):
+#: The script's statements, one per line (fleetheal.infra.federation writes them, fleetheal.infra.drift reads them):
 #: `cluster NAME FEATURES`, `qos NAME PRIORITY`, `grant ACCOUNT CLUSTER QOS|- DEFAULT_QOS|- [USER...]`,
 #: `federation NAME CLUSTER...`.
 FEDERATION_VERBS = ("cluster", "qos", "grant", "federation")
