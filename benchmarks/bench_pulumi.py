@@ -3,7 +3,7 @@
 Every measurement runs in a fresh Python process (this file run as `bench_pulumi.py --child MODE ...`),
 so peak RSS is that process's own and the wall time covers the whole process (interpreter start,
 imports, synthesis, render and exit). The fleet: 16 GPU pools of N/16 existing nodes each, 5% warm
-standby per pool (config.standby_size).
+standby per pool (stack_model.standby_size).
 
 1. Synthesis + render at 2,000, 10,000 and 25,000 nodes: `fleetheal.infra.program.build` under
    `fleetheal.infra.mocks`, then the YAML files `fleetheal render` would write (kept in memory).
@@ -66,7 +66,7 @@ ENGINE_TIMEOUT_S = 900
 def _values(pools: int, nodes: int, move_one: bool = False) -> dict[str, Any]:
     """Stack values of a `pools`-pool fleet of `nodes` active nodes; `move_one` moves pool 0's last
     active node to the end of pool 1 (one node's membership changes, every other node keeps its own)."""
-    from fleetheal.infra import config
+    from fleetheal.infra import stack_model
 
     per = nodes // pools
     out: list[dict[str, Any]] = []
@@ -77,7 +77,7 @@ def _values(pools: int, nodes: int, move_one: bool = False) -> dict[str, Any]:
                 "gpuType": ("h100", "h200", "b200", "a100")[p % 4],
                 "gpusPerNode": 8,
                 "nodeNames": [f"gpu-{p:02d}-{i:05d}" for i in range(per)],
-                "standbyNodeNames": [f"spare-{p:02d}-{i:03d}" for i in range(config.standby_size(per, 1, 5))],
+                "standbyNodeNames": [f"spare-{p:02d}-{i:03d}" for i in range(stack_model.standby_size(per, 1, 5))],
             }
         )
     if move_one:
@@ -92,7 +92,7 @@ def _use_per_node_patches() -> None:
 
     from fleetheal import contracts
     from fleetheal.infra import nodepools, program
-    from fleetheal.infra.config import GpuPool
+    from fleetheal.infra.stack_model import GpuPool
 
     class PerNodePatches:
         name = "existing"

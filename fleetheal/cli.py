@@ -43,7 +43,7 @@ COMMANDS = (
 SUBCOMMANDS = {
     "fleetheal.ettr.cli": ("fleetheal.lab.measure",),  # `fleetheal ettr measure`: ETTR of a lab run
     # `fleetheal fleet sync-features` and `fleetheal fleet drift`
-    "fleetheal.fleet.status": ("fleetheal.fleet.placement:register_fleet", "fleetheal.infra.federation"),
+    "fleetheal.fleet.status": ("fleetheal.fleet.placement:register_fleet", "fleetheal.infra.cli:register_drift"),
 }
 
 

@@ -1,9 +1,13 @@
 """`fleetheal render --stack STACK [--stack STACK...] --out DIR`: each stack's objects as YAML for GitOps review.
-`fleetheal infra preview|up|destroy --stack STACK --backend DIR`: the stack under the real Pulumi engine."""
+`fleetheal infra preview|up|destroy --stack STACK --backend DIR`: the stack under the real Pulumi engine.
+`fleetheal fleet drift STACK_FILE_OR_DIR...`: where a federation's stacks differ (fleetheal.infra.drift).
+
+Registering the commands stays cheap: Pulumi, the program and the renderer are imported where they run."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -177,9 +181,9 @@ def run_engine(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetheal.infra import config, render
+    from fleetheal.infra import config, project, render
 
-    root = args.root if args.root is not None else config.REPO_ROOT
+    root = args.root if args.root is not None else project.REPO_ROOT
     if not (root / "Pulumi.yaml").exists():
         raise UsageError(f"--root {root}: no Pulumi.yaml there")
     stacks: list[str] = list(dict.fromkeys(args.stack))
@@ -215,3 +219,42 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleetheal render: {total} policy violation(s)")
         return 1 if total else 0
     return 0
+
+
+def register_drift(fleet_subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `drift` under `fleetheal fleet` (fleetheal.fleet.status's subparsers)."""
+    p = fleet_subparsers.add_parser(
+        "drift",
+        help="say where the federation's stacks differ in what every job needs",
+        description=(
+            "Render each stack of the federation (or read `fleetheal render` output) and say, per cluster, which "
+            "of the things a job needs to run anywhere is missing or differs: accounts and QOS (from the manager's "
+            "sacctmgr script), namespaces, secrets, the agent, the alert rules, the partitions and slurm.conf "
+            "settings; also clusters the manager declares that no stack renders, and workers outside the "
+            "federation. Exit 1 on drift."
+        ),
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        type=Path,
+        metavar="STACK_FILE_OR_DIR",
+        help="Pulumi.<stack>.yaml, a project directory (its federation stacks) or a `fleetheal render` output",
+    )
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=run_drift)
+
+
+def run_drift(args: argparse.Namespace) -> int:
+    from fleetheal.infra import config, drift, render
+
+    try:
+        report = drift.compare(render.load_inputs(args.inputs))
+    except config.ConfigError as exc:
+        print(f"fleetheal fleet drift: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.as_json(), indent=2, sort_keys=True))
+    else:
+        print(report.text())
+    return 1 if report.drift else 0

@@ -35,12 +35,12 @@ from typing import Any
 import yaml
 from pulumi import automation as auto
 
-from fleetheal.infra import config
+from fleetheal.infra import project
 
-PROGRAM = config.REPO_ROOT / "pulumi" / "__main__.py"
-POLICY_PACK = config.REPO_ROOT / "policies"
+PROGRAM = project.REPO_ROOT / "pulumi" / "__main__.py"
+POLICY_PACK = project.REPO_ROOT / "policies"
 #: Starts a Python policy pack (the `pulumi-analyzer-policy-python` plugin convention).
-ANALYZER_SHIM = config.REPO_ROOT / "tools" / "pulumi-analyzer-policy-python"
+ANALYZER_SHIM = project.REPO_ROOT / "tools" / "pulumi-analyzer-policy-python"
 #: What must be in the tools' bin directory (`make tools` builds both).
 BINARIES = ("pulumi", "pulumi-resource-kubernetes")
 _NO_CHANGE = ("same",)
@@ -92,18 +92,18 @@ def changes(counts: Mapping[Any, int] | None) -> int:
 
 
 def _project_file(target: Target) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((config.REPO_ROOT / "Pulumi.yaml").read_text(encoding="utf-8"))
-    doc["main"] = str((config.REPO_ROOT / doc.get("main", ".")).resolve())
+    doc: dict[str, Any] = yaml.safe_load((project.REPO_ROOT / "Pulumi.yaml").read_text(encoding="utf-8"))
+    doc["main"] = str((project.REPO_ROOT / doc.get("main", ".")).resolve())
     runtime = doc.get("runtime")
     options = runtime.get("options") if isinstance(runtime, dict) else None
     if isinstance(options, dict) and options.get("virtualenv"):
-        options["virtualenv"] = str((config.REPO_ROOT / options["virtualenv"]).resolve())
+        options["virtualenv"] = str((project.REPO_ROOT / options["virtualenv"]).resolve())
     doc["plugins"] = {"providers": [{"name": "kubernetes", "path": str(target.bin_dir.resolve())}]}
     return doc
 
 
 def _stack_file(target: Target) -> dict[str, Any]:
-    source = config.REPO_ROOT / f"Pulumi.{target.stack}.yaml"
+    source = project.REPO_ROOT / f"Pulumi.{target.stack}.yaml"
     doc: dict[str, Any] = {}
     if source.exists():
         doc = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
@@ -114,7 +114,7 @@ def _stack_file(target: Target) -> dict[str, Any]:
     if structured:
         doc["config"] = {
             **(doc.get("config") or {}),
-            **{f"{config.PROJECT}:{k}": json.loads(v) for k, v in structured.items()},
+            **{f"{project.PROJECT}:{k}": json.loads(v) for k, v in structured.items()},
         }
     copy = target.work_dir / source.name
     if copy.exists():
@@ -170,7 +170,7 @@ def open_stack(target: Target) -> auto.Stack:
         raise EngineError(f"the Automation API runs {command.command}, not {target.bin_dir / 'pulumi'}")
     stack = auto.create_or_select_stack(
         stack_name=target.stack,
-        project_name=config.PROJECT,
+        project_name=project.PROJECT,
         program=_program,
         opts=auto.LocalWorkspaceOptions(
             work_dir=str(work_dir),
@@ -179,8 +179,8 @@ def open_stack(target: Target) -> auto.Stack:
             pulumi_command=command,
         ),
     )
-    values = {f"{config.PROJECT}:{k}": auto.ConfigValue(v) for k, v in target.settings.items() if not _structured(v)}
-    values |= {f"{config.PROJECT}:{k}": auto.ConfigValue(v, secret=True) for k, v in target.secrets.items()}
+    values = {f"{project.PROJECT}:{k}": auto.ConfigValue(v) for k, v in target.settings.items() if not _structured(v)}
+    values |= {f"{project.PROJECT}:{k}": auto.ConfigValue(v, secret=True) for k, v in target.secrets.items()}
     if values:
         stack.set_all_config(values)
     return stack

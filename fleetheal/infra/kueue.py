@@ -14,7 +14,7 @@ import pulumi_kubernetes as k8s
 
 from fleetheal import contracts
 from fleetheal.infra import common
-from fleetheal.infra.config import GpuPool
+from fleetheal.infra.stack_model import GpuPool
 
 COMPONENT = "KueueQueues"
 API = "kueue.x-k8s.io/v1beta2"

@@ -11,17 +11,19 @@ import pulumi_kubernetes as k8s
 from pulumi.runtime import rpc
 
 from fleetheal import generate
-from fleetheal.infra import common, policy
+from fleetheal.infra import common
 from fleetheal.infra.accounting_db import AccountingDatabase
 from fleetheal.infra.agent import HealthAgent
 from fleetheal.infra.alerting import AlertRouting
-from fleetheal.infra.config import StackConfig
 from fleetheal.infra.dcgm import DcgmExporter
-from fleetheal.infra.federation import FLEET_CONFIGMAP, ManagerObjects, build_fleet_file, build_manager
+from fleetheal.infra.federation import FederationManager
+from fleetheal.infra.fleet_file import FLEET_CONFIGMAP, FLEET_FILE_KEY, fleet_file_text
 from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
+from fleetheal.infra.policy import shared
 from fleetheal.infra.remediator import Remediator, RemediatorArgs, RemediatorStore
 from fleetheal.infra.slinky import SlinkyCluster
+from fleetheal.infra.stack_model import StackConfig
 from fleetheal.infra.storage import SharedStorage
 
 OPERATOR_NAMESPACE = "slinky"
@@ -44,8 +46,10 @@ class Fleet:
     dcgm: DcgmExporter | None
     kueue: KueueQueues | None
     accounting_db: AccountingDatabase | None
-    #: The federation's sacctmgr Job and fleet file (a federation manager's stack only).
-    federation: ManagerObjects | None = None
+    #: The federation's sacctmgr script and Job (a federation manager's stack only).
+    federation: FederationManager | None = None
+    #: The ConfigMap with the fleet file (a federation member's stack only).
+    fleet_file: k8s.core.v1.ConfigMap | None = None
 
 
 def _secret(name: str, ns: str, key: str, value: Any, parent_opts: pulumi.ResourceOptions) -> k8s.core.v1.Secret:
@@ -54,6 +58,21 @@ def _secret(name: str, ns: str, key: str, value: Any, parent_opts: pulumi.Resour
         metadata={"name": name, "namespace": ns, "labels": common.labels("secret", name)},
         string_data={key: pulumi.Output.secret(value)},
         opts=parent_opts,
+    )
+
+
+def fleet_file_config_map(cfg: StackConfig, opts: pulumi.ResourceOptions) -> k8s.core.v1.ConfigMap:
+    """The ConfigMap `fleetheal-fleet` (key fleet.yaml) of a federation member: the fleet file every member
+    renders alike (a worker from its manager's stack), which its remediator's failover reads."""
+    return k8s.core.v1.ConfigMap(
+        "federation-fleet-file",
+        metadata={
+            "name": FLEET_CONFIGMAP,
+            "namespace": cfg.system_namespace,
+            "labels": common.labels("fleet", FLEET_CONFIGMAP, {shared.LABEL_FEDERATION_ROLE: cfg.federation.role}),
+        },
+        data={FLEET_FILE_KEY: fleet_file_text(cfg.federation.fleet_file)},
+        opts=opts,
     )
 
 
@@ -112,7 +131,7 @@ def skip_await(args: pulumi.ResourceTransformArgs) -> pulumi.ResourceTransformRe
 def build(cfg: StackConfig) -> Fleet:
     if not cfg.await_readiness:
         pulumi.runtime.register_resource_transform(skip_await)
-    environment = {policy.LABEL_ENVIRONMENT: cfg.environment}
+    environment = {shared.LABEL_ENVIRONMENT: cfg.environment}
     ns_slurm = k8s.core.v1.Namespace(
         "ns-slurm",
         metadata={"name": cfg.slurm_namespace, "labels": common.labels("namespace", cfg.slurm_namespace, environment)},
@@ -196,11 +215,23 @@ def build(cfg: StackConfig) -> Fleet:
         },
         opts=pulumi.ResourceOptions(depends_on=[ns_slurm, storage]),
     )
-    manager = None
+    manager = fleet_file = None
     if cfg.federation.role == "manager":
-        manager = build_manager(cfg, [ns_slurm, ns_system, slinky])
+        after_slurm = pulumi.ResourceOptions(depends_on=[ns_slurm, ns_system, slinky])
+        manager = FederationManager(
+            "federation",
+            {
+                "spec": cfg.federation,
+                "cluster_name": cfg.cluster_name,
+                "namespace": cfg.slurm_namespace,
+                "image": cfg.image("login"),
+                "slurm_key_secret": cfg.slurm_key_secret,
+            },
+            opts=after_slurm,
+        )
+        fleet_file = fleet_file_config_map(cfg, after_slurm)
     elif cfg.federation.fleet_file:  # a worker: its manager's fleet file, for its remediator's failover
-        build_fleet_file(cfg, in_system)
+        fleet_file = fleet_file_config_map(cfg, in_system)
     agent = HealthAgent(
         "agent",
         {
@@ -268,4 +299,4 @@ def build(cfg: StackConfig) -> Fleet:
                 "lending_limit_percent": cfg.kueue_lending_limit_percent,
             },
         )
-    return Fleet(slinky, storage, pools, agent, alerting, remediator, dcgm, kueue, accounting_db, manager)
+    return Fleet(slinky, storage, pools, agent, alerting, remediator, dcgm, kueue, accounting_db, manager, fleet_file)

@@ -2,20 +2,22 @@
 
 The program runs under Pulumi's mock engine (no CLI, no cluster), so the output is exactly what
 `pulumi up` would ask for. Files are deterministic (sorted keys, stable names, block-style scripts)
-so a pull request shows a readable diff. Secret values never reach the files.
+so a pull request shows a readable diff. Secret values never reach the files. `load_inputs` reads a
+stack's objects back (rendering it now, or from a previous render) for `fleetheal fleet drift`.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fleetheal.infra import config, mocks
+from fleetheal.errors import UsageError
+from fleetheal.infra import config, mocks, project
 
 MARKER = ".fleetheal-render"
 REDACTED = "<redacted>"
@@ -99,16 +101,16 @@ def records_to_files(records: Iterable[mocks.Recorded], header: str) -> dict[str
     return dict(sorted(files.items()))
 
 
-def record_stack(stack: str, root: Path = config.REPO_ROOT) -> list[mocks.Recorded]:
+def record_stack(stack: str, root: Path = project.REPO_ROOT) -> list[mocks.Recorded]:
     """Every resource registration of `stack` (Pulumi.yaml + Pulumi.<stack>.yaml) under the mock engine."""
     from fleetheal.infra import program
 
-    cfg = config.from_values(config.stack_values(stack, root), root / "Pulumi.yaml")
+    cfg = config.from_values(project.stack_values(stack, root), root / "Pulumi.yaml")
     return mocks.run(lambda: program.build(cfg), stack=stack)
 
 
 def render_stack(
-    stack: str, root: Path = config.REPO_ROOT, records: list[mocks.Recorded] | None = None
+    stack: str, root: Path = project.REPO_ROOT, records: list[mocks.Recorded] | None = None
 ) -> dict[str, str]:
     """Relative path -> YAML text for every object of `stack`."""
     if records is None:
@@ -144,3 +146,50 @@ def write_stacks(stacks: dict[str, dict[str, str]], out: Path) -> None:
             path = where / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading stacks back: stack files, project directories, rendered directories
+
+
+def _render_objects(stack: str, root: Path) -> list[dict[str, Any]]:
+    records = record_stack(stack, root)
+    return [r.inputs for r in records if r.custom and r.is_kubernetes_object and r.type != mocks.HELM_RELEASE]
+
+
+def _rendered_dir_objects(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted(path.rglob("*.yaml")):
+        if f.relative_to(path).parts[0] in ("_helm", "_cloud"):
+            continue
+        for doc in yaml.safe_load_all(f.read_text(encoding="utf-8")):
+            if isinstance(doc, dict) and "kind" in doc:
+                out.append(doc)
+    return out
+
+
+def load_inputs(paths: Sequence[Path]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(source name, objects) of each stack the paths name. A path is a stack file (`Pulumi.<stack>.yaml`,
+    rendered now), a project directory (each of its stacks whose federation role is not `none`), or the
+    output of `fleetheal render` (one stack, or one per sub-directory)."""
+    out: list[tuple[str, list[dict[str, Any]]]] = []
+    for path in paths:
+        if path.is_file():
+            m = re.fullmatch(r"Pulumi\.(.+)\.yaml", path.name)
+            if not m or not (path.parent / "Pulumi.yaml").is_file():
+                raise UsageError(f"{path}: not a stack file (Pulumi.<stack>.yaml beside a Pulumi.yaml)")
+            out.append((m.group(1), _render_objects(m.group(1), path.parent)))
+        elif (path / MARKER).is_file():
+            subs = sorted(d for d in path.iterdir() if (d / MARKER).is_file())
+            for d in subs or [path]:
+                out.append((str(d), _rendered_dir_objects(d)))
+        elif (path / "Pulumi.yaml").is_file():
+            for stack in project.list_stacks(path):
+                raw = project.stack_values(stack, path).get("federation") or {}
+                if isinstance(raw, dict) and raw.get("role", "none") != "none":
+                    out.append((stack, _render_objects(stack, path)))
+        elif path.is_dir():
+            raise UsageError(f"{path}: neither a Pulumi project (no Pulumi.yaml) nor a render (no {MARKER})")
+        else:
+            raise UsageError(f"{path}: no such file or directory")
+    return out

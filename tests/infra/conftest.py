@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fleetheal.infra import config, mocks
+from fleetheal.infra import config, mocks, project, stack_model
 from tests.k8s_schemas import SchemaSet
 
 
@@ -18,11 +18,11 @@ def k8s_schemas() -> SchemaSet:
 
 @pytest.fixture(scope="session")
 def dev_values() -> dict[str, Any]:
-    return config.stack_values("dev")
+    return project.stack_values("dev")
 
 
 @pytest.fixture
-def dev_config(dev_values: dict[str, Any]) -> config.StackConfig:
+def dev_config(dev_values: dict[str, Any]) -> stack_model.StackConfig:
     return config.from_values(dev_values)
 
 

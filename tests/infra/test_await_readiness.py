@@ -12,11 +12,11 @@ import pulumi
 import pytest
 from pulumi.runtime import rpc
 
-from fleetheal.infra import config, program
+from fleetheal.infra import config, program, project
 
 
 def _values(**over: Any) -> dict[str, Any]:
-    return {**config.stack_values("dev"), **over}
+    return {**project.stack_values("dev"), **over}
 
 
 def _transform(type_: str, props: dict[str, Any], custom: bool = True) -> pulumi.ResourceTransformResult | None:
@@ -27,7 +27,7 @@ def _transform(type_: str, props: dict[str, Any], custom: bool = True) -> pulumi
 
 
 def test_await_readiness_defaults_to_true_and_takes_booleans() -> None:
-    assert config.declarations()["awaitReadiness"].default is True
+    assert project.declarations()["awaitReadiness"].default is True
     assert config.from_values(_values()).await_readiness is True
     assert config.from_values(_values(awaitReadiness="false")).await_readiness is False
     assert config.from_values(_values(awaitReadiness=False)).await_readiness is False

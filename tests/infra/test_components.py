@@ -14,12 +14,12 @@ from fleetheal.infra.accounting_db import AccountingDatabase
 from fleetheal.infra.agent import HealthAgent
 from fleetheal.infra.alerting import AlertRouting
 from fleetheal.infra.common import ComponentArgError
-from fleetheal.infra.config import GpuPool
 from fleetheal.infra.dcgm import DcgmExporter
 from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import EksNodeGroupProvider, ExistingNodesProvider, GpuNodePools
 from fleetheal.infra.remediator import Remediator
 from fleetheal.infra.slinky import SlinkyCluster
+from fleetheal.infra.stack_model import GpuPool
 from fleetheal.infra.storage import SharedStorage
 from tests.infra.graph import assert_all_valid, by_kind
 from tests.k8s_schemas import SchemaSet

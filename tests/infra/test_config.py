@@ -11,7 +11,7 @@ import pulumi
 import pytest
 import yaml
 
-from fleetheal.infra import config, mocks
+from fleetheal.infra import config, config_docs, mocks, project, stack_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,18 +47,18 @@ def test_every_key_is_declared_once_with_type_default_and_description() -> None:
             assert "items" in spec, key
         # Secrets have no default by design; every other key has one.
         assert spec.get("secret") or "default" in spec, key
-    decl = config.declarations()
+    decl = project.declarations()
     assert set(decl) == set(doc["config"]) - set(provider)
 
 
 def test_defaults_match_their_declared_types() -> None:
-    for decl in config.declarations().values():
+    for decl in project.declarations().values():
         if decl.has_default:
             assert config._coerce(decl, decl.default) == decl.default
 
 
 def test_dev_stack_only_overrides_declared_keys(dev_values: dict[str, Any]) -> None:
-    assert set(dev_values) <= set(config.declarations())
+    assert set(dev_values) <= set(project.declarations())
     cfg = config.from_values(dev_values)
     assert cfg.cluster_name == "lab"
     assert [p.name for p in cfg.gpu_pools] == ["h100", "a100"]
@@ -159,10 +159,10 @@ def test_bad_config_names_the_key_and_accepted_values(values: dict[str, Any], me
 
 
 def test_standby_size_is_the_larger_of_floor_and_share_and_at_least_one() -> None:
-    assert config.standby_size(100, 1, 5) == 5
-    assert config.standby_size(10, 3, 5) == 3
-    assert config.standby_size(10, 1, 0) == 1
-    assert config.standby_size(41, 1, 5) == 3
+    assert stack_model.standby_size(100, 1, 5) == 5
+    assert stack_model.standby_size(10, 3, 5) == 3
+    assert stack_model.standby_size(10, 1, 0) == 1
+    assert stack_model.standby_size(41, 1, 5) == 3
 
 
 def test_eks_pools_get_their_standby_size_from_config() -> None:
@@ -217,9 +217,9 @@ def test_pulumi_main_reads_the_engine_config_and_builds_the_stack(dev_values: di
 
 def test_config_reference_doc_is_current() -> None:
     doc = REPO / "docs" / "pulumi-config.md"
-    assert doc.read_text() == config.reference_markdown(), (
-        "docs/pulumi-config.md is stale: run .venv/bin/python -c 'from fleetheal.infra import config; "
-        'open("docs/pulumi-config.md", "w").write(config.reference_markdown())\''
+    assert doc.read_text() == config_docs.reference_markdown(), (
+        "docs/pulumi-config.md is stale: run .venv/bin/python -c 'from fleetheal.infra import config_docs; "
+        'open("docs/pulumi-config.md", "w").write(config_docs.reference_markdown())\''
     )
 
 
@@ -254,4 +254,4 @@ def test_a_replicated_remediator_on_postgres() -> None:
     assert (cfg.environment, cfg.remediator_replicas, cfg.remediator_store) == ("production", 3, "postgres-in-cluster")
     assert cfg.remediator_store_secret == "fleetheal-remediator-store"
     assert cfg.secret("remediatorDbPassword") == "pw"
-    assert config.declarations()["remediatorDbPassword"].secret
+    assert project.declarations()["remediatorDbPassword"].secret

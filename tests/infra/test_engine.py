@@ -25,7 +25,7 @@ import yaml
 from pulumi import automation as auto
 
 from fleetheal import contracts, steps
-from fleetheal.infra import config, engine
+from fleetheal.infra import config, engine, project
 from fleetheal.infra.remediator import NAME as REMEDIATOR
 from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import KubeControlPlane
@@ -36,12 +36,12 @@ from tests.remediator.test_membership import in_thread
 pytestmark = [pytest.mark.kube, pytest.mark.pulumi]
 
 STACK = "dev"
-DEV = config.from_values(config.stack_values(STACK))
+DEV = config.from_values(project.stack_values(STACK))
 NODES = [n for p in DEV.gpu_pools for n in (*p.node_names, *p.standby_node_names)]
 SLINKY = ("slinky.slurm.net", "v1beta1")
 MONITORING = ("monitoring.coreos.com", "v1")
 PROVIDER_MODULE = "github.com/pulumi/pulumi-kubernetes/provider/v4"
-PROVIDER_GO_MOD = config.REPO_ROOT / "tools" / "pulumi-resource-kubernetes" / "go.mod"
+PROVIDER_GO_MOD = project.REPO_ROOT / "tools" / "pulumi-resource-kubernetes" / "go.mod"
 durations: dict[str, float] = {}
 
 
@@ -108,7 +108,7 @@ def _fleet_labels(api: Any, name: str) -> tuple[dict[str, str], list[tuple[str, 
 
 def _pools(change: Callable[[dict[str, list[str]]], None]) -> dict[str, str]:
     """The stack's settings with the example stack's gpuPools changed by `change` (pool -> node names)."""
-    pools = [dict(p) for p in config.stack_values(STACK)["gpuPools"]]
+    pools = [dict(p) for p in project.stack_values(STACK)["gpuPools"]]
     names = {p["name"]: list(p["nodeNames"]) for p in pools}
     change(names)
     for p in pools:

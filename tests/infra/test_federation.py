@@ -26,8 +26,21 @@ from kubernetes import client as k8s_client
 
 from fleetheal import cli
 from fleetheal.fleet import config as fleet_config
-from fleetheal.infra import config, engine, federation, mocks, policy, program, render
-from fleetheal.infra.federation import Finding
+from fleetheal.infra import cli as infra_cli
+from fleetheal.infra import (
+    config,
+    drift,
+    engine,
+    federation,
+    fleet_file,
+    mocks,
+    policy,
+    program,
+    project,
+    render,
+    stack_model,
+)
+from fleetheal.infra.drift import Finding
 from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.federation import Federation
@@ -46,7 +59,7 @@ def _records(values: dict[str, Any]) -> list[mocks.Recorded]:
 
 @pytest.fixture(scope="module")
 def stack_records() -> dict[str, list[mocks.Recorded]]:
-    return {s: _records(config.stack_values(s)) for s in STACKS}
+    return {s: _records(project.stack_values(s)) for s in STACKS}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +82,7 @@ def _one(records: list[mocks.Recorded], kind: str, name: str | None = None) -> d
 
 
 def _manager_values(**federation_over: Any) -> dict[str, Any]:
-    values = copy.deepcopy(config.stack_values("fleet-manager"))
+    values = copy.deepcopy(project.stack_values("fleet-manager"))
     values["federation"].update(federation_over)
     return values
 
@@ -121,7 +134,7 @@ def test_manager_runs_slurmdbd_for_the_federation_and_applies_it_with_a_job(
 
 
 def test_the_job_is_named_after_what_it_applies() -> None:
-    first = config.from_values(config.stack_values("fleet-manager"))
+    first = config.from_values(project.stack_values("fleet-manager"))
     changed = config.from_values(_manager_values(qos=[{"name": "large", "priority": 5}, {"name": "small"}]))
     names = []
     for cfg in (first, first, changed):
@@ -134,10 +147,10 @@ def test_the_job_is_named_after_what_it_applies() -> None:
 def test_manager_renders_the_fleet_file_that_fleet_config_reads(
     stack_records: dict[str, list[mocks.Recorded]], tmp_path: Path
 ) -> None:
-    cm = _one(stack_records["fleet-manager"], "ConfigMap", federation.FLEET_CONFIGMAP)
+    cm = _one(stack_records["fleet-manager"], "ConfigMap", fleet_file.FLEET_CONFIGMAP)
     assert cm["metadata"]["namespace"] == "fleetheal-system"
     path = tmp_path / "fleet.yaml"
-    path.write_text(cm["data"][federation.FLEET_FILE_KEY])
+    path.write_text(cm["data"][fleet_file.FLEET_FILE_KEY])
     fleet = fleet_config.load(path, env={})
     assert fleet.federation == "fleet"
     assert {n: (c.gpu_type, c.gpus_per_node, c.checkpoint_stores) for n, c in fleet.clusters.items()} == {
@@ -157,7 +170,7 @@ def test_placement_and_queue_settings_pass_through_to_the_fleet_file() -> None:
             queues={"large_qos": "large", "small_qos": "small", "small_guaranteed_gpus": 16},
         )
     )
-    fleet = yaml.safe_load(federation.fleet_file_text(cfg.federation))
+    fleet = yaml.safe_load(fleet_file.fleet_file_text(cfg.federation.fleet_file))
     assert fleet["placement"] == {"small_job_max_gpus": 4, "data_feature_prefix": "ds-"}
     assert fleet["queues"]["small_guaranteed_gpus"] == 16
     # the data features the Job sets follow the placement section's prefix
@@ -184,8 +197,8 @@ def test_worker_controller_points_at_the_managers_slurmdbd(
     names = {o["metadata"]["name"] for o in by_kind(records, "ConfigMap")}
     assert federation.SCRIPT_CONFIGMAP not in names
     # the manager's fleet file, read from the manager's stack file (managerStack), not a copy
-    fleet_cm = _one(records, "ConfigMap", federation.FLEET_CONFIGMAP)
-    manager_cm = _one(stack_records["fleet-manager"], "ConfigMap", federation.FLEET_CONFIGMAP)
+    fleet_cm = _one(records, "ConfigMap", fleet_file.FLEET_CONFIGMAP)
+    manager_cm = _one(stack_records["fleet-manager"], "ConfigMap", fleet_file.FLEET_CONFIGMAP)
     assert fleet_cm["data"] == manager_cm["data"]
     # and its remediator fails over by it, as this cluster of the federation
     rem_cfg = yaml.safe_load(_one(records, "ConfigMap", "fleetheal-remediator")["data"]["remediator.yaml"])
@@ -195,7 +208,7 @@ def test_worker_controller_points_at_the_managers_slurmdbd(
         "slurm_cluster": cluster,
     }
     pod = _one(records, "Deployment", "fleetheal-remediator")["spec"]["template"]["spec"]
-    assert {"name": "fleet", "configMap": {"name": federation.FLEET_CONFIGMAP}} in pod["volumes"]
+    assert {"name": "fleet", "configMap": {"name": fleet_file.FLEET_CONFIGMAP}} in pod["volumes"]
     assert {"name": "fleet", "mountPath": "/etc/fleetheal/fleet", "readOnly": True} in pod["containers"][0][
         "volumeMounts"
     ]
@@ -209,7 +222,7 @@ def test_the_failover_config_the_stacks_render_is_one_the_remediator_accepts(
     for stack in STACKS:
         records = stack_records[stack]
         fleet = tmp_path / f"{stack}-fleet.yaml"
-        fleet.write_text(_one(records, "ConfigMap", federation.FLEET_CONFIGMAP)["data"][federation.FLEET_FILE_KEY])
+        fleet.write_text(_one(records, "ConfigMap", fleet_file.FLEET_CONFIGMAP)["data"][fleet_file.FLEET_FILE_KEY])
         doc = yaml.safe_load(_one(records, "ConfigMap", "fleetheal-remediator")["data"]["remediator.yaml"])
         doc["failover"]["fleet_file"] = str(fleet)  # the mount, here
         cfg = rcfg.from_mapping(doc, env={"FLEETHEAL_REMEDIATOR_TOKEN": "t" * 20})
@@ -219,7 +232,7 @@ def test_the_failover_config_the_stacks_render_is_one_the_remediator_accepts(
 def test_every_cluster_renders_what_a_job_needs(stack_records: dict[str, list[mocks.Recorded]]) -> None:
     needs = {}
     for stack in STACKS:
-        member, _ = federation.read_stack(stack, _objects(stack_records[stack]))
+        member, _ = drift.read_stack(stack, _objects(stack_records[stack]))
         assert member is not None
         needs[member.cluster] = member.needs
     for cluster, mine in needs.items():
@@ -238,7 +251,7 @@ def test_every_cluster_renders_what_a_job_needs(stack_records: dict[str, list[mo
 
 def _drift(paths: list[Path], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
     parser = argparse.ArgumentParser(prog="fleetheal fleet")
-    federation.register(parser.add_subparsers())
+    infra_cli.register_drift(parser.add_subparsers())
     args = parser.parse_args(["drift", "--json", *map(str, paths)])
     code = args.func(args)
     return code, json.loads(capsys.readouterr().out)
@@ -303,12 +316,12 @@ def test_drift_finds_a_worker_whose_fleet_file_differs(
     rendered: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = _copy_render(rendered, tmp_path)
-    path = out / "fleet-a" / "fleetheal-system" / f"ConfigMap-{federation.FLEET_CONFIGMAP}.yaml"
+    path = out / "fleet-a" / "fleetheal-system" / f"ConfigMap-{fleet_file.FLEET_CONFIGMAP}.yaml"
     header, body = path.read_text().split("---\n", 1)
     doc = yaml.safe_load(body)
-    fleet = yaml.safe_load(doc["data"][federation.FLEET_FILE_KEY])
+    fleet = yaml.safe_load(doc["data"][fleet_file.FLEET_FILE_KEY])
     fleet["datasets"]["c4"]["clusters"] = ["a", "b"]  # an older or hand-edited copy on a
-    doc["data"][federation.FLEET_FILE_KEY] = yaml.safe_dump(fleet)
+    doc["data"][fleet_file.FLEET_FILE_KEY] = yaml.safe_dump(fleet)
     path.write_text(header + "---\n" + yaml.safe_dump(doc))
     code, report = _drift([out], capsys)
     assert code == 1
@@ -316,7 +329,7 @@ def test_drift_finds_a_worker_whose_fleet_file_differs(
     assert (finding["cluster"], finding["category"], finding["item"]) == (
         "a",
         "fleet file",
-        federation.FLEET_FILE_KEY,
+        fleet_file.FLEET_FILE_KEY,
     )
     assert finding["problem"].startswith("differs from core, b: ")
 
@@ -389,13 +402,13 @@ def test_drift_reports_a_gpu_type_the_pools_do_not_have(tmp_path: Path, capsys: 
 
 def test_drift_needs_exactly_one_manager(rendered: Path) -> None:
     with pytest.raises(cli.UsageError, match="exactly one manager stack"):
-        federation.compare(federation.load_inputs([rendered / "fleet-a", rendered / "fleet-b"]))
+        drift.compare(render.load_inputs([rendered / "fleet-a", rendered / "fleet-b"]))
     with pytest.raises(cli.UsageError, match="neither a Pulumi project"):
-        federation.load_inputs([rendered / "fleet-a" / "slurm"])
+        render.load_inputs([rendered / "fleet-a" / "slurm"])
 
 
 def test_drift_report_text_names_each_cluster() -> None:
-    report = federation.Report(
+    report = drift.Report(
         "fleet", "m", {"core": "m", "b": "w"}, [Finding("b", "qos", "large", "missing (granted on core)")]
     )
     assert report.text().splitlines() == [
@@ -411,7 +424,7 @@ def test_drift_report_text_names_each_cluster() -> None:
 
 
 def _worker(**fed: Any) -> dict[str, Any]:
-    values = copy.deepcopy(config.stack_values("fleet-a"))
+    values = copy.deepcopy(project.stack_values("fleet-a"))
     values["federation"] = fed
     return values
 
@@ -500,7 +513,7 @@ def _worker(**fed: Any) -> dict[str, Any]:
         (
             _worker(role="worker", manager="dbd", managerStack="nope"),
             "fleetheal:federation.managerStack: stack 'nope' cannot be read: stack 'nope': "
-            f"{REPO}/Pulumi.nope.yaml does not exist; stacks here: {', '.join(config.list_stacks(REPO))}",
+            f"{REPO}/Pulumi.nope.yaml does not exist; stacks here: {', '.join(project.list_stacks(REPO))}",
         ),
         (
             _worker(role="worker", manager="dbd", managerStack="fleet-a"),
@@ -530,13 +543,13 @@ def test_bad_federation_config_names_the_key(values: dict[str, Any], message: st
 def test_a_worker_outside_the_declared_federation_has_no_fleet_file_and_no_failover(values: dict[str, Any]) -> None:
     records = _records(values)
     names = {o["metadata"]["name"] for o in by_kind(records, "ConfigMap")}
-    assert federation.FLEET_CONFIGMAP not in names
+    assert fleet_file.FLEET_CONFIGMAP not in names
     rem_cfg = yaml.safe_load(_one(records, "ConfigMap", "fleetheal-remediator")["data"]["remediator.yaml"])
     assert "failover" not in rem_cfg
 
 
-def test_a_stand_alone_stack_is_unchanged(dev_config: config.StackConfig) -> None:
-    assert dev_config.federation == config.FederationSpec()
+def test_a_stand_alone_stack_is_unchanged(dev_config: stack_model.StackConfig) -> None:
+    assert dev_config.federation == stack_model.FederationSpec()
     records = mocks.run(lambda: program.build(dev_config))
     controller = _one(records, "Controller")
     assert policy.LABEL_FEDERATION_ROLE not in controller["metadata"]["labels"]
@@ -639,7 +652,7 @@ def test_manager_stack_previews_with_the_pack_and_deploys(tmp_path: Path, shared
         assert job.metadata.name.startswith(federation.JOB_PREFIX)
         script = core.read_namespaced_config_map(federation.SCRIPT_CONFIGMAP, "slurm").data["apply.sh"]
         assert ("federation", "fleet", "core", "a", "b") in policy.federation_statements(script)
-        fleet_text = core.read_namespaced_config_map(federation.FLEET_CONFIGMAP, "fleetheal-system").data["fleet.yaml"]
+        fleet_text = core.read_namespaced_config_map(fleet_file.FLEET_CONFIGMAP, "fleetheal-system").data["fleet.yaml"]
         assert yaml.safe_load(fleet_text)["clusters"]["b"]["gpu_type"] == "a100"
         # A worker's Accounting (external) and Controller, as its stack renders them, pass the API server's
         # own validation of the Slinky CRDs (their CEL rules too), server-side and not persisted.

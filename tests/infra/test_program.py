@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from fleetheal import contracts, generate
-from fleetheal.infra import config, mocks, policy, program
+from fleetheal.infra import config, mocks, program, stack_model
+from fleetheal.infra.policy import shared
 from fleetheal.infra.slinky import CRD_FILES, crd_documents
 from tests.infra.graph import assert_all_valid, by_kind, objects
 from tests.k8s_schemas import SCHEMAS, SchemaSet
@@ -19,12 +20,12 @@ from tests.k8s_schemas import SCHEMAS, SchemaSet
 Runner = Callable[[Callable[[], Any]], list[mocks.Recorded]]
 
 
-def _build(run_mocked: Runner, cfg: config.StackConfig) -> list[mocks.Recorded]:
+def _build(run_mocked: Runner, cfg: stack_model.StackConfig) -> list[mocks.Recorded]:
     return run_mocked(lambda: program.build(cfg))
 
 
 def test_example_stack_objects_all_validate(
-    run_mocked: Runner, dev_config: config.StackConfig, k8s_schemas: SchemaSet
+    run_mocked: Runner, dev_config: stack_model.StackConfig, k8s_schemas: SchemaSet
 ) -> None:
     records = _build(run_mocked, dev_config)
     checked = assert_all_valid(k8s_schemas, records)
@@ -59,7 +60,9 @@ def test_example_stack_objects_all_validate(
     assert checked == sum(kinds.values()) == 65
 
 
-def test_object_names_are_unique_per_kind_and_namespace(run_mocked: Runner, dev_config: config.StackConfig) -> None:
+def test_object_names_are_unique_per_kind_and_namespace(
+    run_mocked: Runner, dev_config: stack_model.StackConfig
+) -> None:
     keys = [
         (o["apiVersion"], o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
         for o in objects(_build(run_mocked, dev_config))
@@ -67,7 +70,9 @@ def test_object_names_are_unique_per_kind_and_namespace(run_mocked: Runner, dev_
     assert len(keys) == len(set(keys))
 
 
-def test_nodesets_follow_pool_labels_and_skip_standby_nodes(run_mocked: Runner, dev_config: config.StackConfig) -> None:
+def test_nodesets_follow_pool_labels_and_skip_standby_nodes(
+    run_mocked: Runner, dev_config: stack_model.StackConfig
+) -> None:
     records = _build(run_mocked, dev_config)
     nodesets = {o["metadata"]["name"]: o["spec"] for o in by_kind(records, "NodeSet")}
     h100 = nodesets["lab-h100"]
@@ -93,7 +98,7 @@ def test_nodesets_follow_pool_labels_and_skip_standby_nodes(run_mocked: Runner, 
 
 
 def test_controller_turns_requeue_on_and_wires_the_agent_hooks(
-    run_mocked: Runner, dev_config: config.StackConfig
+    run_mocked: Runner, dev_config: stack_model.StackConfig
 ) -> None:
     records = _build(run_mocked, dev_config)
     (ctl,) = by_kind(records, "Controller")
@@ -111,7 +116,7 @@ def test_controller_turns_requeue_on_and_wires_the_agent_hooks(
     )
 
 
-def test_prometheus_rule_is_the_taxonomy(run_mocked: Runner, dev_config: config.StackConfig) -> None:
+def test_prometheus_rule_is_the_taxonomy(run_mocked: Runner, dev_config: stack_model.StackConfig) -> None:
     (rule,) = by_kind(_build(run_mocked, dev_config), "PrometheusRule")
     assert rule["spec"]["groups"] == generate.alert_rule_groups()
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
@@ -119,7 +124,7 @@ def test_prometheus_rule_is_the_taxonomy(run_mocked: Runner, dev_config: config.
 
 
 def test_alertmanager_routes_to_the_remediator_with_the_secret_token(
-    run_mocked: Runner, dev_config: config.StackConfig
+    run_mocked: Runner, dev_config: stack_model.StackConfig
 ) -> None:
     records = _build(run_mocked, dev_config)
     (amc,) = by_kind(records, "AlertmanagerConfig")
@@ -166,7 +171,7 @@ def test_secrets_from_config_become_secrets(run_mocked: Runner, dev_values: dict
 
 
 def test_kueue_quotas_cohort_and_limits(
-    run_mocked: Runner, dev_config: config.StackConfig, k8s_schemas: SchemaSet
+    run_mocked: Runner, dev_config: stack_model.StackConfig, k8s_schemas: SchemaSet
 ) -> None:
     records = _build(run_mocked, dev_config)
     cqs = {o["metadata"]["name"]: o["spec"] for o in by_kind(records, "ClusterQueue")}
@@ -281,7 +286,7 @@ def test_vendored_crds_equal_the_released_ones() -> None:
 
 
 def test_prometheus_rule_groups_pass_promtool(
-    run_mocked: Runner, dev_config: config.StackConfig, tmp_path: Path
+    run_mocked: Runner, dev_config: stack_model.StackConfig, tmp_path: Path
 ) -> None:
     import shutil
     import subprocess
@@ -302,8 +307,8 @@ def test_prometheus_rule_groups_pass_promtool(
 def test_namespaces_carry_the_stack_environment(run_mocked: Runner, dev_values: dict[str, Any]) -> None:
     records = _build(run_mocked, config.from_values({**dev_values, "environment": "production"}))
     labels = {o["metadata"]["name"]: o["metadata"]["labels"] for o in by_kind(records, "Namespace")}
-    assert labels["fleetheal-system"][policy.LABEL_ENVIRONMENT] == "production"
-    assert labels["slurm"][policy.LABEL_ENVIRONMENT] == "production"
+    assert labels["fleetheal-system"][shared.LABEL_ENVIRONMENT] == "production"
+    assert labels["slurm"][shared.LABEL_ENVIRONMENT] == "production"
 
 
 def test_a_highly_available_remediator_on_the_in_cluster_postgres(

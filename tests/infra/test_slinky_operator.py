@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from fleetheal import contracts, steps
-from fleetheal.infra import config, mocks, program
+from fleetheal.infra import config, mocks, program, project, stack_model
 from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, default_crds, tools_built
 from fleetheal.lab.kubepki import write_kubeconfig
 from fleetheal.lab.slinky import (
@@ -79,7 +79,7 @@ SETTLE_S = 8.0
 class Lab:
     kube: KubeControlPlane
     slurm: SlurmCluster
-    cfg: config.StackConfig
+    cfg: stack_model.StackConfig
     operator: SlurmOperator
     settings: steps.Settings
 
@@ -115,8 +115,8 @@ def _create(kube: KubeControlPlane, obj: dict[str, Any]) -> None:
             raise AssertionError(f"{obj['kind']} {obj['metadata'].get('name')}: {e}") from e
 
 
-def _stack() -> tuple[config.StackConfig, list[dict[str, Any]]]:
-    values = config.stack_values("dev")
+def _stack() -> tuple[stack_model.StackConfig, list[dict[str, Any]]]:
+    values = project.stack_values("dev")
     values["gpuPools"] = [
         {"name": POOL, "gpuType": "h100", "gpusPerNode": 8, "nodeNames": ACTIVE, "standbyNodeNames": STANDBY}
     ]

@@ -14,8 +14,8 @@ import pytest
 
 from fleetheal import contracts, steps
 from fleetheal.infra import common
-from fleetheal.infra.config import GpuPool
 from fleetheal.infra.nodepools import membership_data
+from fleetheal.infra.stack_model import GpuPool
 from fleetheal.remediator.leader import api_client
 from fleetheal.remediator.membership import MembershipController, desired_members
 
