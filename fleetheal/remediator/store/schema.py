@@ -21,6 +21,7 @@ class Tx(Protocol):
 
     def all(self, sql: str, args: Sequence[Any] = ...) -> list[dict[str, Any]]: ...
 
+
 #: The tables as the remediator made them before versioning (version 0 is this, or this without
 #: incidents.parent_id when the database is older than node lifecycles). Frozen: later changes are steps.
 SCHEMA_V1 = """
