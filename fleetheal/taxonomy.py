@@ -60,10 +60,6 @@ class Action:
     follows: tuple[str, ...] = ()
     lifecycle: Lifecycle = Lifecycle()
 
-    @property
-    def is_follow_up(self) -> bool:
-        return bool(self.follows)
-
 
 @dataclass(frozen=True, slots=True)
 class Fault:
@@ -247,9 +243,6 @@ class Taxonomy:
     def requeuing_actions(self) -> tuple[str, ...]:
         """Actions whose playbook requeues the Slurm job (`requeues_job: true`)."""
         return tuple(a.name for a in self.actions.values() if a.requeues_job)
-
-    def destructive_actions(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.actions.values() if a.destructive)
 
     def followups(self) -> dict[str, tuple[str, ...]]:
         """Follow-up action -> the actions it follows (only actions with a non-empty `follows`)."""

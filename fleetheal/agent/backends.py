@@ -49,8 +49,6 @@ COUNTERS = (
 
 #: Clock event (throttle) reason bits, NVML `nvmlClocksEventReason*` (same values as the older
 #: `nvmlClocksThrottleReason*`), nvidia-ml-py 13.615.
-REASON_SW_POWER_CAP = 0x4
-REASON_HW_SLOWDOWN = 0x8
 REASON_HW_THERMAL_SLOWDOWN = 0x40
 REASON_HW_POWER_BRAKE_SLOWDOWN = 0x80
 

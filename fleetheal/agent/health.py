@@ -25,7 +25,6 @@ from fleetheal.contracts import NODE_WIDE_GPU
 from fleetheal.taxonomy import Fault, Taxonomy, load
 
 HEALTHY, DEGRADED, UNHEALTHY = 0, 1, 2
-HEALTH_NAMES = {HEALTHY: "healthy", DEGRADED: "degraded", UNHEALTHY: "unhealthy"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,17 +252,6 @@ class HealthTracker:
             if not af.condition and now - af.last_seen >= self.config.event_hold_s:
                 del self._active[key]
                 changes.append(Change("cleared", af))
-        return changes
-
-    def clear_source(self, source: str, gpu: str | None = None) -> list[Change]:
-        """Forget every fault from `source` (e.g. a training job that ended)."""
-        changes = []
-        for key, af in list(self._active.items()):
-            if af.source == source and (gpu is None or af.gpu == gpu):
-                del self._active[key]
-                changes.append(Change("cleared", af))
-        for skey in [k for k in self._streaks if k[0] == source and (gpu is None or k[1] == gpu)]:
-            del self._streaks[skey]
         return changes
 
     def active(self) -> list[ActiveFault]:

@@ -268,12 +268,6 @@ class Monitoring(Supervisor):
             (self.base / f"{daemon.name}.pid").unlink(missing_ok=True)
         self.prometheus = self.alertmanager = None
 
-    def reload_prometheus(self) -> None:
-        """Re-read prometheus.yml and the rules (after write_configs or a rules change)."""
-        req = urllib.request.Request(self.prometheus_url + "/-/reload", method="POST")  # noqa: S310 - http URL
-        with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - our own http URL
-            resp.read()
-
     # --- queries -----------------------------------------------------------------------------------
 
     def query(self, expr: str) -> list[dict[str, Any]]:
