@@ -65,7 +65,7 @@ from typing import Any
 from fleetheal.agent.client import TrainingReporter
 from fleetheal.agent.simulated import clear
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, owns_reason
-from fleetheal.lab.controlplane import KubeApiError
+from fleetheal.lab.kubeapi import KubeApiError
 from fleetheal.lab.lab import LAB_SITE_VARS, PLACEHOLDER_IMAGE, STANDBY_REASON, Lab
 from fleetheal.lab.measure import measure
 from fleetheal.lab.slurm import SlurmCluster

@@ -66,8 +66,9 @@ from fleetheal.contracts import (
     TAINT_STANDBY,
     own_node_policy,
 )
-from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, api_request, token_client, tools_built
+from fleetheal.lab.controlplane import KubeControlPlane, tools_built
 from fleetheal.lab.federation import DEFAULT_GPU_TYPES, Federation
+from fleetheal.lab.kubeapi import KubeApiError, api_request, token_client
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
 from fleetheal.lab.supervisor import spawn
