@@ -66,7 +66,8 @@ from fleetheal.agent.client import TrainingReporter
 from fleetheal.agent.simulated import clear
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, owns_reason
 from fleetheal.lab.kubeapi import KubeApiError
-from fleetheal.lab.lab import LAB_SITE_VARS, PLACEHOLDER_IMAGE, STANDBY_REASON, Lab
+from fleetheal.lab.lab import LAB_SITE_VARS, STANDBY_REASON, Lab
+from fleetheal.lab.labkube import PLACEHOLDER_IMAGE
 from fleetheal.lab.measure import measure
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.lab.train import read_events

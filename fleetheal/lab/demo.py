@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fleetheal.lab.lab import Lab, LabError
+from fleetheal.lab import LabError
+from fleetheal.lab.lab import Lab
 from fleetheal.lab.scenarios import (
     CHECKPOINT_EVERY,
     STEP_TIME,

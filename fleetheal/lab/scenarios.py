@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetheal.contracts import CHECKPOINT_WORD, LABEL_POOL, TAINT_UNHEALTHY, owns_reason
+from fleetheal.lab import LabError
 from fleetheal.lab.federation import Federation, SlurmError
 from fleetheal.lab.fedremediator import ClusterRemediator
-from fleetheal.lab.lab import REPO, Lab, LabError
+from fleetheal.lab.lab import REPO, Lab
 from fleetheal.lab.train import read_checkpoint, read_events
 from fleetheal.lab.watcher import Outcome, Watcher, _expand, _starts, continuity, follow
 from fleetheal.wait import WaitTimeout, wait_until

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetheal.lab.lab import Lab, LabError
+from fleetheal.lab import LabError
+from fleetheal.lab.lab import Lab
 from fleetheal.lab.train import read_events
 
 

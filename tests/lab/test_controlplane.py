@@ -161,7 +161,7 @@ def test_an_agent_token_taints_its_own_node_and_no_other(kube: KubeControlPlane,
     from fleetheal.agent.fastpath import DONE, FastPathError, KubeNodeTainter
     from fleetheal.contracts import AGENT_NAME as NAME
     from fleetheal.contracts import LABEL_FAULT, LABEL_POOL, OWN_NODE_POLICY, TAINT_STANDBY, TAINT_UNHEALTHY
-    from fleetheal.lab.lab import AGENT_NAMESPACE, install_agent_access
+    from fleetheal.lab.labkube import AGENT_NAMESPACE, install_agent_access
 
     standby = {"key": TAINT_STANDBY, "effect": "NoSchedule"}
     kube.add_nodes(["ag-a", "ag-b"], labels={LABEL_POOL: "standby"}, taints=[standby])
