@@ -71,7 +71,7 @@ from fleetheal.lab.labkube import PLACEHOLDER_IMAGE
 from fleetheal.lab.measure import measure
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.lab.train import read_events
-from fleetheal.lab.watcher import _expand
+from fleetheal.lab.watcher import expand_nodelist as _expand
 from fleetheal.wait import WaitTimeout, wait_until
 
 BUDGET_S = float(os.environ.get("FLEETHEAL_BENCH_LAB_S", "900"))

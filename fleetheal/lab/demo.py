@@ -49,7 +49,7 @@ from fleetheal.lab.scenarios import (
     scenario_xid79,
 )
 from fleetheal.lab.train import ettr, read_events
-from fleetheal.lab.watcher import Outcome, Watcher, _last_step, continuity
+from fleetheal.lab.watcher import Outcome, Watcher, continuity, last_progress_step
 
 
 def print_incident(inc: dict[str, Any], out: Callable[[str], None]) -> None:
@@ -118,7 +118,7 @@ def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Ou
     ):
         out(f"\n== {title}")
         w.wait_running()
-        w.wait_steps(_last_step(run_dir) + 20)
+        w.wait_steps(last_progress_step(run_dir) + 20)
         try:
             o = fn(lab, w, out)
         except LabError as exc:
