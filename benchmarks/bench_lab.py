@@ -65,12 +65,13 @@ from typing import Any
 from fleetheal.agent.client import TrainingReporter
 from fleetheal.agent.simulated import clear
 from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY, owns_reason
-from fleetheal.lab.controlplane import KubeApiError
-from fleetheal.lab.lab import LAB_SITE_VARS, PLACEHOLDER_IMAGE, STANDBY_REASON, Lab
+from fleetheal.lab.kubeapi import KubeApiError
+from fleetheal.lab.lab import LAB_SITE_VARS, STANDBY_REASON, Lab
+from fleetheal.lab.labkube import PLACEHOLDER_IMAGE
 from fleetheal.lab.measure import measure
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.lab.train import read_events
-from fleetheal.lab.watcher import _expand
+from fleetheal.lab.watcher import expand_nodelist
 from fleetheal.wait import WaitTimeout, wait_until
 
 BUDGET_S = float(os.environ.get("FLEETHEAL_BENCH_LAB_S", "900"))
@@ -223,7 +224,7 @@ class Bench:
     def xid_round(self) -> None:
         info = self.prepare()
         assert self.run_dir is not None
-        node = _expand(info["NodeList"])[-1]
+        node = expand_nodelist(info["NodeList"])[-1]
         free, gpu = self.free_label(node, XID, list(range(int(self.lab.meta["gpus"]))))
         if not free:
             raise RuntimeError(f"every GPU label of {node} was used for {XID} in the last {EVENT_HOLD_S:.0f} s")
@@ -352,7 +353,7 @@ class Bench:
     def nccl_round(self) -> None:
         info = self.prepare()
         assert self.run_dir is not None
-        nodes = _expand(info["NodeList"])
+        nodes = expand_nodelist(info["NodeList"])
         labels: list[int | None] = [None, *range(int(self.lab.meta["gpus"]))]
         free, node, gpu = False, nodes[0], None
         for node in nodes:  # the job's first node, as the demo does, unless its labels are all held
@@ -391,7 +392,7 @@ class Bench:
             clear(self.lab.node_dir(node) / "sim-gpus.json", fault_id=NCCL)
             return
         r["running"], r["path"] = again
-        r["same_nodes"] = sorted(_expand(self.job_info()["NodeList"])) == sorted(nodes)
+        r["same_nodes"] = sorted(expand_nodelist(self.job_info()["NodeList"])) == sorted(nodes)
 
         full = self.after_running(r, NCCL, node=node, t0=t0, starts0=starts0, timeout=120, where=where)
         if full is not None:
@@ -470,7 +471,7 @@ class Peer:
         if not _poll(lambda: self.job_info().get("JobState") == "RUNNING", 60, 0.2):
             raise RuntimeError(f"peer job {self.job} is not running: {self.job_info()}")
         info = self.job_info()
-        node = _expand(info["NodeList"])[-1]
+        node = expand_nodelist(info["NodeList"])[-1]
         restarts0 = int(info.get("Restarts", "0"))
         fault = self.faults / node
         # A fault does not know when the next health check runs: start each round at a random phase of it.

@@ -93,7 +93,7 @@ def _lab(args: argparse.Namespace, must_run: bool = True) -> Any:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from fleetheal.lab.lab import LabError
+    from fleetheal.lab import LabError
 
     lab = _lab(args, must_run=False)
     if args.clusters is not None:
@@ -110,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _up_federation(lab: Any, args: argparse.Namespace) -> int:
-    from fleetheal.lab.lab import LabError
+    from fleetheal.lab import LabError
 
     if args.clusters < 2:
         raise UsageError(f"--clusters must be at least 2 (a federation), got {args.clusters}")
@@ -165,7 +165,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from fleetheal.lab.lab import LabError
+    from fleetheal.lab import LabError
 
     lab = _lab(args)
     try:

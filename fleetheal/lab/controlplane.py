@@ -18,9 +18,10 @@ eviction obeys), service accounts, namespaces and the volume binder (a claim bin
 kube-scheduler runs when asked (`scheduler=True`): the lab binds its own pods, Slinky's operator leaves its
 pods to the scheduler.
 
-The certificates and kubeconfigs are made by `fleetheal.lab.kubepki`. This module stays a little over 500
-lines because `KubeControlPlane` starts its daemons in one order, each waiting on the previous one's files and
-ports, and its API helpers (`request`, `install_crds`, `add_nodes`, tokens) share the admin credentials it made.
+The certificates and kubeconfigs are made by `fleetheal.lab.kubepki`, requests go through
+`fleetheal.lab.kubeapi`. This module stays a little over 500 lines because `KubeControlPlane` starts its
+daemons in one order, each waiting on the previous one's files and ports, and its API helpers (`request`,
+`install_crds`, `add_nodes`, tokens) share the admin credentials it made.
 
 Example::
 
@@ -44,6 +45,7 @@ from typing import Any, Self
 import yaml
 
 from fleetheal.httpjson import request_json
+from fleetheal.lab.kubeapi import KubeApiError, api_request, token_client
 from fleetheal.lab.kubepki import SERVICE_CIDR, Pki, cert_kubeconfig
 from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import alive, free_ports, stop_pid
@@ -66,21 +68,10 @@ CONTROLLERS = (
 CRD_DIRS = ("slinky/crds", "kueue", "prometheus-operator")
 KUBELET_LABELS = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
 _META_FILE = "controlplane.json"
-#: How long a request keeps retrying the API server's 429 (Too Many Requests) before it fails.
-TOO_MANY_REQUESTS_S = 30.0
 
 
 class ControlPlaneError(RuntimeError):
     """A binary is missing, a daemon did not start, or the API did not answer in time."""
-
-
-class KubeApiError(RuntimeError):
-    """The API server answered an error status."""
-
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:500]}")
-        self.status = status
-        self.body = body
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -145,7 +136,6 @@ class KubeControlPlane(Supervisor):
         self.bin_dir = Path(bin_dir) if bin_dir else tools_dir()
         self.pids: dict[str, int] = {}
         self.url = ""
-        self._admin_ssl: ssl.SSLContext | None = None
         self._admin_api: Any = None
 
     # paths
@@ -174,7 +164,7 @@ class KubeControlPlane(Supervisor):
             KubeControlPlane.attach(self.state_dir).stop()
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         pki = Pki(self.pki)
-        self._admin_ssl = self._admin_api = None  # new certificates
+        self._admin_api = None  # new certificates
         pki.issue("etcd", "etcd", server=True, client=True)
         pki.issue("apiserver", "kube-apiserver", server=True)
         pki.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
@@ -366,13 +356,6 @@ class KubeControlPlane(Supervisor):
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
 
-    def _admin_context(self) -> ssl.SSLContext:
-        """TLS context with the admin client certificate (to wait for etcd and the API server), made once."""
-        if self._admin_ssl is None:
-            self._admin_ssl = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-            self._admin_ssl.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
-        return self._admin_ssl
-
     def _api(self, token: str | None) -> Any:
         """The admin ApiClient (made once), or one with a bearer `token`."""
         if token is not None:
@@ -508,54 +491,6 @@ class KubeControlPlane(Supervisor):
 
 
 _MERGE = "application/merge-patch+json"
-
-
-def token_client(url: str, token: str, ca_file: str | None = None) -> Any:
-    """A `kubernetes.client.ApiClient` for the API server at `url` with a bearer `token`."""
-    from kubernetes import client
-
-    cfg = client.Configuration(host=url, api_key={"authorization": token}, api_key_prefix={"authorization": "Bearer"})
-    cfg.ssl_ca_cert = ca_file
-    return client.ApiClient(cfg)
-
-
-def api_request(
-    api: Any, method: str, path: str, body: Any = None, content_type: str = "application/json", *, timeout: float = 30.0
-) -> Any:
-    """One request through the `kubernetes` client's ApiClient `api` (its credentials): `path` may carry a query
-    string; the decoded JSON answer. Raises KubeApiError on a 4xx/5xx. A 429 is retried after its Retry-After,
-    as client-go does, for up to TOO_MANY_REQUESTS_S: the API server answers 429 ("storage is (re)initializing")
-    for a moment after a CRD is Established, and under load that moment was long enough to fail a test."""
-    import urllib3
-    from kubernetes.client.exceptions import ApiException
-
-    headers = {"Accept": "application/json", "Content-Type": content_type}
-    deadline = time.monotonic() + TOO_MANY_REQUESTS_S
-    while True:
-        _, url, header_params, data, _ = api.param_serialize(
-            method, path, header_params=dict(headers), body=body, auth_settings=["BearerToken"]
-        )
-        try:
-            resp = api.call_api(method, url, header_params=header_params, body=data, _request_timeout=timeout)
-            resp.read()
-            return api.response_deserialize(resp, {"2XX": "object"}).data
-        except urllib3.exceptions.HTTPError as e:  # no connection: an OSError, as from urllib
-            raise ConnectionError(f"{method} {url}: {e}") from e
-        except ApiException as e:
-            if not e.status:  # the client's own failure (TLS): no answer either
-                raise ConnectionError(f"{method} {url}: {e.reason}") from e
-            if e.status == 429 and time.monotonic() < deadline:
-                time.sleep(_retry_after((e.headers or {}).get("Retry-After")))
-                continue
-            raise KubeApiError(int(e.status), e.body or str(e.reason or "")) from e
-
-
-def _retry_after(value: str | None) -> float:
-    """Seconds to wait for a 429's Retry-After (delta-seconds; a date or nothing: 1 s), between 0.1 and 2."""
-    try:
-        return min(2.0, max(0.1, float(value or 1)))
-    except ValueError:
-        return 1.0
 
 
 class _CrdLoader(yaml.SafeLoader):

@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fleetheal.lab.lab import Lab, LabError
+from fleetheal.lab import LabError
+from fleetheal.lab.lab import Lab
 from fleetheal.lab.scenarios import (
     CHECKPOINT_EVERY,
     STEP_TIME,
@@ -48,7 +49,7 @@ from fleetheal.lab.scenarios import (
     scenario_xid79,
 )
 from fleetheal.lab.train import ettr, read_events
-from fleetheal.lab.watcher import Outcome, Watcher, _last_step, continuity
+from fleetheal.lab.watcher import Outcome, Watcher, continuity, last_progress_step
 
 
 def print_incident(inc: dict[str, Any], out: Callable[[str], None]) -> None:
@@ -117,7 +118,7 @@ def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Ou
     ):
         out(f"\n== {title}")
         w.wait_running()
-        w.wait_steps(_last_step(run_dir) + 20)
+        w.wait_steps(last_progress_step(run_dir) + 20)
         try:
             o = fn(lab, w, out)
         except LabError as exc:

@@ -27,9 +27,10 @@
 under the lab dir (default `$FLEETHEAL_LAB_DIR` or /tmp/fleetheal-lab); `up()` starts from an empty one.
 
 Each part `up` starts is a supervisor in its own module (`slurm`, `controlplane`, `kube`, `monitoring`,
-`federation`); this module is over 500 lines because `Lab` is the one object that wires them together and
-records every process it started in `lab.json`, so `down()` and the read side (`status`, `incidents`,
-`node_states`) can find them again from another process.
+`federation`), the Kubernetes side is set up by `labkube`; this module is over 500 lines because `Lab` is the
+one object that wires them together, writes the agents' and the remediator's configurations, and records
+every process it started in `lab.json`, so `down()` and the read side (`status`, `incidents`, `node_states`)
+can find them again from another process.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,33 +56,21 @@ from typing import Any
 import yaml
 
 from fleetheal import procs
-from fleetheal.contracts import (
-    AGENT_NAME,
-    AGENT_RBAC_RULES,
-    DRAIN_REASON_PREFIX,
-    LABEL_FAILURE_DOMAIN,
-    LABEL_POOL,
-    OWN_NODE_POLICY,
-    TAINT_STANDBY,
-    own_node_policy,
-)
-from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, api_request, token_client, tools_built
+from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_POOL
+from fleetheal.lab import LabError, wait
+from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.federation import DEFAULT_GPU_TYPES, Federation
+from fleetheal.lab.kubeapi import api_request
+from fleetheal.lab.labkube import LabKube, admin_client, agent_token_file, write_secret
 from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
 from fleetheal.lab.supervisor import spawn
 from fleetheal.procs import free_ports
-from fleetheal.wait import WaitTimeout, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
 CLUSTER = "lab"
 STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
-#: The lab's pods never run a container (kwok plays their kubelets); the image is never pulled.
-PLACEHOLDER_IMAGE = "fleetheal-lab/placeholder:0"
-#: Namespace of the agents' ServiceAccount `fleetheal-agent` on the real API server.
-AGENT_NAMESPACE = "kube-system"
-_MERGE = "application/merge-patch+json"
 #: Site settings the lab gives every remediation run through the remediator's `runner.site_vars`
 #: (lab-speed timers); its kubeconfig and report dir are added where the lab knows them.
 LAB_SITE_VARS = {
@@ -94,10 +82,6 @@ LAB_SITE_VARS = {
 
 #: `fleetheal remediator ...` / `fleetheal incidents ...` with this interpreter.
 REMEDIATOR_CLI = (sys.executable, "-m", "fleetheal")
-
-
-class LabError(RuntimeError):
-    """The lab could not do what was asked; the message says why and where the logs are."""
 
 
 def lab_dir_default() -> Path:
@@ -121,20 +105,6 @@ def stop_process(pid: int, marker: str, timeout: float = 10.0) -> bool:
     return True
 
 
-def _wait(what: str, check: Callable[[], object], timeout: float, log: Path | None = None) -> None:
-    """`wait_until` for the lab: LabError with the last lines of `log` when `what` does not come in time."""
-
-    def tail() -> str:
-        if log is None or not log.exists():
-            return ""
-        return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-
-    try:
-        wait_until(check, timeout, what, ignore=(OSError, ValueError), detail=tail)
-    except WaitTimeout as e:
-        raise LabError(str(e)) from e
-
-
 @dataclass(frozen=True)
 class NodeStatus:
     name: str
@@ -144,40 +114,6 @@ class NodeStatus:
     k8s_unschedulable: bool
     k8s_taints: tuple[str, ...]
     health: str
-
-
-def install_agent_access(cp: KubeControlPlane, nodes: list[str], seconds: int = 7 * 24 * 3600) -> dict[str, str]:
-    """On the real API server, what the stack gives the agents: their ServiceAccount (`AGENT_NAMESPACE`)
-    with the stack's ClusterRole and own-node admission policy (`fleetheal.contracts`), and for each
-    of `nodes` a token bound to that Node. Returns {node: token} once the API server enforces the policy."""
-    rbac = "/apis/rbac.authorization.k8s.io/v1"
-    cp.request("POST", f"{rbac}/clusterroles", {"metadata": {"name": AGENT_NAME}, "rules": AGENT_RBAC_RULES})
-    binding = {
-        "metadata": {"name": AGENT_NAME},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_NAME},
-        "subjects": [{"kind": "ServiceAccount", "name": AGENT_NAME, "namespace": AGENT_NAMESPACE}],
-    }
-    cp.request("POST", f"{rbac}/clusterrolebindings", binding)
-    policy, policy_binding = own_node_policy(AGENT_NAMESPACE)
-    admission = "/apis/admissionregistration.k8s.io/v1"
-    cp.request("POST", f"{admission}/validatingadmissionpolicies", policy)
-    cp.request("POST", f"{admission}/validatingadmissionpolicybindings", policy_binding)
-    tokens = {n: cp.service_account_token(AGENT_NAMESPACE, AGENT_NAME, seconds, node=n) for n in nodes}
-
-    # The API server applies a new policy a moment later: wait until a token bound to no node is refused.
-    unbound = cp.service_account_token(AGENT_NAMESPACE, AGENT_NAME, 600)
-
-    def enforced() -> bool:
-        try:  # a dry run changes nothing, even before the policy holds
-            cp.request("PATCH", f"/api/v1/nodes/{nodes[0]}?dryRun=All", {}, _MERGE, token=unbound)
-        except KubeApiError as e:
-            if e.status == 403 and OWN_NODE_POLICY in e.body:
-                return True
-            raise
-        return False
-
-    _wait(f"admission policy {OWN_NODE_POLICY}", enforced, 30, cp.log("kube-apiserver"))
-    return tokens
 
 
 class Lab:
@@ -219,16 +155,9 @@ class Lab:
     def kube_url(self) -> str:
         return str(self.meta["kube"]["url"])
 
-    @property
-    def kube_token(self) -> str:
-        """The test double's bearer token (with the real API server, `kube_request` uses the admin certificate)."""
-        return (self.dir / "kube" / "token").read_text().strip()
-
     def agent_token_file(self, node: str) -> Path:
         """The bearer token of `node`'s agent: on the real API server, a token bound to that Node."""
-        if self.meta["kube"].get("real"):
-            return self.dir / "kube" / "agent-tokens" / node
-        return self.dir / "kube" / "token"
+        return agent_token_file(self.dir / "kube", node, bool(self.meta["kube"].get("real")))
 
     def slurm(self) -> SlurmCluster:
         return SlurmCluster.attach(self.dir / "slurm")
@@ -363,139 +292,19 @@ class Lab:
 
     def _up_kube(self) -> None:
         t0 = time.monotonic()
-        kdir = self.dir / "kube"
-        what = self._up_control_plane(kdir) if tools_built() else self._up_kube_double(kdir)
-        ns = "/api/v1/namespaces"
-        self.kube_request("POST", ns, {"metadata": {"name": "slurm"}})
-        self.kube_request("POST", ns, {"metadata": {"name": "fleetheal"}})
-        # The pods' owners exist for real (the garbage collector deletes pods whose owner is absent);
-        # no workload controller runs, so the lab places one pod of each per node itself.
-        owners = {
-            "slurm": self._owner("slurm", "StatefulSet", "slurm-worker", "slurmd"),
-            "fleetheal": self._owner("fleetheal", "DaemonSet", "fleetheal-agent", "fleetheal-agent"),
-        }
-        for name in self.nodes:
-            for namespace, (owner, app) in owners.items():
-                pod = {
-                    "metadata": {
-                        "name": f"{owner['metadata']['name']}-{name}",
-                        "labels": {"app.kubernetes.io/name": app},
-                        "ownerReferences": [
-                            {
-                                "apiVersion": "apps/v1",
-                                "kind": owner["kind"],
-                                "name": owner["metadata"]["name"],
-                                "uid": owner["metadata"]["uid"],
-                                "controller": True,
-                                "blockOwnerDeletion": True,
-                            }
-                        ],
-                    },
-                    "spec": {
-                        "nodeName": name,
-                        "containers": [{"name": "main", "image": "fleetheal-lab/placeholder:0"}],
-                    },
-                    "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
-                }
-                self._create_pod(namespace, pod)
-        pdb = {
-            "metadata": {"name": "slurm-worker"},
-            # As many disruptions as the remediator's isolation budget (gate.budget.max_isolated): an isolated
-            # node's slurmd pod is not made again (no NodeSet controller runs here).
-            "spec": {"maxUnavailable": 2, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
-        }
-        self.kube_request("POST", "/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb)
-        self._done(
-            "kubernetes",
-            t0,
-            f"{what}: {len(self.nodes)} Nodes, slurmd pods under a PodDisruptionBudget",
-        )
+        gpus = int(self.meta["gpus"])
+        what = LabKube(self.dir, self.nodes, self.standby_nodes, gpus, spawn=self._spawn, record=self._record_kube).up()
+        self._done("kubernetes", t0, f"{what}: {len(self.nodes)} Nodes, slurmd pods under a PodDisruptionBudget")
 
-    def _node_specs(self) -> list[tuple[str, dict[str, str], list[dict[str, str]]]]:
-        out = []
-        for i, name in enumerate(self.nodes):
-            pool = "standby" if name in self.standby_nodes else "active"
-            taints = [{"key": TAINT_STANDBY, "effect": "NoSchedule"}] if pool == "standby" else []
-            out.append((name, {LABEL_POOL: pool, LABEL_FAILURE_DOMAIN: f"rack-{'ab'[i % 2]}"}, taints))
-        return out
-
-    def _up_control_plane(self, kdir: Path) -> str:
-        """etcd + kube-apiserver + kube-controller-manager (`make tools`); the agents authenticate with
-        tokens of their own ServiceAccount, whose ClusterRole is the one the stack deploys, each token
-        bound to its agent's Node; the stack's admission policy keeps each agent to that Node."""
-        cp = KubeControlPlane(kdir).start()
-        self.meta["kube"] = {"url": cp.url, "real": True, "ca_file": str(cp.pki / "ca.crt")}
+    def _record_kube(self, kube: dict[str, Any]) -> None:
+        self.meta["kube"] = kube
         self._save()
-        for name, labels, taints in self._node_specs():
-            cp.add_nodes([name], labels=labels, taints=taints, gpus=int(self.meta["gpus"]))
-        for name, token in install_agent_access(cp, self.nodes).items():
-            path = self.agent_token_file(name)
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(token)
-        return f"kube-apiserver {cp.request('GET', '/version')['gitVersion']} + etcd, kubelets by kwok, at {cp.url}"
-
-    def _up_kube_double(self, kdir: Path) -> str:
-        kdir.mkdir()
-        token = secrets.token_hex(16)
-        fd = os.open(kdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
-        ready = kdir / "ready.json"
-        self._spawn(
-            "kube-apiserver-double",
-            [sys.executable, "-m", "fleetheal.lab.kube", "--state", str(kdir / "state.json"), "--token", token,
-             "--kubeconfig", str(self.kubeconfig), "--ready-file", str(ready)],
-        )  # fmt: skip
-        _wait("the fake Kubernetes API server", ready.exists, 20, self.dir / "logs" / "kube-apiserver-double.log")
-        url = json.loads(ready.read_text())["url"]
-        self.meta["kube"] = {"url": url, "real": False, "ca_file": None}
-        self._save()
-        from fleetheal.lab.kube import node_object
-
-        for name, labels, taints in self._node_specs():
-            self.kube_request("POST", "/api/v1/nodes", node_object(name, labels, taints, self.meta["gpus"]))
-        return f"FakeKubeApiServer (test double: `make tools` builds the real one) at {url}"
-
-    def _owner(self, namespace: str, kind: str, name: str, app: str) -> tuple[dict[str, Any], str]:
-        sel = {"matchLabels": {"app.kubernetes.io/name": app}}
-        template = {
-            "metadata": {"labels": {"app.kubernetes.io/name": app}},
-            "spec": {"containers": [{"name": "main", "image": PLACEHOLDER_IMAGE}]},
-        }
-        spec: dict[str, Any] = {"selector": sel, "template": template}
-        if kind == "StatefulSet":
-            spec.update(replicas=len(self.nodes), serviceName=name)
-        body: dict[str, Any] = {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}
-        if not self.meta["kube"].get("real"):  # the double holds no workloads: an owner in name only
-            body["metadata"]["uid"] = str(uuid.uuid5(uuid.NAMESPACE_DNS, name))
-            return body, app
-        plural = kind.lower() + "s"
-        return self.kube_request("POST", f"/apis/apps/v1/namespaces/{namespace}/{plural}", body), app
-
-    def _create_pod(self, namespace: str, pod: dict[str, Any]) -> None:
-        # The service-account controller creates each namespace's `default` account a moment after
-        # the namespace; until then pod admission refuses.
-        def created() -> bool:
-            try:
-                self.kube_request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
-            except KubeApiError as e:
-                if e.status != 403:
-                    raise
-                return False
-            return True
-
-        _wait(f"pod {namespace}/{pod['metadata']['name']} to be admitted", created, 30)
 
     def kube_request(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
         """An admin request to the lab's Kubernetes API (the real one, or the double) through the `kubernetes`
         client; the decoded JSON answer. Raises KubeApiError on a 4xx/5xx."""
         if self._kube_api is None:
-            if self.meta["kube"].get("real"):
-                self._kube_api = KubeControlPlane.attach(self.dir / "kube").client()
-            else:
-                self._kube_api = token_client(self.kube_url, self.kube_token)
+            self._kube_api = admin_client(self.dir / "kube", bool(self.meta["kube"].get("real")), self.kube_url)
         return api_request(self._kube_api, method, path, body, ctype)
 
     def _agent_env(self) -> dict[str, str]:
@@ -551,7 +360,7 @@ class Lab:
         self.meta["agents"] = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
         self._save()
         for name, port in ports.items():
-            _wait(
+            wait(
                 f"agent {name} metrics on 127.0.0.1:{port}",
                 functools.partial(_port_open, port),
                 30,
@@ -569,14 +378,8 @@ class Lab:
         t0 = time.monotonic()
         rdir = self.dir / "remediator"
         (rdir / "reports").mkdir(parents=True)
-        token = secrets.token_hex(20)
-        fd = os.open(rdir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
-        operator = secrets.token_hex(20)
-        fd = os.open(rdir / "operator-token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(operator)
+        write_secret(rdir / "token", secrets.token_hex(20))
+        write_secret(rdir / "operator-token", secrets.token_hex(20))
         port = free_ports()[0]
         # The lab's nodes are hosts of the control machine (revalidation runs its checks "on the node"), and
         # their checks are the simulated GPUs' tools (fleetheal.lab.simtools), each node its own.
@@ -637,7 +440,7 @@ class Lab:
         url = f"http://127.0.0.1:{port}"
         self.meta["remediator"] = {"url": url, "webhook": f"{url}/webhook"}
         self._save()
-        _wait(
+        wait(
             f"the remediator on {url}",
             lambda: _port_open(port),
             30,

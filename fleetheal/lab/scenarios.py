@@ -12,11 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetheal.contracts import CHECKPOINT_WORD, LABEL_POOL, TAINT_UNHEALTHY, owns_reason
+from fleetheal.lab import LabError
 from fleetheal.lab.federation import Federation, SlurmError
 from fleetheal.lab.fedremediator import ClusterRemediator
-from fleetheal.lab.lab import REPO, Lab, LabError
+from fleetheal.lab.lab import REPO, Lab
 from fleetheal.lab.train import read_checkpoint, read_events
-from fleetheal.lab.watcher import Outcome, Watcher, _expand, _starts, continuity, follow
+from fleetheal.lab.watcher import Outcome, Watcher, continuity, expand_nodelist, follow, run_starts
 from fleetheal.wait import WaitTimeout, wait_until
 
 #: Seconds between checkpoints of the demo's training job, and its step time.
@@ -28,7 +29,7 @@ STEP_TIME = 0.1
 LOST_GPU = ("xid-79", "gpu-lost")
 
 
-def _incident_for(
+def incident_for(
     lab: Lab, node: str, fault: str | tuple[str, ...], after: float, *, acted: bool = False
 ) -> dict[str, Any] | None:
     """The first incident for `fault` (or one of them) on `node` since `after`; with `acted`, the first one
@@ -50,7 +51,7 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     node = nodes[-1]
     before = w.job_info()
     restarts0 = int(before.get("Restarts", "0"))
-    starts0 = len(_starts(w.run_dir))
+    starts0 = len(run_starts(w.run_dir))
     standby = [n for n in lab.standby_nodes if owns_reason(lab.slurm().node(n).reason)]
     o = Outcome("GPU fell off the bus", "xid-79", node, 3, "ISOLATE_AND_RELOCATE")
     t_inject = time.time()
@@ -69,7 +70,7 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         return f"Node {node} tainted {t[0]['key']}={t[0].get('value')}:NoSchedule" if t else None
 
     def incident() -> str | None:
-        inc = _incident_for(lab, node, LOST_GPU, t_inject, acted=True)
+        inc = incident_for(lab, node, LOST_GPU, t_inject, acted=True)
         if inc is None:
             return None
         o.details["incident"] = inc["id"]
@@ -106,12 +107,12 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     def running_again() -> str | None:
         info = w.job_info()
         if info.get("JobState") == "RUNNING" and int(info.get("Restarts", "0")) > restarts0:
-            o.details["new_nodes"] = _expand(info["NodeList"])
+            o.details["new_nodes"] = expand_nodelist(info["NodeList"])
             return f"job {w.job} RUNNING on {info['NodeList']}"
         return None
 
     def resumed() -> str | None:
-        st = _starts(w.run_dir)
+        st = run_starts(w.run_dir)
         if len(st) > starts0:
             o.details["resumed_from"] = int(st[-1]["resumed_from"])
             o.details["log_incident"] = st[-1].get("incident")
@@ -119,7 +120,7 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         return None
 
     def finished() -> bool:
-        inc = _incident_for(lab, node, LOST_GPU, t_inject, acted=True)
+        inc = incident_for(lab, node, LOST_GPU, t_inject, acted=True)
         return (
             bool(inc and inc.get("state") in ("done", "failed"))
             and "resumed" in o.milestones
@@ -153,7 +154,7 @@ def scenario_xid31(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     log = w.run_dir / "train.log"
 
     def detected() -> str | None:
-        inc = _incident_for(lab, node, "xid-31", t_inject)
+        inc = incident_for(lab, node, "xid-31", t_inject)
         if inc is None:
             return None
         o.details["incident"] = inc["id"]
@@ -167,7 +168,7 @@ def scenario_xid31(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         return None
 
     def finished() -> bool:
-        inc = _incident_for(lab, node, "xid-31", t_inject)
+        inc = incident_for(lab, node, "xid-31", t_inject)
         return bool(inc and inc.get("state") in ("done", "failed")) and "told" in o.milestones
 
     w.run(o, [("incident", "incident", detected), ("told", "user told", told)], finished, timeout=240)
@@ -191,12 +192,12 @@ def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     node = nodes[0]
     info0 = w.job_info()
     restarts0 = int(info0.get("Restarts", "0"))
-    starts0 = len(_starts(w.run_dir))
+    starts0 = len(run_starts(w.run_dir))
     o = Outcome("NCCL timeout (transient)", "nccl-timeout", node, None, "RESTART_IN_PLACE")
     t_inject = time.time()
 
     def incident() -> str | None:
-        inc = _incident_for(lab, node, "nccl-timeout", t_inject)
+        inc = incident_for(lab, node, "nccl-timeout", t_inject)
         if inc is None:
             return None
         o.details["incident"] = inc["id"]
@@ -211,24 +212,24 @@ def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         if info.get("JobState") != "RUNNING":
             return None
         if int(info.get("Restarts", "0")) > restarts0:
-            o.details["new_nodes"] = _expand(info["NodeList"])
+            o.details["new_nodes"] = expand_nodelist(info["NodeList"])
             return f"job {w.job} RUNNING again on {info['NodeList']} (restart count {info['Restarts']})"
-        st = _starts(w.run_dir)
+        st = run_starts(w.run_dir)
         if len(st) > starts0 and int(st[-1].get("in_job", 0)) > 0:
             # `fleetheal launch` restarted it inside its allocation: the same job, no requeue.
-            o.details["new_nodes"] = _expand(info["NodeList"])
+            o.details["new_nodes"] = expand_nodelist(info["NodeList"])
             return f"job {w.job} restarted inside its allocation on {info['NodeList']} (fleetheal launch)"
         return None
 
     def resumed() -> str | None:
-        st = _starts(w.run_dir)
+        st = run_starts(w.run_dir)
         if len(st) > starts0 and "running" in o.milestones:
             o.details["resumed_from"] = int(st[-1]["resumed_from"])
             return f"resumed from checkpoint step {st[-1]['resumed_from']} (incident {st[-1].get('incident')})"
         return None
 
     def finished() -> bool:
-        inc = _incident_for(lab, node, "nccl-timeout", t_inject)
+        inc = incident_for(lab, node, "nccl-timeout", t_inject)
         return bool(inc and inc.get("state") in ("done", "failed")) and "resumed" in o.milestones
 
     checks = [

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetheal.lab.lab import Lab, LabError
+from fleetheal.lab import LabError
+from fleetheal.lab.lab import Lab
 from fleetheal.lab.train import read_events
 
 
-def _expand(nodelist: str) -> list[str]:
+def expand_nodelist(nodelist: str) -> list[str]:
     """`n[1-2,4]` / `n3` -> node names (the forms this lab's Slurm prints)."""
     m = re.fullmatch(r"([A-Za-z]+)\[([0-9,\-]+)\]", nodelist)
     if not m:
@@ -59,7 +60,7 @@ class Watcher:
         return self.cluster.job(self.job)
 
     def job_nodes(self) -> list[str]:
-        return _expand(self.job_info().get("NodeList", ""))
+        return expand_nodelist(self.job_info().get("NodeList", ""))
 
     def wait_running(self, timeout: float = 60) -> None:
         self.progress_wait("the job to run", lambda: self.job_info().get("JobState") == "RUNNING", timeout)
@@ -151,7 +152,8 @@ def follow(
         time.sleep(0.5)
 
 
-def _starts(run_dir: Path) -> list[dict[str, Any]]:
+def run_starts(run_dir: Path) -> list[dict[str, Any]]:
+    """The training run's start events (the first start and every restart), oldest first."""
     return [e for e in read_events(run_dir) if e.get("event") == "start"]
 
 
@@ -170,6 +172,7 @@ def continuity(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _last_step(run_dir: Path) -> int:
+def last_progress_step(run_dir: Path) -> int:
+    """The step of the training run's last progress event (0 before the first)."""
     ev = [e for e in read_events(run_dir) if e.get("event") == "progress"]
     return int(ev[-1]["step"]) if ev else 0

@@ -31,7 +31,8 @@ import pytest
 
 from fleetheal import contracts, steps
 from fleetheal.infra import config, mocks, program, project, stack_model
-from fleetheal.lab.controlplane import KubeApiError, KubeControlPlane, default_crds, tools_built
+from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built
+from fleetheal.lab.kubeapi import KubeApiError
 from fleetheal.lab.kubepki import write_kubeconfig
 from fleetheal.lab.slinky import (
     OPERATOR,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetheal.lab import controlplane
-from fleetheal.lab.controlplane import ControlPlaneError, KubeApiError, KubeControlPlane, default_crds, tools_built
+from fleetheal.lab import kubeapi
+from fleetheal.lab.controlplane import ControlPlaneError, KubeControlPlane, default_crds, tools_built
+from fleetheal.lab.kubeapi import KubeApiError
 from fleetheal.procs import alive
 from fleetheal.wait import wait_until
 
@@ -160,7 +161,7 @@ def test_an_agent_token_taints_its_own_node_and_no_other(kube: KubeControlPlane,
     from fleetheal.agent.fastpath import DONE, FastPathError, KubeNodeTainter
     from fleetheal.contracts import AGENT_NAME as NAME
     from fleetheal.contracts import LABEL_FAULT, LABEL_POOL, OWN_NODE_POLICY, TAINT_STANDBY, TAINT_UNHEALTHY
-    from fleetheal.lab.lab import AGENT_NAMESPACE, install_agent_access
+    from fleetheal.lab.labkube import AGENT_NAMESPACE, install_agent_access
 
     standby = {"key": TAINT_STANDBY, "effect": "NoSchedule"}
     kube.add_nodes(["ag-a", "ag-b"], labels={LABEL_POOL: "standby"}, taints=[standby])
@@ -285,9 +286,9 @@ def test_a_429_is_retried_after_its_retry_after_as_client_go_does(
         cp = KubeControlPlane(tmp_path)
         cp.url = f"http://127.0.0.1:{server.server_address[1]}"
         # plain HTTP, no client certificate: the `kubernetes` client with a bearer token
-        cp._api = lambda token: controlplane.token_client(cp.url, "t")  # type: ignore[method-assign]
+        cp._api = lambda token: kubeapi.token_client(cp.url, "t")  # type: ignore[method-assign]
         assert cp.request("GET", "/apis/kueue.x-k8s.io/v1beta1/clusterqueues") == {"items": []}
-        monkeypatch.setattr(controlplane, "TOO_MANY_REQUESTS_S", 0.5)
+        monkeypatch.setattr(kubeapi, "TOO_MANY_REQUESTS_S", 0.5)
         with pytest.raises(KubeApiError) as err:
             cp.request("GET", "/api")
         assert err.value.status == 429

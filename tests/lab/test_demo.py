@@ -280,7 +280,7 @@ def test_down_leaves_nothing_behind(lab, scenarios):
 def test_the_lost_gpu_scenario_follows_whichever_of_its_alerts_acted():
     """Xid 79 and NVML's gpu-lost race to the remediator (CI saw gpu-lost first): the scenario's incident is
     the one the gate let act, not the Xid's by name."""
-    from fleetheal.lab.scenarios import _incident_for
+    from fleetheal.lab.scenarios import incident_for
 
     class Incidents:
         def incidents(self):
@@ -290,6 +290,6 @@ def test_the_lost_gpu_scenario_follows_whichever_of_its_alerts_acted():
                 {"id": "inc-000001", "node": "n2", "fault_id": "gpu-lost", "received_at": 101.0, "decision": "allow"},
             ]
 
-    assert _incident_for(Incidents(), "n2", LOST_GPU, 100.0, acted=True)["id"] == "inc-000001"
-    assert _incident_for(Incidents(), "n2", "xid-79", 100.0)["id"] == "inc-000002"
-    assert _incident_for(Incidents(), "n3", LOST_GPU, 100.0, acted=True) is None
+    assert incident_for(Incidents(), "n2", LOST_GPU, 100.0, acted=True)["id"] == "inc-000001"
+    assert incident_for(Incidents(), "n2", "xid-79", 100.0)["id"] == "inc-000002"
+    assert incident_for(Incidents(), "n3", LOST_GPU, 100.0, acted=True) is None

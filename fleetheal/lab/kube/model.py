@@ -30,7 +30,7 @@ HISTORY = 2000
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_LABEL_NAME_RE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+LABEL_NAME_RE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
@@ -59,7 +59,8 @@ RESOURCES = (
     ResourceType("", "v1", "pods", "pod", "Pod", True, ("po",), ("status", "eviction")),
     ResourceType("policy", "v1", "poddisruptionbudgets", "poddisruptionbudget", "PodDisruptionBudget", True, ("pdb",)),
 )
-_BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
+#: Every served resource type by (group, version, plural), as an API path names it.
+BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
 
 
 class ApiError(Exception):
@@ -87,7 +88,8 @@ class ApiError(Exception):
         return body
 
 
-def _now() -> str:
+def utc_timestamp() -> str:
+    """Now, as Kubernetes writes a timestamp (RFC 3339, UTC, whole seconds)."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -128,7 +130,8 @@ def invalid(rt: ResourceType, name: str, causes: list[tuple[str, str, str]]) -> 
 # ---- validation ----------------------------------------------------------------------------------
 
 
-def _validate(rt: ResourceType, obj: Obj) -> None:
+def validate(rt: ResourceType, obj: Obj) -> None:
+    """Refuse `obj` of type `rt` as the API server would (422 Invalid, one cause per bad field)."""
     meta = obj.get("metadata") or {}
     name = str(meta.get("name") or "")
     causes: list[tuple[str, str, str]] = []
@@ -161,7 +164,7 @@ def _validate(rt: ResourceType, obj: Obj) -> None:
             if (
                 not short
                 or len(short) > 63
-                or not _LABEL_NAME_RE.match(short)
+                or not LABEL_NAME_RE.match(short)
                 or (prefix and not _NAME_RE.match(prefix))
             ):
                 causes.append(
@@ -214,7 +217,7 @@ def _validate(rt: ResourceType, obj: Obj) -> None:
 
 def node_object(name: str, labels: dict[str, str] | None = None, taints: list[Obj] | None = None, gpus: int = 8) -> Obj:
     """A Ready GPU Node as a kubelet would register it."""
-    now = _now()
+    now = utc_timestamp()
     return {
         "metadata": {
             "name": name,

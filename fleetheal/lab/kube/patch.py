@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from fleetheal.lab.kube.model import _LABEL_NAME_RE, ApiError, Obj, ResourceType
+from fleetheal.lab.kube.model import LABEL_NAME_RE, ApiError, Obj, ResourceType
 
 #: Strategic-merge list keys (from the real types' patchMergeKey tags) for the fields the double holds.
 _MERGE_KEYS = {
@@ -199,7 +199,7 @@ def label_selector(text: str) -> Callable[[dict[str, str]], bool]:
             reqs.append((k, "in", frozenset({v})))
         elif req.startswith("!"):
             reqs.append((req[1:].strip(), "!", frozenset()))
-        elif _LABEL_NAME_RE.match(req.split("/")[-1]):
+        elif LABEL_NAME_RE.match(req.split("/")[-1]):
             reqs.append((req, "exists", frozenset()))
         else:
             raise ApiError(400, "BadRequest", f"unable to parse requirement: {req!r}")

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from fleetheal.lab.kube.model import (
-    _BY_PATH,
+    BY_PATH,
     HISTORY,
     RESOURCES,
     ApiError,
     Obj,
     ResourceType,
-    _now,
-    _validate,
     conflict,
     invalid,
     not_found,
+    utc_timestamp,
+    validate,
 )
 from fleetheal.lab.kube.patch import field_selector, label_selector, match_label_selector
 
@@ -63,7 +63,7 @@ class Store:
                     self.objects[plural][(meta.get("namespace", ""), meta["name"])] = obj
         for ns in ("default", "kube-system"):
             if ("", ns) not in self.objects["namespaces"]:
-                self.create(_BY_PATH[("", "v1", "namespaces")], "", {"metadata": {"name": ns}})
+                self.create(BY_PATH[("", "v1", "namespaces")], "", {"metadata": {"name": ns}})
 
     def _save(self) -> None:
         if self.state_file is None:
@@ -149,7 +149,7 @@ class Store:
                     "status": "True" if healthy - desired > 0 else "False",
                     "reason": "SufficientPods" if healthy - desired > 0 else "InsufficientPods",
                     "message": "",
-                    "lastTransitionTime": pdb["metadata"].get("creationTimestamp", _now()),
+                    "lastTransitionTime": pdb["metadata"].get("creationTimestamp", utc_timestamp()),
                     "observedGeneration": pdb["metadata"].get("generation", 1),
                 }
             ],
@@ -177,7 +177,7 @@ class Store:
             meta.pop("namespace", None)
         if meta.get("resourceVersion"):
             raise ApiError(400, "BadRequest", "resourceVersion should not be set on objects to be created")
-        _validate(rt, obj)
+        validate(rt, obj)
         with self.lock:
             key = (ns if rt.namespaced else "", meta["name"])
             if key in self.objects[rt.plural]:
@@ -189,7 +189,7 @@ class Store:
                     {"name": meta["name"], "group": rt.group, "kind": rt.plural},
                 )
             meta["uid"] = str(uuid.uuid4())
-            meta["creationTimestamp"] = _now()
+            meta["creationTimestamp"] = utc_timestamp()
             meta["generation"] = 1
             # Go's encoding/json never omits struct fields: spec and status are always present.
             obj.setdefault("spec", {})
@@ -259,7 +259,7 @@ class Store:
                     new["status"] = current["status"]
                 if new.get("spec") != current.get("spec"):
                     new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
-            _validate(rt, new)
+            validate(rt, new)
             if (
                 rt.kind == "Pod"
                 and (new.get("spec") or {}).get("nodeName") != (current.get("spec") or {}).get("nodeName")
@@ -313,7 +313,7 @@ class Store:
 
     def evict(self, ns: str, name: str, body: Obj, dry_run: bool = False) -> None:
         """policy/v1 Eviction: delete the pod unless a PodDisruptionBudget forbids it."""
-        pods_rt = _BY_PATH[("", "v1", "pods")]
+        pods_rt = BY_PATH[("", "v1", "pods")]
         with self.lock:
             pod = self.objects["pods"].get((ns, name))
             if pod is None:
