@@ -209,3 +209,16 @@ def test_field_shapes_of_every_data_parser() -> None:
     old = {"job_resources": {"allocated_nodes": [{"nodename": "a1"}, {"nodename": "a2"}]}}
     new = {"job_resources": {"nodes": {"allocation": [{"index": 0, "name": "a1"}, {"index": 1, "name": "a2"}]}}}
     assert job_nodes(old) == job_nodes(new) == ["a1", "a2"] and job_nodes({}) == []
+
+
+def test_a_clusters_jobs_with_nodes_and_a_free_text_comment() -> None:
+    """Cross-cluster failover's read: `squeue -M CLUSTER -o %i|%T|%N|%k`, the comment last and kept whole."""
+    assert slurm_jobs.cluster_jobs_args("a", ("PENDING", "RUNNING")) == [
+        "-M", "a", "-h", "-t", "PENDING,RUNNING", "-o", "%i|%T|%N|%k",
+    ]  # fmt: skip
+    assert slurm_jobs.cluster_jobs_args("a", ("RUNNING",), "a1")[-2:] == ["-w", "a1"]
+    text = "11|PENDING||fleetheal-checkpoint=shared \n 12 |RUNNING|a[1-2]|a|b\n\nCLUSTER: a\n"
+    assert slurm_jobs.parse_cluster_jobs(text) == [
+        slurm_jobs.ClusterJob("11", "PENDING", "", "fleetheal-checkpoint=shared"),
+        slurm_jobs.ClusterJob("12", "RUNNING", "a[1-2]", "a|b"),
+    ]
