@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.fleet.config import FleetConfig
-from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm import nodes
 from fleetheal.slurm.jobs import COPIES_ARGS, ClusterJob, cluster_jobs_args, copies, parse_cluster_jobs
 from fleetheal.slurm.runner import Runner
 from fleetheal.wait import WaitTimeout, wait_until
@@ -208,8 +208,8 @@ class Stage:
 
     def node_lost(self, node: str) -> bool:
         """Slurm says `node` does not respond (or is down): what corroborates an alert before a move."""
-        out = _run(self.env, "sinfo", "-M", self.cluster, *slurm_nodes.NODES_ARGS, "-n", node)
-        found = slurm_nodes.read(out).get(node)
+        out = _run(self.env, "sinfo", "-M", self.cluster, *nodes.NODES_ARGS, "-n", node)
+        found = nodes.read(out).get(node)
         return found is not None and not found.responding
 
     def after_isolation(self, incident: str, job_ids: Collection[str], *, dry_run: bool = False) -> list[Decision]:
