@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.fleet.config import FleetConfig
-from fleetheal.slurm import nodes as slurm_nodes
-from fleetheal.slurm.jobs import COPIES_ARGS, copies
+from fleetheal.slurm import nodes
+from fleetheal.slurm.jobs import COPIES_ARGS, ClusterJob, cluster_jobs_args, copies, parse_cluster_jobs
 from fleetheal.slurm.runner import Runner
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -169,16 +169,6 @@ def checkpoint_store(comment: str, default: str = "") -> str:
     return default
 
 
-@dataclass(frozen=True)
-class Job:
-    """A job of this cluster as the stage reads it (`squeue -M CLUSTER`)."""
-
-    job_id: str
-    state: str
-    nodes: str
-    comment: str
-
-
 class Stage:
     """The remediator's third recovery stage: it decides when a job cannot heal on this cluster and moves it.
 
@@ -212,23 +202,14 @@ class Stage:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
-    def jobs(self, *, node: str = "") -> list[Job]:
-        """This cluster's live jobs (on `node` only, when given); the comment comes last: it is free text."""
-        argv = ["squeue", "-M", self.cluster, "-h", "-t", ",".join(LIVE), "-o", "%i|%T|%N|%k"]
-        if node:
-            argv += ["-w", node]
-        out = _run(self.env, *argv)
-        jobs = []
-        for line in out.splitlines():
-            parts = line.split("|", 3)
-            if len(parts) == 4 and parts[0].strip():
-                jobs.append(Job(parts[0].strip(), parts[1], parts[2], parts[3].strip()))
-        return jobs
+    def jobs(self, *, node: str = "") -> list[ClusterJob]:
+        """This cluster's live jobs (on `node` only, when given)."""
+        return parse_cluster_jobs(_run(self.env, "squeue", *cluster_jobs_args(self.cluster, LIVE, node)))
 
     def node_lost(self, node: str) -> bool:
         """Slurm says `node` does not respond (or is down): what corroborates an alert before a move."""
-        out = _run(self.env, "sinfo", "-M", self.cluster, *slurm_nodes.NODES_ARGS, "-n", node)
-        found = slurm_nodes.read(out).get(node)
+        out = _run(self.env, "sinfo", "-M", self.cluster, *nodes.NODES_ARGS, "-n", node)
+        found = nodes.read(out).get(node)
         return found is not None and not found.responding
 
     def after_isolation(self, incident: str, job_ids: Collection[str], *, dry_run: bool = False) -> list[Decision]:
@@ -247,7 +228,7 @@ class Stage:
         """Move the jobs of `node`, whose isolation the gate holds; only once `node_lost(node)` is true."""
         return [self._move(j, dry_run, f"{node} does not respond") for j in self.jobs(node=node)]
 
-    def _move(self, job: Job, dry_run: bool, why: str) -> Decision:
+    def _move(self, job: ClusterJob, dry_run: bool, why: str) -> Decision:
         store = checkpoint_store(job.comment, self.default_store)
         if not store:
             d = Decision(job.job_id, "refused", self.cluster, "", f"{why}; the job names no checkpoint store")

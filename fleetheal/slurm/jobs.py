@@ -7,6 +7,8 @@
   `job_nodes` and `fields.number`: the only places that know how a data parser shapes a job's field.
 - The fleet's queue (`FLEET_SQUEUE_ARGS`, `parse_queue`): `squeue -M all` text, one `CLUSTER:` section each.
 - Where a federated job's copies are (`COPIES_ARGS`, `copies`): `squeue -M all --local`.
+- One cluster's jobs in given states, with their nodes and comment (`cluster_jobs_args`, `parse_cluster_jobs`):
+  `squeue -M CLUSTER -o %i|%T|%N|%k`, what cross-cluster failover moves.
 - One job's fields (`one_job`, `job_comment`, `job_allocation`): `squeue --jobs J --format`, text, since
   22.05's `squeue --json` ignores `--jobs` and would return every job of the cluster (measured). `fleetheal
   launch` reads its own job this way.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,6 +233,36 @@ def copies(text: str, job_id: str) -> dict[str, str]:
             if jid == job_id and cluster:  # the column header "JOBID|STATE" never matches
                 found[cluster] = state
     return found
+
+
+# --- one cluster's jobs: `squeue -M CLUSTER -o %i|%T|%N|%k` -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterJob:
+    """A job of one cluster as `squeue cluster_jobs_args(...)` prints it."""
+
+    job_id: str
+    state: str
+    nodes: str
+    comment: str
+
+
+def cluster_jobs_args(cluster: str, states: Sequence[str], node: str = "") -> list[str]:
+    """squeue's arguments for `cluster`'s jobs in `states` (on `node` only, when given); the comment comes last:
+    it is free text."""
+    argv = ["-M", cluster, "-h", "-t", ",".join(states), "-o", "%i|%T|%N|%k"]
+    return [*argv, "-w", node] if node else argv
+
+
+def parse_cluster_jobs(text: str) -> list[ClusterJob]:
+    """What `squeue cluster_jobs_args(...)` printed, one ClusterJob a line (a `|` in the comment is kept)."""
+    jobs = []
+    for line in text.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) == 4 and parts[0].strip():
+            jobs.append(ClusterJob(parts[0].strip(), parts[1], parts[2], parts[3].strip()))
+    return jobs
 
 
 # --- one job's fields: `squeue --jobs J --format` ----------------------------------------------------------------

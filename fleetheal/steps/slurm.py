@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetheal import contracts, launch
-from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm import nodes
 from fleetheal.slurm.client import Client
 from fleetheal.slurm.jobs import slurm_max_priority, target_jobs
 from fleetheal.slurm.runner import Runner
@@ -47,7 +47,7 @@ class Slurm(Client):
 def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False, sinfo: Any = None) -> StepResult:
     """Drain `node` with an owned reason; never over a reason fleetheal does not own. `sinfo`: a node read
     taken after the caller was asked to act (default: a new one)."""
-    info = slurm_nodes.read(slurm.sinfo() if sinfo is None else sinfo).get(node)
+    info = nodes.read(slurm.sinfo() if sinfo is None else sinfo).get(node)
     if info is None:
         raise StepError(f"Slurm does not know node {node}")
     if info.drained and not info.reason_owned():
@@ -375,15 +375,15 @@ def promote_standby(
     asked to act (default: a new one); promotions claimed since it was taken are not picked again."""
     s = slurm.settings
     taken, read_nodes = slurm.sinfo_at() if read is None else read
-    nodes = slurm_nodes.read(read_nodes)
+    pool = nodes.read(read_nodes)
     with _PROMOTE_LOCK:
-        done = nodes.with_extra(f"incident={incident}")
+        done = pool.with_extra(f"incident={incident}")
         if done:
             detail = f"{', '.join(done)} already promoted for incident {incident}"
             return StepResult("standby_promote", "done", detail, node=done[0])
         for name in [n for n, ended in _CLAIMED.items() if ended < taken]:
             del _CLAIMED[name]  # this read shows what its resume did
-        free = [n for n in nodes.with_reason(s.standby_reason) if n != node and n not in _CLAIMED]
+        free = [n for n in pool.with_reason(s.standby_reason) if n != node and n not in _CLAIMED]
         if not free:
             return StepResult(
                 "standby_promote", "skipped", f"no standby node (drained with reason '{s.standby_reason}') to promote"

@@ -16,9 +16,8 @@ import yaml
 
 from fleetheal import steps
 from fleetheal.lab.slurm import SlurmCluster
-from fleetheal.slurm import client
-from fleetheal.slurm import jobs as slurm_jobs
-from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm import client, nodes
+from fleetheal.slurm.jobs import slurm_job
 from fleetheal.steps import kube as kube_steps
 from tests.ansible.conftest import job_json, wait_until
 
@@ -73,12 +72,12 @@ def test_restart_in_place_on_the_same_nodes_right_after_a_requeue(cluster: Slurm
     three restarts in place in a row, each right after the previous one, all RUNNING again on the same nodes."""
     slurm = steps.Slurm(settings(cluster))
     job = submit(cluster, tmp_path / "sig", "--nodes=2", "--gres=gpu:8", "--exclusive")
-    nodes = running(cluster, job)["nodes"]
+    held = running(cluster, job)["nodes"]
     for n in range(1, 4):
-        results = steps.requeue_jobs(slurm, nodes[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
+        results = steps.requeue_jobs(slurm, held[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
         assert [r.outcome for r in results] == ["done", "done"], results
         entry = running(cluster, job)
-        assert entry["nodes"] == nodes
+        assert entry["nodes"] == held
         assert entry["restart_cnt"] == n
         assert f"incident=inc-{n}" in entry["comment"]
     assert "credential revoked" not in (cluster.log_dir / "slurmctld.log").read_text().lower()
@@ -209,19 +208,19 @@ def test_a_job_run_by_fleetheal_launch_restarts_in_its_allocation_once_per_incid
     slurm = steps.Slurm(settings(cluster))
     log = tmp_path / "launch"
     job = submit_launch(cluster, log)
-    nodes = running(cluster, job)["nodes"]
+    held = running(cluster, job)["nodes"]
     assert wait_until(lambda: "fleetheal-launch" in job_json(cluster, job)["comment"].split(), 120)
     lines = log / f"{job}.launch"
     assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 120)
     for n in (1, 2):
-        results = steps.requeue_jobs(slurm, nodes[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
+        results = steps.requeue_jobs(slurm, held[0], f"inc-{n}", "nccl-timeout", same_nodes=True)
         assert [r.step for r in results] == ["slurm_signal", "slurm_requeue"], results
         assert "in its allocation" in results[1].detail, results
         assert wait_until(lambda n=n: f"start {n} inc-{n}" in lines.read_text(), 120), lines.read_text()
         entry = job_json(cluster, job)
         assert entry["state"] == "RUNNING" and entry["restart_cnt"] == 0
-        assert entry["nodes"] == nodes
-    again = steps.requeue_jobs(slurm, nodes[0], "inc-2", "nccl-timeout", same_nodes=True)
+        assert entry["nodes"] == held
+    again = steps.requeue_jobs(slurm, held[0], "inc-2", "nccl-timeout", same_nodes=True)
     assert [r.outcome for r in again] == ["done"] and "already" in again[0].detail
     text = lines.read_text().split("\n")
     assert [t for t in text if t.startswith("start")] == ["start 0 ", "start 1 inc-1", "start 2 inc-2"]
@@ -234,11 +233,11 @@ def test_fleetheal_launch_under_a_shell_leaves_the_job_to_a_requeue(cluster: Slu
     slurm = steps.Slurm(settings(cluster))
     log = tmp_path / "launch"
     job = submit_launch(cluster, log, exec_=False)
-    nodes = running(cluster, job)["nodes"]
+    held = running(cluster, job)["nodes"]
     lines = log / f"{job}.launch"
     assert wait_until(lambda: lines.exists() and "start 0" in lines.read_text(), 120)
     assert "fleetheal-launch" not in job_json(cluster, job)["comment"]
-    results = steps.requeue_jobs(slurm, nodes[0], "inc-1", "nccl-timeout", same_nodes=True)
+    results = steps.requeue_jobs(slurm, held[0], "inc-1", "nccl-timeout", same_nodes=True)
     assert "requeued it on" in results[-1].detail, results
     assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 120)
 
@@ -287,7 +286,7 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     assert [r.outcome for r in again] == ["skipped"], again
 
     # No spare left, and n1 runs the launcher: both are requeued as any job.
-    job_now = slurm_jobs.slurm_job(slurm.squeue(), job)
+    job_now = slurm_job(slurm.squeue(), job)
     assert not steps.can_shrink(job_now, "n3") and not steps.can_shrink(job_now, "n1")
     requeued = steps.requeue_jobs(slurm, "n1", "inc-2", "xid-79")
     assert "requeued it" in requeued[-1].detail, requeued
@@ -328,14 +327,14 @@ def test_the_text_node_read_agrees_with_slurms_json(cluster: SlurmCluster) -> No
     cluster.run("scontrol", "update", "nodename=n2", "extra=fleetheal: promoted for n9 incident=inc-7")
     cluster.run("scontrol", "update", "nodename=n2", 'comment={"podName": "lab-h100-x"}')
     cluster.run("scontrol", "update", "nodename=n3", "state=DOWN", "reason=none of ours")
-    text = slurm_nodes.read(cluster.run(*slurm_nodes.sinfo_argv()).stdout)
+    text = nodes.read(cluster.run(*nodes.sinfo_argv()).stdout)
     json_read = ("sinfo", "--json") if cluster.release.version < (23, 2, 0) else ("scontrol", "--json", "show", "node")
     doc = cluster.run(*json_read).stdout
-    assert text == slurm_nodes.read(doc)
+    assert text == nodes.read(doc)
     assert set(text) == {"n1", "n2", "n3"} and text["n1"].reason_time
     for name in ("n1", "n2", "n3", "nX"):
-        assert slurm_nodes.slurm_node(text, name) == slurm_nodes.slurm_node(doc, name), name
-    assert slurm_nodes.read(cluster.run(*slurm_nodes.sinfo_argv("sinfo", "n1")).stdout) == {"n1": text["n1"]}
+        assert nodes.slurm_node(text, name) == nodes.slurm_node(doc, name), name
+    assert nodes.read(cluster.run(*nodes.sinfo_argv("sinfo", "n1")).stdout) == {"n1": text["n1"]}
     assert text["n1"].reason == "fleetheal: a|b,c  d=e" and text["n1"].reason_owned()
     assert text.with_extra("incident=inc-7") == ["n2"]
     assert text.with_reason("fleetheal:") == ["n1"]

@@ -17,6 +17,7 @@ from fleetheal.contracts import CHECKPOINT_WORD
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import failover
 from fleetheal.lab import train
+from fleetheal.slurm.jobs import ClusterJob
 from fleetheal.wait import wait_until
 
 if TYPE_CHECKING:
@@ -182,15 +183,15 @@ def test_a_move_interrupted_after_its_hold_finishes_on_the_next_call(
 class _ListedStage(failover.Stage):
     """The stage with Slurm's job list given and its moves recorded (a test double of Slurm only)."""
 
-    def __init__(self, jobs: list[failover.Job]) -> None:
+    def __init__(self, jobs: list[ClusterJob]) -> None:
         super().__init__(fleet("/shared"), "a", default_store="shared", wait_s=0.0)
         self.listed = jobs
         self.moved: list[str] = []
 
-    def jobs(self, *, node: str = "") -> list[failover.Job]:
+    def jobs(self, *, node: str = "") -> list[ClusterJob]:
         return self.listed
 
-    def _move(self, job: failover.Job, dry_run: bool, why: str) -> failover.Decision:
+    def _move(self, job: ClusterJob, dry_run: bool, why: str) -> failover.Decision:
         self.moved.append(job.job_id)
         return failover.Decision(job.job_id, "moved", "a", "b", why)
 
@@ -200,9 +201,9 @@ def test_only_jobs_the_first_response_requeued_move_not_those_whose_comment_name
     remediator move (or wait on) their job: the requeued jobs come from its own record."""
     word = "fleetheal: requeued after nic-down on a1 incident=inc-000001"
     stage = _ListedStage([
-        failover.Job("11", "PENDING", "", word),  # requeued by the first response
-        failover.Job("12", "PENDING", "", word),  # forged by its owner
-        failover.Job("13", "RUNNING", "a2", word),  # requeued, but Slurm started it again here
+        ClusterJob("11", "PENDING", "", word),  # requeued by the first response
+        ClusterJob("12", "PENDING", "", word),  # forged by its owner
+        ClusterJob("13", "RUNNING", "a2", word),  # requeued, but Slurm started it again here
     ])  # fmt: skip
     decisions = stage.after_isolation("inc-000001", ["11", "13"])
     assert stage.moved == ["11"] and [d.job_id for d in decisions] == ["11"]

@@ -17,8 +17,8 @@ from fleetheal.errors import UsageError
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import queue_policy, queues, view
 from fleetheal.fleet.config import Queues
-from fleetheal.slurm import jobs as slurm_jobs
 from fleetheal.slurm.fields import SEP
+from fleetheal.slurm.jobs import QueuedJob
 from fleetheal.wait import wait_until
 
 if TYPE_CHECKING:
@@ -33,11 +33,11 @@ CLUSTER = view.ClusterStatus(
     True,
     gpus={"h100": view.Gpus(allocated=8, free=8)},
     jobs=(
-        slurm_jobs.QueuedJob("1", "running", "small", 4),
-        slurm_jobs.QueuedJob("2", "running", "large", 4),
-        slurm_jobs.QueuedJob("3", "pending", "large", 16),
-        slurm_jobs.QueuedJob("4", "pending", "large", 8),
-        slurm_jobs.QueuedJob("5", "pending", "small", 1),
+        QueuedJob("1", "running", "small", 4),
+        QueuedJob("2", "running", "large", 4),
+        QueuedJob("3", "pending", "large", 16),
+        QueuedJob("4", "pending", "large", 8),
+        QueuedJob("5", "pending", "small", 1),
     ),
 )
 #: `squeue -O JobID,PriorityLong,SubmitTime` of the pending large jobs (and a line that is not one).

@@ -19,9 +19,7 @@ from fleetheal import procs
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import render, status, view
 from fleetheal.remediator.app import Service
-from fleetheal.slurm import fields, gres, runner
-from fleetheal.slurm import jobs as slurm_jobs
-from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm import fields, gres, jobs, nodes, runner
 from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config
 
@@ -91,7 +89,7 @@ def captured(name: str) -> str:
 def read(tool: str, scene: str) -> runner.Read:
     """A captured read as `run_read` returns it: the output, and the first error line when it exited non-zero."""
     meta = json.loads(captured(f"{tool}-{scene}.meta"))
-    args = slurm_nodes.FLEET_SINFO_ARGS if tool == "sinfo" else slurm_jobs.FLEET_SQUEUE_ARGS
+    args = nodes.FLEET_SINFO_ARGS if tool == "sinfo" else jobs.FLEET_SQUEUE_ARGS
     assert meta["argv"] == [tool, *args], "the arguments changed since the capture: capture again"
     first = next((ln for ln in meta["stderr"].splitlines() if ln.strip()), "")
     return runner.Read(captured(f"{tool}-{scene}.txt"), first if meta["rc"] else "")
@@ -176,7 +174,7 @@ def test_node_states() -> None:
     from fleetheal.slurm.nodes import Node
 
     def state(base: str, *flags: str) -> str:
-        return slurm_nodes.node_state(Node("n", base, frozenset(flags)))
+        return nodes.node_state(Node("n", base, frozenset(flags)))
 
     assert state("IDLE") == "idle" and state("MIXED") == "mixed" and state("ALLOCATED") == "allocated"
     assert state("IDLE", "DRAIN") == "drained" and state("ALLOCATED", "DRAIN") == "drained"

@@ -34,10 +34,12 @@ def _record(store: Store, iid: int, kind: str, data: dict[str, object]) -> None:
 
 def test_playbooks_record_every_mapped_step() -> None:
     """The step names mapped to phases are the ones the playbooks record, through the task phases parses,
-    themselves or from the fleetheal.cluster modules' rows (fleetheal/steps.py, also the first responder's)."""
+    themselves or from the fleetheal.cluster modules' rows (the package fleetheal/steps/, also the first
+    responder's)."""
     text = "\n".join(p.read_text() for p in (REPO / "playbooks").rglob("*.yml"))
     recorded = set(re.findall(r"__step: ([a-z0-9_]+)", text))
-    recorded |= set(re.findall(r'StepResult\(\s*"([a-z0-9_]+)"', (REPO / "fleetheal" / "steps.py").read_text()))
+    steps = "\n".join(p.read_text() for p in sorted((REPO / "fleetheal" / "steps").glob("*.py")))
+    recorded |= set(re.findall(r'StepResult\(\s*"([a-z0-9_]+)"', steps))
     if '__step: "k8s_{{ __k8s_op }}"' in text:  # tasks/k8s_node.yml: one step per operation the playbooks ask for
         recorded |= {f"k8s_{op}" for op in re.findall(r"__k8s_op: ([a-z]+)", text)}
     assert set(STEP_PHASES) <= recorded, set(STEP_PHASES) - recorded

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm import jobs
 from fleetheal.slurm.fields import number
 from fleetheal.slurm.jobs import job_nodes, job_state
 from fleetheal.slurm.nodes import (
@@ -186,16 +186,14 @@ SQUEUE = Path(__file__).parent / "data" / "slurm"
 def test_each_data_parser_reads_to_the_same_jobs(release: str) -> None:
     doc = json.loads((SQUEUE / f"squeue-{release}.json").read_text())
     cap = f"/tmp/cap{release[:2]}"  # where the capture ran
-    first, task2, task1 = (slurm_jobs.slurm_job(doc, j) for j in ("1", "2", "3"))
+    first, task2, task1 = (jobs.slurm_job(doc, j) for j in ("1", "2", "3"))
     assert (first["state"], first["nodes"], first["comment"], first["restart_cnt"], first["uid"]) == (
         "RUNNING", ["n1"], "hello", 0, 0,
     )  # fmt: skip
     assert first["stdout"] == f"{cap}/out-1-{first['name']}.txt"
     assert (task1["stdout"], task2["stdout"]) == (f"{cap}/jobs/slurm-2_1.out", f"{cap}/jobs/slurm-2_2.out")
-    assert [j["job_id"] for j in slurm_jobs.slurm_jobs_on_node(doc, "n2")] == ["2", "3"]
-    assert first["priority"] > 0 and slurm_jobs.slurm_max_priority(doc) == max(
-        j["priority"] for j in (first, task1, task2)
-    )
+    assert [j["job_id"] for j in jobs.slurm_jobs_on_node(doc, "n2")] == ["2", "3"]
+    assert first["priority"] > 0 and jobs.slurm_max_priority(doc) == max(j["priority"] for j in (first, task1, task2))
 
 
 def test_field_shapes_of_every_data_parser() -> None:
@@ -209,3 +207,16 @@ def test_field_shapes_of_every_data_parser() -> None:
     old = {"job_resources": {"allocated_nodes": [{"nodename": "a1"}, {"nodename": "a2"}]}}
     new = {"job_resources": {"nodes": {"allocation": [{"index": 0, "name": "a1"}, {"index": 1, "name": "a2"}]}}}
     assert job_nodes(old) == job_nodes(new) == ["a1", "a2"] and job_nodes({}) == []
+
+
+def test_a_clusters_jobs_with_nodes_and_a_free_text_comment() -> None:
+    """Cross-cluster failover's read: `squeue -M CLUSTER -o %i|%T|%N|%k`, the comment last and kept whole."""
+    assert jobs.cluster_jobs_args("a", ("PENDING", "RUNNING")) == [
+        "-M", "a", "-h", "-t", "PENDING,RUNNING", "-o", "%i|%T|%N|%k",
+    ]  # fmt: skip
+    assert jobs.cluster_jobs_args("a", ("RUNNING",), "a1")[-2:] == ["-w", "a1"]
+    text = "11|PENDING||fleetheal-checkpoint=shared \n 12 |RUNNING|a[1-2]|a|b\n\nCLUSTER: a\n"
+    assert jobs.parse_cluster_jobs(text) == [
+        jobs.ClusterJob("11", "PENDING", "", "fleetheal-checkpoint=shared"),
+        jobs.ClusterJob("12", "RUNNING", "a[1-2]", "a|b"),
+    ]

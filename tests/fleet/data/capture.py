@@ -11,8 +11,7 @@ import tempfile
 from pathlib import Path
 
 from fleetheal.lab.federation import Federation
-from fleetheal.slurm import jobs as slurm_jobs
-from fleetheal.slurm import nodes as slurm_nodes
+from fleetheal.slurm import jobs, nodes
 from fleetheal.wait import wait_until
 
 SLEEP = "#!/bin/sh\nsleep 600\n"
@@ -25,7 +24,7 @@ def main(out: Path) -> None:
         fed.start()
 
         def save(tag: str) -> None:
-            for tool, args in (("sinfo", slurm_nodes.FLEET_SINFO_ARGS), ("squeue", slurm_jobs.FLEET_SQUEUE_ARGS)):
+            for tool, args in (("sinfo", nodes.FLEET_SINFO_ARGS), ("squeue", jobs.FLEET_SQUEUE_ARGS)):
                 p = fed.run(tool, *args, check=False)
                 (out / f"{tool}-{tag}.txt").write_text(p.stdout)
                 meta = {"argv": [tool, *args], "rc": p.returncode, "stderr": p.stderr}
