@@ -1,8 +1,8 @@
-"""fleetheal's CrossGuard policy pack: only assembles the rules of rules.py (beside this file).
+"""fleetheal's CrossGuard policy pack: only assembles the rules of the rules/ package (beside this file).
 
 The pack stands alone: it needs its requirements.txt, never the fleetheal package. Constructing
 PolicyPack starts the analyzer server and blocks, so nothing imports this module; tests call the
-validators in rules.py (as fleetheal.infra.policy) directly.
+validators in rules/ (as fleetheal.infra.policy) directly.
 """
 
 import rules

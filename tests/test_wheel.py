@@ -102,8 +102,10 @@ def test_the_wheel_carries_the_playbooks_and_their_roles(wheel: Path) -> None:
         if (role / "tasks" / "main.yml").is_file():
             assert f"fleetheal/playbooks/roles/{role.name}/tasks/main.yml" in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
-    # the other links into policies/: the taxonomy, the log rules and the policy pack's rules
-    assert {"fleetheal/faults.yaml", "fleetheal/log-rules.yaml", "fleetheal/infra/policy.py"} <= names
+    # the other links into policies/: the taxonomy, the log rules and the policy pack's rules (a package)
+    rules = {f"fleetheal/infra/policy/{p.name}" for p in (REPO / "policies" / "rules").glob("*.py")}
+    assert {"fleetheal/faults.yaml", "fleetheal/log-rules.yaml", "fleetheal/infra/policy/__init__.py"} <= names
+    assert rules <= names
 
 
 def test_the_installed_remediator_finds_its_playbooks(venv: Path, tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-# The policy pack's rules (policies/rules.py) define what "pinned" and the environment label mean; the
+# The policy pack's rules (policies/rules/shared.py) define what "pinned" and the environment label mean; the
 # components refuse at construction what the pack would refuse at preview.
-from fleetheal.infra.policy import image_is_pinned
+from fleetheal.infra.policy.shared import image_is_pinned
 
 #: Labels every object fleetheal creates carries (Kubernetes recommended labels).
 MANAGED_BY = {"app.kubernetes.io/managed-by": "fleetheal", "app.kubernetes.io/part-of": "fleetheal"}

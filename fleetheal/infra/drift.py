@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from fleetheal.errors import UsageError
-from fleetheal.infra import policy
 from fleetheal.infra.fleet_file import FLEET_CONFIGMAP, FLEET_FILE_KEY
+from fleetheal.infra.policy import shared, slurm_rules
 from fleetheal.infra.stack_model import BUILTIN_QOS
 
 #: The categories the drift check compares, in the order it reports them.
@@ -130,7 +130,7 @@ def read_stack(source: str, objects: Iterable[Mapping[str, Any]]) -> tuple[Membe
         return None, None
     ctrl = controllers[0]
     labels = (ctrl.get("metadata") or {}).get("labels") or {}
-    role = str(labels.get(policy.LABEL_FEDERATION_ROLE, "none"))
+    role = str(labels.get(shared.LABEL_FEDERATION_ROLE, "none"))
     cluster = str((ctrl.get("spec") or {}).get("clusterName") or _meta(ctrl)[1])
     needs: dict[str, dict[str, str]] = {c: {} for c in CATEGORIES if c not in ("account", "qos")}
     manager_addr = ""
@@ -142,8 +142,8 @@ def read_stack(source: str, objects: Iterable[Mapping[str, Any]]) -> tuple[Membe
         kind = o.get("kind")
         if _component(o) in _MANAGER_ONLY_COMPONENTS:
             data = o.get("data") or {}
-            if kind == "ConfigMap" and policy.FEDERATION_SCRIPT_KEY in data:
-                declared = _read_manager(source, str(data[policy.FEDERATION_SCRIPT_KEY]), str(data.get("address", "")))
+            if kind == "ConfigMap" and shared.FEDERATION_SCRIPT_KEY in data:
+                declared = _read_manager(source, str(data[shared.FEDERATION_SCRIPT_KEY]), str(data.get("address", "")))
             continue
         if kind == "Accounting":
             spec = o.get("spec") or {}
@@ -202,7 +202,7 @@ def _read_manager(source: str, text: str, address: str) -> Manager:
     accounts: dict[str, dict[str, str]] = {}
     granted: dict[str, set[tuple[str, str]]] = {}
     qos: dict[str, str] = {}
-    for s in policy.federation_statements(text):
+    for s in slurm_rules.federation_statements(text):
         if s[0] == "cluster" and len(s) >= 2:
             accounts.setdefault(s[1], {})
             granted.setdefault(s[1], set())

@@ -21,7 +21,8 @@ from typing import Any, TypedDict
 import pulumi
 import pulumi_kubernetes as k8s
 
-from fleetheal.infra import common, policy, slinky
+from fleetheal.infra import common, slinky
+from fleetheal.infra.policy import shared
 from fleetheal.infra.stack_model import FederationSpec
 
 COMPONENT = "FederationManager"
@@ -32,7 +33,7 @@ SLURM_ETC = "/etc/slurm"
 #: How long the Job waits for slurmdbd to answer before it fails (and the Job's backoff retries it).
 DBD_WAIT_S = 600
 
-# The script's shell functions; the statements after them (policy.FEDERATION_VERBS) are generated.
+# The script's shell functions; the statements after them (shared.FEDERATION_VERBS) are generated.
 SCRIPT_HEAD = r"""#!/usr/bin/env bash
 # fleetheal: the Slurm federation {name}, applied to slurmdbd with `sacctmgr -i`. Generated from the manager
 # stack's fleetheal:federation setting; `fleetheal fleet drift` reads the statements at the end.
@@ -219,12 +220,12 @@ class FederationManager(pulumi.ComponentResource):
         # depends_on is given to each child: the Job must wait for the namespaces and the Slurm cluster.
         deps = list(opts.depends_on or []) if opts is not None and isinstance(opts.depends_on, list) else []
         at_root = [pulumi.Alias(parent=pulumi.ROOT_STACK_RESOURCE)]
-        labels = common.labels(policy.FEDERATION_COMPONENT, SCRIPT_CONFIGMAP, {policy.LABEL_FEDERATION_ROLE: "manager"})
+        labels = common.labels(shared.FEDERATION_COMPONENT, SCRIPT_CONFIGMAP, {shared.LABEL_FEDERATION_ROLE: "manager"})
         self.script_config_map = k8s.core.v1.ConfigMap(
             f"{name}-script",
             metadata={"name": SCRIPT_CONFIGMAP, "namespace": ns, "labels": labels},
             data={
-                policy.FEDERATION_SCRIPT_KEY: text,
+                shared.FEDERATION_SCRIPT_KEY: text,
                 "slurm.conf": conf,
                 **({"address": spec.address} if spec.address else {}),
             },
@@ -235,7 +236,7 @@ class FederationManager(pulumi.ComponentResource):
             metadata={
                 "name": self.job_name,
                 "namespace": ns,
-                "labels": common.labels(policy.FEDERATION_COMPONENT, self.job_name),
+                "labels": common.labels(shared.FEDERATION_COMPONENT, self.job_name),
             },
             spec=self._job_spec(a),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[*deps, self.script_config_map], aliases=at_root),
@@ -243,8 +244,8 @@ class FederationManager(pulumi.ComponentResource):
         self.register_outputs({"job": self.job_name})
 
     def _job_spec(self, a: dict[str, Any]) -> dict[str, Any]:
-        job_labels = common.labels(policy.FEDERATION_COMPONENT, self.job_name)
-        key = policy.FEDERATION_SCRIPT_KEY
+        job_labels = common.labels(shared.FEDERATION_COMPONENT, self.job_name)
+        key = shared.FEDERATION_SCRIPT_KEY
         return {
             "backoffLimit": 6,
             "template": {

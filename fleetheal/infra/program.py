@@ -11,7 +11,7 @@ import pulumi_kubernetes as k8s
 from pulumi.runtime import rpc
 
 from fleetheal import generate
-from fleetheal.infra import common, policy
+from fleetheal.infra import common
 from fleetheal.infra.accounting_db import AccountingDatabase
 from fleetheal.infra.agent import HealthAgent
 from fleetheal.infra.alerting import AlertRouting
@@ -20,6 +20,7 @@ from fleetheal.infra.federation import FederationManager
 from fleetheal.infra.fleet_file import FLEET_CONFIGMAP, FLEET_FILE_KEY, fleet_file_text
 from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
+from fleetheal.infra.policy import shared
 from fleetheal.infra.remediator import Remediator, RemediatorArgs, RemediatorStore
 from fleetheal.infra.slinky import SlinkyCluster
 from fleetheal.infra.stack_model import StackConfig
@@ -68,7 +69,7 @@ def fleet_file_config_map(cfg: StackConfig, opts: pulumi.ResourceOptions) -> k8s
         metadata={
             "name": FLEET_CONFIGMAP,
             "namespace": cfg.system_namespace,
-            "labels": common.labels("fleet", FLEET_CONFIGMAP, {policy.LABEL_FEDERATION_ROLE: cfg.federation.role}),
+            "labels": common.labels("fleet", FLEET_CONFIGMAP, {shared.LABEL_FEDERATION_ROLE: cfg.federation.role}),
         },
         data={FLEET_FILE_KEY: fleet_file_text(cfg.federation.fleet_file)},
         opts=opts,
@@ -130,7 +131,7 @@ def skip_await(args: pulumi.ResourceTransformArgs) -> pulumi.ResourceTransformRe
 def build(cfg: StackConfig) -> Fleet:
     if not cfg.await_readiness:
         pulumi.runtime.register_resource_transform(skip_await)
-    environment = {policy.LABEL_ENVIRONMENT: cfg.environment}
+    environment = {shared.LABEL_ENVIRONMENT: cfg.environment}
     ns_slurm = k8s.core.v1.Namespace(
         "ns-slurm",
         metadata={"name": cfg.slurm_namespace, "labels": common.labels("namespace", cfg.slurm_namespace, environment)},

@@ -20,7 +20,8 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from fleetheal import contracts
-from fleetheal.infra import common, policy, slurm_hooks
+from fleetheal.infra import common, slurm_hooks
+from fleetheal.infra.policy import shared
 from fleetheal.infra.stack_model import GpuPool
 
 COMPONENT = "SlinkyCluster"
@@ -221,7 +222,7 @@ class SlinkyCluster(pulumi.ComponentResource):
         extra = {"app.kubernetes.io/instance": self.args["cluster_name"]}
         if self.args["federation_role"] != "none" and component in ("controller", "accounting"):
             # The policy pack finds the federation's members (and their manager) by this label.
-            extra[policy.LABEL_FEDERATION_ROLE] = self.args["federation_role"]
+            extra[shared.LABEL_FEDERATION_ROLE] = self.args["federation_role"]
         return common.labels(component, f"{self.args['cluster_name']}-{component}", extra)
 
     @property

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from fleetheal import contracts, generate
-from fleetheal.infra import config, mocks, policy, program, stack_model
+from fleetheal.infra import config, mocks, program, stack_model
+from fleetheal.infra.policy import shared
 from fleetheal.infra.slinky import CRD_FILES, crd_documents
 from tests.infra.graph import assert_all_valid, by_kind, objects
 from tests.k8s_schemas import SCHEMAS, SchemaSet
@@ -306,8 +307,8 @@ def test_prometheus_rule_groups_pass_promtool(
 def test_namespaces_carry_the_stack_environment(run_mocked: Runner, dev_values: dict[str, Any]) -> None:
     records = _build(run_mocked, config.from_values({**dev_values, "environment": "production"}))
     labels = {o["metadata"]["name"]: o["metadata"]["labels"] for o in by_kind(records, "Namespace")}
-    assert labels["fleetheal-system"][policy.LABEL_ENVIRONMENT] == "production"
-    assert labels["slurm"][policy.LABEL_ENVIRONMENT] == "production"
+    assert labels["fleetheal-system"][shared.LABEL_ENVIRONMENT] == "production"
+    assert labels["slurm"][shared.LABEL_ENVIRONMENT] == "production"
 
 
 def test_a_highly_available_remediator_on_the_in_cluster_postgres(

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from fleetheal.infra import config, mocks, policy, program, project
+from fleetheal.infra.policy import shared, slurm_rules
 
 Props = dict[str, Any]
 Graph = list[tuple[str, str, Props]]
@@ -54,9 +55,9 @@ def test_the_example_federation_passes_the_whole_pack(graphs: dict[str, Graph], 
 
 def _edit_script(old: str, new: str) -> Callable[[Props], None]:
     def fn(props: Props) -> None:
-        text = props["data"][policy.FEDERATION_SCRIPT_KEY]
+        text = props["data"][shared.FEDERATION_SCRIPT_KEY]
         assert old in text
-        props["data"][policy.FEDERATION_SCRIPT_KEY] = text.replace(old, new)
+        props["data"][shared.FEDERATION_SCRIPT_KEY] = text.replace(old, new)
 
     return fn
 
@@ -178,7 +179,7 @@ def test_production_federation_database_persistent(
 
 def test_federation_statements_read_only_the_generated_lines() -> None:
     text = "cluster() {\n  q show\n}\n# cluster x y\ncluster a h100  # a comment\n  qos large 10\nfederation f a\n"
-    assert policy.federation_statements(text) == [
+    assert slurm_rules.federation_statements(text) == [
         ("cluster", "a", "h100"),
         ("qos", "large", "10"),
         ("federation", "f", "a"),

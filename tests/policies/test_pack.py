@@ -16,6 +16,7 @@ import yaml
 
 from fleetheal import contracts
 from fleetheal.infra import common, policy
+from fleetheal.infra.policy import shared
 
 REPO = Path(__file__).resolve().parents[2]
 PACK = REPO / "policies"
@@ -26,11 +27,13 @@ def _pins(path: Path) -> dict[str, str]:
     return {name.lower(): version for name, _, version in (line.partition("==") for line in lines if line)}
 
 
-def test_fleetheal_reads_the_packs_rules_file() -> None:
-    assert Path(policy.__file__).resolve() == PACK / "rules.py"
+def test_fleetheal_reads_the_packs_rules_package() -> None:
+    assert Path(policy.__file__).resolve() == PACK / "rules" / "__init__.py"
 
 
-@pytest.mark.parametrize("name", ["__main__.py", "rules.py"])
+@pytest.mark.parametrize(
+    "name", ["__main__.py", *sorted(p.relative_to(PACK).as_posix() for p in PACK.glob("rules/*.py"))]
+)
 def test_the_pack_imports_nothing_from_fleetheal(name: str) -> None:
     tree = ast.parse((PACK / name).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -60,9 +63,9 @@ def test_the_packs_requirements_are_exact_and_match_the_repository_pins() -> Non
 
 def test_the_names_the_pack_carries_equal_fleetheals_contracts() -> None:
     for name in ("LABEL_POOL", "LABEL_GPU_POOL", "LABEL_GPU_TYPE", "LABEL_MEMBERSHIP", "MEMBER_ROLES"):
-        assert getattr(policy, name) == getattr(contracts, name), name
+        assert getattr(shared, name) == getattr(contracts, name), name
     # The Pulumi components take it from the pack itself: one definition.
-    assert common.image_is_pinned is policy.image_is_pinned
+    assert common.image_is_pinned is shared.image_is_pinned
 
 
 @pytest.mark.parametrize(
@@ -73,7 +76,7 @@ def test_membership_entries_parse_as_the_remediator_parses_them(entry: str) -> N
         expected: object = contracts.parse_membership_entry(entry)
     except ValueError as exc:
         with pytest.raises(ValueError) as got:
-            policy.parse_membership_entry(entry)
+            shared.parse_membership_entry(entry)
         assert str(got.value) == str(exc)
     else:
-        assert policy.parse_membership_entry(entry) == expected
+        assert shared.parse_membership_entry(entry) == expected

@@ -17,6 +17,7 @@ from pulumi_policy import ResourceValidationArgs, StackValidationArgs
 
 from fleetheal import contracts
 from fleetheal.infra import agent, config, mocks, policy, program, project
+from fleetheal.infra.policy import agent_rules, pool_rules, remediator_rules, shared, slurm_rules
 from fleetheal.infra.remediator import remediator_config
 
 SLINKY = "slinky.slurm.net/v1beta1"
@@ -268,14 +269,14 @@ REQUEUE_FIX = (
 
 
 def test_requeue_valid() -> None:
-    assert run_resource(policy.validate_slurm_requeue, controller()) == []
+    assert run_resource(slurm_rules.validate_slurm_requeue, controller()) == []
 
 
 @pytest.mark.parametrize(("conf", "shown"), [("KillWait=120\n", "unset"), ("JobRequeue=1\nJobRequeue=0\n", "0")])
 def test_requeue_off(conf: str, shown: str) -> None:
     props = controller()
     props["spec"]["extraConf"] = conf
-    assert run_resource(policy.validate_slurm_requeue, props) == [
+    assert run_resource(slurm_rules.validate_slurm_requeue, props) == [
         f"Controller 'lab': Slurm job requeue is off (JobRequeue={shown}). {REQUEUE_FIX}"
     ]
 
@@ -286,21 +287,21 @@ def test_requeue_off_in_a_helm_release() -> None:
         "chart": "oci://ghcr.io/slinkyproject/charts/slurm",
         "values": {"controller": {"extraConf": "KillWait=30"}},
     }
-    assert run_resource(policy.validate_slurm_requeue, props, type_=policy.HELM_RELEASE) == [
+    assert run_resource(slurm_rules.validate_slurm_requeue, props, type_=shared.HELM_RELEASE) == [
         f"Helm release 'slurm': Slurm job requeue is off (JobRequeue=unset). {REQUEUE_FIX}"
     ]
 
 
 def test_images_pinned_valid() -> None:
-    assert run_resource(policy.validate_images_pinned, agent_daemonset()) == []
-    assert run_resource(policy.validate_images_pinned, nodeset()) == []
+    assert run_resource(agent_rules.validate_images_pinned, agent_daemonset()) == []
+    assert run_resource(agent_rules.validate_images_pinned, nodeset()) == []
 
 
 @pytest.mark.parametrize("image", ["r/agent:latest", "r/agent"])
 def test_image_not_pinned(image: str) -> None:
     props = agent_daemonset()
     props["spec"]["template"]["spec"]["containers"][0]["image"] = image
-    assert run_resource(policy.validate_images_pinned, props, name="agent-ds") == [
+    assert run_resource(agent_rules.validate_images_pinned, props, name="agent-ds") == [
         f"agent-ds: image '{image}' at spec.template.spec.containers[0].image is not pinned. 'latest' or a missing "
         "tag changes under you: two GPU nodes can run different agents or slurmd builds and a rollback cannot "
         "restore the old one. Fix: use REPOSITORY:TAG with a release tag, or REPOSITORY@sha256:DIGEST."
@@ -309,18 +310,18 @@ def test_image_not_pinned(image: str) -> None:
 
 def test_helm_image_without_tag_is_not_pinned() -> None:
     props = {"values": {"controller": {"logfile": {"image": {"repository": "docker.io/library/alpine", "tag": None}}}}}
-    (msg,) = run_resource(policy.validate_images_pinned, props, type_=policy.HELM_RELEASE, name="slurm")
+    (msg,) = run_resource(agent_rules.validate_images_pinned, props, type_=shared.HELM_RELEASE, name="slurm")
     assert msg.startswith("slurm: image 'docker.io/library/alpine:' at values.controller.logfile.image is not pinned.")
 
 
 def test_agent_resources_valid() -> None:
-    assert run_resource(policy.validate_agent_resources, agent_daemonset()) == []
+    assert run_resource(agent_rules.validate_agent_resources, agent_daemonset()) == []
 
 
 def test_agent_without_memory_limit() -> None:
     props = agent_daemonset()
     del props["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
-    assert run_resource(policy.validate_agent_resources, props) == [
+    assert run_resource(agent_rules.validate_agent_resources, props) == [
         "DaemonSet 'fleetheal-agent' container 'agent' has no limits.memory. The agent runs on every GPU node next "
         "to training jobs: without requests it is evicted first under pressure (and stops detecting faults), "
         "without limits a leak starves the job. Fix: set resources.requests and resources.limits for cpu and memory."
@@ -331,8 +332,8 @@ def test_agent_resources_ignores_other_daemonsets() -> None:
     props = agent_daemonset()
     props["metadata"]["name"] = "dcgm-exporter"
     props["spec"]["template"]["spec"]["containers"][0]["resources"] = {}
-    assert run_resource(policy.validate_agent_resources, props) == []
-    assert run_resource(policy.validate_agent_resources, props, cfg={"agentDaemonSet": "dcgm-exporter"}) != []
+    assert run_resource(agent_rules.validate_agent_resources, props) == []
+    assert run_resource(agent_rules.validate_agent_resources, props, cfg={"agentDaemonSet": "dcgm-exporter"}) != []
 
 
 RBAC_WILDCARD = (
@@ -349,14 +350,14 @@ RBAC_SECRETS = (
 
 
 def test_remediator_rbac_valid() -> None:
-    assert run_resource(policy.validate_remediator_rbac, remediator_clusterrole()) == []
-    assert run_resource(policy.validate_remediator_rbac, remediator_token_role()) == []
+    assert run_resource(remediator_rules.validate_remediator_rbac, remediator_clusterrole()) == []
+    assert run_resource(remediator_rules.validate_remediator_rbac, remediator_token_role()) == []
 
 
 def test_remediator_rbac_wildcard_verb() -> None:
     props = remediator_clusterrole()
     props["rules"][0]["verbs"] = ["*"]
-    assert run_resource(policy.validate_remediator_rbac, props) == [
+    assert run_resource(remediator_rules.validate_remediator_rbac, props) == [
         "ClusterRole 'fleetheal-remediator' " + RBAC_WILDCARD.format(i=0, field="verbs")
     ]
 
@@ -364,7 +365,7 @@ def test_remediator_rbac_wildcard_verb() -> None:
 def test_remediator_rbac_cluster_wide_secrets() -> None:
     props = remediator_clusterrole()
     props["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list"]})
-    assert run_resource(policy.validate_remediator_rbac, props) == [
+    assert run_resource(remediator_rules.validate_remediator_rbac, props) == [
         "ClusterRole 'fleetheal-remediator' " + RBAC_SECRETS.format(i=2)
     ]
 
@@ -372,7 +373,7 @@ def test_remediator_rbac_cluster_wide_secrets() -> None:
 def test_remediator_rbac_someone_elses_secret() -> None:
     props = remediator_token_role()
     props["rules"][0]["resourceNames"].append("slurm-auth-jwt")
-    assert run_resource(policy.validate_remediator_rbac, props) == [
+    assert run_resource(remediator_rules.validate_remediator_rbac, props) == [
         "Role 'fleetheal-remediator-token' " + RBAC_SECRETS.format(i=0)
     ]
 
@@ -398,14 +399,14 @@ def _with_config(resources: list[tuple[str, str, Props]], fn: Callable[[Props], 
 
 
 def test_remediator_replicas_valid() -> None:
-    assert run_stack(policy.validate_remediator_replicas_shared_store, remediator_stack(replicas=3)) == []
+    assert run_stack(remediator_rules.validate_remediator_replicas_shared_store, remediator_stack(replicas=3)) == []
     one = remediator_stack(replicas=1, store=SQLITE)
-    assert run_stack(policy.validate_remediator_replicas_shared_store, one) == []
+    assert run_stack(remediator_rules.validate_remediator_replicas_shared_store, one) == []
 
 
 def test_remediator_replicas_on_sqlite() -> None:
     resources = remediator_stack(replicas=2, store=SQLITE)
-    assert run_stack(policy.validate_remediator_replicas_shared_store, resources) == [
+    assert run_stack(remediator_rules.validate_remediator_replicas_shared_store, resources) == [
         "Deployment 'fleetheal-remediator' runs 2 remediator replicas on the embedded SQLite store (its config sets "
         "no store.url_file). " + REPLICAS_FIX
     ]
@@ -413,7 +414,7 @@ def test_remediator_replicas_on_sqlite() -> None:
 
 def test_remediator_replicas_without_leader_election() -> None:
     resources = _with_config(remediator_stack(replicas=2), lambda c: c["leader_election"].update(enabled=False))
-    assert run_stack(policy.validate_remediator_replicas_shared_store, resources) == [
+    assert run_stack(remediator_rules.validate_remediator_replicas_shared_store, resources) == [
         "Deployment 'fleetheal-remediator' runs 2 remediator replicas without leader election (its config does not "
         "set leader_election.enabled: true). " + REPLICAS_FIX
     ]
@@ -421,20 +422,20 @@ def test_remediator_replicas_without_leader_election() -> None:
 
 def test_remediator_replicas_without_its_config_in_the_stack() -> None:
     resources = [r for r in remediator_stack(replicas=2) if r[2]["kind"] != "ConfigMap"]
-    (msg,) = run_stack(policy.validate_remediator_replicas_shared_store, resources)
+    (msg,) = run_stack(remediator_rules.validate_remediator_replicas_shared_store, resources)
     assert msg.startswith("Deployment 'fleetheal-remediator' runs 2 remediator replicas on the embedded SQLite store")
 
 
 def test_production_remediator_store_valid() -> None:
-    assert run_stack(policy.validate_production_remediator_shared_store, remediator_stack()) == []
+    assert run_stack(remediator_rules.validate_production_remediator_shared_store, remediator_stack()) == []
     # SQLite is fine outside production
     dev = remediator_stack(replicas=1, environment="development", store=SQLITE)
-    assert run_stack(policy.validate_production_remediator_shared_store, dev) == []
+    assert run_stack(remediator_rules.validate_production_remediator_shared_store, dev) == []
 
 
 def test_production_remediator_on_sqlite() -> None:
     resources = remediator_stack(replicas=1, store=SQLITE)
-    assert run_stack(policy.validate_production_remediator_shared_store, resources) == [
+    assert run_stack(remediator_rules.validate_production_remediator_shared_store, resources) == [
         f"Deployment 'fleetheal-remediator' runs {PRODUCTION} with its incident store in SQLite on one pod's volume "
         "(its config sets no store.url_file). When that node fails, remediation stops until the pod and its "
         "ReadWriteOnce volume are back (a volume on a lost node may never be), and SQLite lets no second replica "
@@ -445,13 +446,13 @@ def test_production_remediator_on_sqlite() -> None:
 
 
 def test_production_remediator_replicas_valid() -> None:
-    assert run_stack(policy.validate_production_remediator_replicas, remediator_stack(replicas=2)) == []
+    assert run_stack(remediator_rules.validate_production_remediator_replicas, remediator_stack(replicas=2)) == []
     dev = remediator_stack(replicas=1, environment="staging")
-    assert run_stack(policy.validate_production_remediator_replicas, dev) == []
+    assert run_stack(remediator_rules.validate_production_remediator_replicas, dev) == []
 
 
 def test_production_remediator_with_one_replica() -> None:
-    assert run_stack(policy.validate_production_remediator_replicas, remediator_stack(replicas=1)) == [
+    assert run_stack(remediator_rules.validate_production_remediator_replicas, remediator_stack(replicas=1)) == [
         f"Deployment 'fleetheal-remediator' runs 1 remediator replica(s) {PRODUCTION}; it needs at least 2 "
         "(productionMinReplicas). With fewer, losing or draining one node stops remediation: no GPU fault is handled "
         "until the pod is back. Fix: set fleetheal:remediatorReplicas to 2 or more (with fleetheal:remediatorStore "
@@ -461,7 +462,9 @@ def test_production_remediator_with_one_replica() -> None:
 
 def test_production_replicas_threshold_comes_from_pack_config() -> None:
     (msg,) = run_stack(
-        policy.validate_production_remediator_replicas, remediator_stack(replicas=2), cfg={"productionMinReplicas": 3}
+        remediator_rules.validate_production_remediator_replicas,
+        remediator_stack(replicas=2),
+        cfg={"productionMinReplicas": 3},
     )
     assert msg.startswith(
         f"Deployment 'fleetheal-remediator' runs 2 remediator replica(s) {PRODUCTION}; it needs at least 3"
@@ -469,13 +472,13 @@ def test_production_replicas_threshold_comes_from_pack_config() -> None:
 
 
 def test_alertmanager_receiver_valid() -> None:
-    assert run_resource(policy.validate_alertmanager_receiver_authenticated, am_config()) == []
+    assert run_resource(remediator_rules.validate_alertmanager_receiver_authenticated, am_config()) == []
 
 
 def test_alertmanager_receiver_without_credentials() -> None:
     props = am_config()
     del props["spec"]["receivers"][0]["webhookConfigs"][0]["httpConfig"]
-    assert run_resource(policy.validate_alertmanager_receiver_authenticated, props) == [
+    assert run_resource(remediator_rules.validate_alertmanager_receiver_authenticated, props) == [
         "AlertmanagerConfig 'fleetheal-remediator' receiver 'fleetheal-remediator' webhook 0 sends alerts without "
         "credentials. Anyone who can reach the remediator could then make it drain nodes. Fix: set "
         "httpConfig.authorization {type: Bearer, credentials: {name: <token Secret>, key: token}}."
@@ -490,12 +493,12 @@ AGENT_FIX = (
 
 
 def test_gpu_nodesets_run_agent_valid() -> None:
-    assert run_stack(policy.validate_gpu_nodesets_run_agent, stack()) == []
+    assert run_stack(agent_rules.validate_gpu_nodesets_run_agent, stack()) == []
 
 
 def test_gpu_nodeset_without_agent() -> None:
     resources = [r for r in stack() if r[2]["kind"] != "DaemonSet"]
-    assert run_stack(policy.validate_gpu_nodesets_run_agent, resources) == [
+    assert run_stack(agent_rules.validate_gpu_nodesets_run_agent, resources) == [
         "NodeSet 'lab-h100' runs slurmd on GPU nodes without the fleetheal agent: there is no 'fleetheal-agent' "
         "DaemonSet in the stack. " + AGENT_FIX
     ]
@@ -507,7 +510,7 @@ def test_gpu_nodeset_outside_the_agent_affinity() -> None:
     terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] = ["standby"]
     selector = {contracts.LABEL_POOL: "active", contracts.LABEL_GPU_POOL: "h100"}
-    assert run_stack(policy.validate_gpu_nodesets_run_agent, resources) == [
+    assert run_stack(agent_rules.validate_gpu_nodesets_run_agent, resources) == [
         "NodeSet 'lab-h100' runs slurmd on GPU nodes without the fleetheal agent: the agent's node selection does "
         f"not match the NodeSet's nodeSelector {selector}. " + AGENT_FIX
     ]
@@ -518,18 +521,18 @@ def test_gpu_nodeset_tolerates_a_taint_the_agent_does_not() -> None:
     resources[0][2]["spec"]["template"]["spec"]["tolerations"].append(
         {"key": "example.com/maintenance", "operator": "Exists", "effect": "NoSchedule"}
     )
-    assert run_stack(policy.validate_gpu_nodesets_run_agent, resources) == [
+    assert run_stack(agent_rules.validate_gpu_nodesets_run_agent, resources) == [
         "NodeSet 'lab-h100' runs slurmd on GPU nodes without the fleetheal agent: the agent does not tolerate the "
         "taint 'example.com/maintenance' the NodeSet tolerates. " + AGENT_FIX
     ]
 
 
 def test_standby_minimum_valid() -> None:
-    assert run_stack(policy.validate_standby_minimum, stack(active=20, standby=1)) == []
+    assert run_stack(pool_rules.validate_standby_minimum, stack(active=20, standby=1)) == []
 
 
 def test_standby_below_minimum() -> None:
-    assert run_stack(policy.validate_standby_minimum, stack(active=40, standby=1)) == [
+    assert run_stack(pool_rules.validate_standby_minimum, stack(active=40, standby=1)) == [
         "GPU pool 'h100' has 1 warm-standby node(s); it needs 2 (standbyMinNodes=1, standbySharePercent=5 of 40 "
         "active nodes). Without spare validated nodes a failed node cannot be replaced in minutes and the job waits "
         "for a repair. Fix: add warm-standby nodes to this pool (gpuPools[].standbyNodeNames, listed as 'standby' "
@@ -553,7 +556,7 @@ def test_standby_counts_each_pool_from_its_membership_configmap() -> None:
             },
         ),
     ]
-    (msg,) = run_stack(policy.validate_standby_minimum, resources)
+    (msg,) = run_stack(pool_rules.validate_standby_minimum, resources)
     assert msg.startswith(
         "GPU pool 'a100' has 1 warm-standby node(s); it needs 2 (standbyMinNodes=1, "
         "standbySharePercent=5 of 40 active nodes)."
@@ -563,22 +566,22 @@ def test_standby_counts_each_pool_from_its_membership_configmap() -> None:
 def test_standby_ignores_malformed_entries_and_mislabelled_configmaps() -> None:
     data = members(20, 1)
     data["s0"] = "spare h100-fd0"  # malformed: node-in-one-pool reports it, it is no standby
-    (msg,) = run_stack(policy.validate_standby_minimum, [pool_resource("h100", data)])
+    (msg,) = run_stack(pool_rules.validate_standby_minimum, [pool_resource("h100", data)])
     assert msg.startswith("GPU pool 'h100' has 0 warm-standby node(s); it needs 1 ")
     cm = membership("h100", members(20, 0))
     cm["metadata"]["labels"][contracts.LABEL_GPU_POOL] = "h200"  # ignored by the controller: no pool to count
-    assert run_stack(policy.validate_standby_minimum, [(MEMBERSHIP, "cm", cm)]) == []
+    assert run_stack(pool_rules.validate_standby_minimum, [(MEMBERSHIP, "cm", cm)]) == []
 
 
 def test_standby_threshold_comes_from_pack_config() -> None:
-    (msg,) = run_stack(policy.validate_standby_minimum, stack(active=4, standby=1), cfg={"standbyMinNodes": 3})
+    (msg,) = run_stack(pool_rules.validate_standby_minimum, stack(active=4, standby=1), cfg={"standbyMinNodes": 3})
     assert msg.startswith("GPU pool 'h100' has 1 warm-standby node(s); it needs 3 (standbyMinNodes=3,")
 
 
 def test_standby_counts_managed_node_groups() -> None:
     groups = [
         (
-            policy.EKS_NODE_GROUP,
+            shared.EKS_NODE_GROUP,
             f"p5-{role}",
             {
                 "labels": {contracts.LABEL_POOL: role, contracts.LABEL_GPU_POOL: "p5"},
@@ -587,8 +590,8 @@ def test_standby_counts_managed_node_groups() -> None:
         )
         for role, size in (("active", 64), ("standby", 4))
     ]
-    assert run_stack(policy.validate_standby_minimum, groups) == []
-    (msg,) = run_stack(policy.validate_standby_minimum, groups, cfg={"standbySharePercent": 10})
+    assert run_stack(pool_rules.validate_standby_minimum, groups) == []
+    (msg,) = run_stack(pool_rules.validate_standby_minimum, groups, cfg={"standbySharePercent": 10})
     assert msg.startswith("GPU pool 'p5' has 4 warm-standby node(s); it needs 7 ")
 
 
@@ -619,17 +622,17 @@ def two_pools() -> list[tuple[str, str, Props]]:
 
 
 def test_node_in_one_pool_valid() -> None:
-    assert run_stack(policy.validate_node_in_one_pool, stack()) == []
-    assert run_stack(policy.validate_node_in_one_pool, two_pools()) == []
+    assert run_stack(pool_rules.validate_node_in_one_pool, stack()) == []
+    assert run_stack(pool_rules.validate_node_in_one_pool, two_pools()) == []
     # EKS node groups and other ConfigMaps are not membership
     other = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {"h-a0": "not an entry"}}
-    assert run_stack(policy.validate_node_in_one_pool, [*two_pools(), (MEMBERSHIP, "x", other)]) == []
+    assert run_stack(pool_rules.validate_node_in_one_pool, [*two_pools(), (MEMBERSHIP, "x", other)]) == []
 
 
 def test_node_in_two_pools() -> None:
     resources = two_pools()
     resources[1][2]["data"]["h-a3"] = "standby a100-fd0"
-    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+    assert run_stack(pool_rules.validate_node_in_one_pool, resources) == [
         "1 node(s) are listed in more than one GPU pool's membership, in pools 'a100' and 'h100' (ConfigMaps "
         f"fleetheal-pool-a100, fleetheal-pool-h100): h-a3. {SHARED_WHY}"
     ]
@@ -640,7 +643,7 @@ def test_nodes_in_three_pools_and_in_two_pairs() -> None:
     resources[1][2]["data"]["h-a0"] = "active a100-fd0"
     resources[2][2]["data"]["h-a0"] = "active b200-fd0"
     resources[2][2]["data"]["a-a1"] = "active b200-fd0"
-    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+    assert run_stack(pool_rules.validate_node_in_one_pool, resources) == [
         "1 node(s) are listed in more than one GPU pool's membership, in pools 'a100' and 'b200' (ConfigMaps "
         f"fleetheal-pool-a100, fleetheal-pool-b200): a-a1. {SHARED_WHY}",
         "1 node(s) are listed in more than one GPU pool's membership, in pools 'a100', 'b200' and 'h100' "
@@ -652,7 +655,7 @@ def test_node_in_one_pool_lists_at_most_20_nodes_per_message() -> None:
     resources = two_pools()
     resources[1][2]["data"].update(members(25, 0, "a100", prefix="h-"))  # h-a0 .. h-a24, of which h-a0..7 in h100
     resources[0][2]["data"].update(members(25, 0, "h100", prefix="h-"))
-    (msg,) = run_stack(policy.validate_node_in_one_pool, resources)
+    (msg,) = run_stack(pool_rules.validate_node_in_one_pool, resources)
     listed = ", ".join(f"h-a{i}" for i in range(20))
     assert msg == (
         "25 node(s) are listed in more than one GPU pool's membership, in pools 'a100' and 'h100' (ConfigMaps "
@@ -682,7 +685,7 @@ def test_membership_configmap_labels_disagree(labels: dict[str, str | None], pro
             del cm["metadata"]["labels"][k]
         else:
             cm["metadata"]["labels"][k] = v
-    assert run_stack(policy.validate_node_in_one_pool, [(MEMBERSHIP, "cm", cm)]) == [
+    assert run_stack(pool_rules.validate_node_in_one_pool, [(MEMBERSHIP, "cm", cm)]) == [
         f"Membership ConfigMap 'fleetheal-pool-h100': {problem}. " + LABELS_WHY.format(n=5)
     ]
 
@@ -691,7 +694,7 @@ def test_mislabelled_configmap_is_no_pool_for_the_duplicate_check() -> None:
     resources = two_pools()
     resources[1][2]["metadata"]["labels"][contracts.LABEL_GPU_POOL] = "h100"
     resources[1][2]["data"]["h-a0"] = "active a100-fd0"
-    (msg,) = run_stack(policy.validate_node_in_one_pool, resources)
+    (msg,) = run_stack(pool_rules.validate_node_in_one_pool, resources)
     assert msg.startswith(
         "Membership ConfigMap 'fleetheal-pool-a100': it is labelled fleetheal.io/membership=a100 but "
         "fleetheal.io/gpu-pool=h100. "
@@ -701,20 +704,20 @@ def test_mislabelled_configmap_is_no_pool_for_the_duplicate_check() -> None:
 def test_malformed_membership_entries() -> None:
     resources = two_pools()
     resources[0][2]["data"].update({"h-a1": "actve h100-fd0", "h-s0": "standby", "h-x": "active h100 fd0"})
-    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+    assert run_stack(pool_rules.validate_node_in_one_pool, resources) == [
         "Membership ConfigMap 'fleetheal-pool-h100' has 3 malformed entries: h-a1: 'actve h100-fd0', "
         f"h-s0: 'standby', h-x: 'active h100 fd0'. {MALFORMED_WHY}"
     ]
     resources = two_pools()
     resources[1][2]["data"]["a-a0"] = ""
-    assert run_stack(policy.validate_node_in_one_pool, resources) == [
+    assert run_stack(pool_rules.validate_node_in_one_pool, resources) == [
         f"Membership ConfigMap 'fleetheal-pool-a100' has 1 malformed entry: a-a0: ''. {MALFORMED_WHY}"
     ]
 
 
 def test_malformed_entries_are_bounded_per_message() -> None:
     cm = membership("h100", {f"n{i}": "broken" for i in range(30)})
-    (msg,) = run_stack(policy.validate_node_in_one_pool, [(MEMBERSHIP, "cm", cm)])
+    (msg,) = run_stack(pool_rules.validate_node_in_one_pool, [(MEMBERSHIP, "cm", cm)])
     listed = ", ".join(f"n{i}: 'broken'" for i in range(20))
     assert msg == f"Membership ConfigMap 'fleetheal-pool-h100' has 30 malformed entries: {listed} and 10 more. " + (
         MALFORMED_WHY
@@ -734,19 +737,23 @@ def domains_message(pool: str, standby: int, found: str, *, n_found: int, need: 
 
 def test_standby_failure_domains_valid() -> None:
     # the default (1) keeps every stack with standby nodes valid
-    assert run_stack(policy.validate_standby_failure_domains, stack(active=40, standby=4)) == []
-    assert run_stack(policy.validate_standby_failure_domains, stack(active=40, standby=4), cfg={}) == []
+    assert run_stack(pool_rules.validate_standby_failure_domains, stack(active=40, standby=4)) == []
+    assert run_stack(pool_rules.validate_standby_failure_domains, stack(active=40, standby=4), cfg={}) == []
     spread = [pool_resource("h100", members(40, 4, fd_size=2))]
-    assert run_stack(policy.validate_standby_failure_domains, spread, cfg={"standbyMinFailureDomains": 2}) == []
+    assert run_stack(pool_rules.validate_standby_failure_domains, spread, cfg={"standbyMinFailureDomains": 2}) == []
     # never more domains than standby nodes: 1 standby node satisfies any minimum
-    assert run_stack(policy.validate_standby_failure_domains, stack(4, 1), cfg={"standbyMinFailureDomains": 3}) == []
+    assert (
+        run_stack(pool_rules.validate_standby_failure_domains, stack(4, 1), cfg={"standbyMinFailureDomains": 3}) == []
+    )
     # a pool without standby nodes is standby-pool-minimum's to report
-    assert run_stack(policy.validate_standby_failure_domains, stack(4, 0), cfg={"standbyMinFailureDomains": 3}) == []
+    assert (
+        run_stack(pool_rules.validate_standby_failure_domains, stack(4, 0), cfg={"standbyMinFailureDomains": 3}) == []
+    )
 
 
 def test_standby_nodes_in_one_failure_domain() -> None:
     resources = stack(active=40, standby=4)
-    assert run_stack(policy.validate_standby_failure_domains, resources, cfg={"standbyMinFailureDomains": 2}) == [
+    assert run_stack(pool_rules.validate_standby_failure_domains, resources, cfg={"standbyMinFailureDomains": 2}) == [
         domains_message("h100", 4, "h100-fd0 (4)", n_found=1, need=2, want=2)
     ]
 
@@ -756,7 +763,7 @@ def test_standby_failure_domains_capped_by_standby_count() -> None:
         pool_resource("h100", members(40, 3, "h100", fd_size=2, prefix="h-")),  # fd0 (2), fd1 (1)
         pool_resource("a100", members(40, 5, "a100", fd_size=2, prefix="a-")),  # fd0, fd1 (2 each), fd2 (1)
     ]
-    assert run_stack(policy.validate_standby_failure_domains, resources, cfg={"standbyMinFailureDomains": 4}) == [
+    assert run_stack(pool_rules.validate_standby_failure_domains, resources, cfg={"standbyMinFailureDomains": 4}) == [
         domains_message("a100", 5, "a100-fd0 (2), a100-fd1 (2), a100-fd2 (1)", n_found=3, need=4, want=4),
         domains_message("h100", 3, "h100-fd0 (2), h100-fd1 (1)", n_found=2, need=3, want=4),
     ]
@@ -766,7 +773,7 @@ def test_standby_failure_domains_ignore_node_groups() -> None:
     # EKS node groups carry no per-node failure domain in the stack: the rule reads membership entries only
     groups = [
         (
-            policy.EKS_NODE_GROUP,
+            shared.EKS_NODE_GROUP,
             "p5-standby",
             {
                 "labels": {contracts.LABEL_POOL: "standby", contracts.LABEL_GPU_POOL: "p5"},
@@ -774,7 +781,7 @@ def test_standby_failure_domains_ignore_node_groups() -> None:
             },
         )
     ]
-    assert run_stack(policy.validate_standby_failure_domains, groups, cfg={"standbyMinFailureDomains": 4}) == []
+    assert run_stack(pool_rules.validate_standby_failure_domains, groups, cfg={"standbyMinFailureDomains": 4}) == []
 
 
 # -- 25,000 nodes in 16 pools ------------------------------------------------------------------------
@@ -833,13 +840,13 @@ def test_fleet_of_25000_nodes_all_listed_twice_or_malformed() -> None:
 
 
 def test_checkpoint_storage_valid() -> None:
-    assert run_stack(policy.validate_checkpoint_storage_rwx, stack()) == []
+    assert run_stack(pool_rules.validate_checkpoint_storage_rwx, stack()) == []
 
 
 def test_checkpoint_storage_read_write_once() -> None:
     resources = stack()
     resources[2] = (resources[2][0], resources[2][1], shared_claim(["ReadWriteOnce"]))
-    assert run_stack(policy.validate_checkpoint_storage_rwx, resources) == [
+    assert run_stack(pool_rules.validate_checkpoint_storage_rwx, resources) == [
         "PersistentVolumeClaim 'lab-shared' used by NodeSet 'lab-h100' for checkpoints has access modes "
         "['ReadWriteOnce'], not ReadWriteMany. A job requeued onto other nodes could not read its checkpoint, so "
         "relocation would restart training from scratch. Fix: set accessModes to [ReadWriteMany] with a "
@@ -850,7 +857,7 @@ def test_checkpoint_storage_read_write_once() -> None:
 def test_checkpoint_storage_missing() -> None:
     resources = stack()
     resources[0][2]["spec"]["template"]["spec"]["volumes"] = []
-    assert run_stack(policy.validate_checkpoint_storage_rwx, resources) == [
+    assert run_stack(pool_rules.validate_checkpoint_storage_rwx, resources) == [
         "NodeSet 'lab-h100' mounts no shared volume. A requeued job resumes on other nodes and must find its "
         "checkpoint there. Fix: mount the ReadWriteMany claim of fleetheal.infra.storage.SharedStorage in the "
         "NodeSet's pod template."
@@ -867,13 +874,13 @@ def test_pack_names_descriptions_and_config_schemas() -> None:
     for p in pols:
         assert p.name == p.name.lower() and " " not in p.name and "_" not in p.name
         assert p.description.endswith(".") and p.description.count(". ") == 0
-    assert policy.config_defaults(policy.STANDBY_SCHEMA) == {"standbyMinNodes": 1, "standbySharePercent": 5}
-    assert policy.config_defaults(policy.PRODUCTION_SCHEMA) == {"productionMinReplicas": 2}
-    assert policy.config_defaults(policy.FAILURE_DOMAIN_SCHEMA) == {"standbyMinFailureDomains": 1}
-    assert policy.FAILURE_DOMAIN_SCHEMA.properties["standbyMinFailureDomains"]["minimum"] == 1
+    assert shared.config_defaults(pool_rules.STANDBY_SCHEMA) == {"standbyMinNodes": 1, "standbySharePercent": 5}
+    assert shared.config_defaults(remediator_rules.PRODUCTION_SCHEMA) == {"productionMinReplicas": 2}
+    assert shared.config_defaults(pool_rules.FAILURE_DOMAIN_SCHEMA) == {"standbyMinFailureDomains": 1}
+    assert pool_rules.FAILURE_DOMAIN_SCHEMA.properties["standbyMinFailureDomains"]["minimum"] == 1
     by_name = {p.name: p for p in pols}
     assert by_name["node-in-one-pool"].config_schema is None
-    assert by_name["standby-failure-domains"].config_schema is policy.FAILURE_DOMAIN_SCHEMA
+    assert by_name["standby-failure-domains"].config_schema is pool_rules.FAILURE_DOMAIN_SCHEMA
 
 
 def test_policies_readme_lists_every_rule() -> None:
