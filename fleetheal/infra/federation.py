@@ -21,9 +21,9 @@ from typing import Any, TypedDict
 import pulumi
 import pulumi_kubernetes as k8s
 
-from fleetheal.infra import common, slinky
+from fleetheal.infra import common, slinky_specs
 from fleetheal.infra.policy import shared
-from fleetheal.infra.stack_model import FederationSpec
+from fleetheal.infra.stack_model import SLURMDBD_PORT, FederationSpec
 
 COMPONENT = "FederationManager"
 SCRIPT_CONFIGMAP = "fleetheal-federation"
@@ -175,12 +175,12 @@ def client_conf(cluster_name: str, namespace: str) -> str:
         [
             f"ClusterName={cluster_name}",
             # sacctmgr talks to slurmdbd only; the controller is named because every slurm.conf must.
-            f"SlurmctldHost={slinky.controller_service(cluster_name)}",
+            f"SlurmctldHost={slinky_specs.controller_service(cluster_name)}",
             "AuthType=auth/slurm",
             "CredType=cred/slurm",
             "AccountingStorageType=accounting_storage/slurmdbd",
-            f"AccountingStorageHost={common.cluster_dns(slinky.accounting_service(cluster_name), namespace)}",
-            f"AccountingStoragePort={slinky.SLURMDBD_PORT}",
+            f"AccountingStorageHost={common.cluster_dns(slinky_specs.accounting_service(cluster_name), namespace)}",
+            f"AccountingStoragePort={SLURMDBD_PORT}",
             "",
         ]
     )

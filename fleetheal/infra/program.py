@@ -21,7 +21,8 @@ from fleetheal.infra.fleet_file import FLEET_CONFIGMAP, FLEET_FILE_KEY, fleet_fi
 from fleetheal.infra.kueue import KueueQueues
 from fleetheal.infra.nodepools import GpuNodePools, failure_domain, make_provider
 from fleetheal.infra.policy import shared
-from fleetheal.infra.remediator import Remediator, RemediatorArgs, RemediatorStore
+from fleetheal.infra.remediator import Remediator, RemediatorArgs
+from fleetheal.infra.remediator_store import RemediatorStore
 from fleetheal.infra.slinky import SlinkyCluster
 from fleetheal.infra.stack_model import StackConfig
 from fleetheal.infra.storage import SharedStorage

@@ -7,61 +7,34 @@ the operator's database (a Secret holding the URI) or one this component deploys
 PostgreSQL it runs `replicas` pods on different nodes that elect one leader through a coordination.k8s.io
 Lease, so the remediator survives the loss of its own node; it may then also read its store Secret and
 get, create and update its Lease.
+
+Its names, mount paths and YAML config are in fleetheal.infra.remediator_config; the store's kinds, the
+check of the `store` argument and the in-cluster PostgreSQL in fleetheal.infra.remediator_store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NotRequired, Required, TypedDict
-from urllib.parse import quote
+from typing import Any, NotRequired, TypedDict
 
 import pulumi
 import pulumi_kubernetes as k8s
 import yaml
 
-from fleetheal.infra import common
-
-COMPONENT = "Remediator"
-NAME = "fleetheal-remediator"
-PORT = 9105  # fleetheal.remediator.config.ListenConfig.port
-WEBHOOK_PATH = "/webhook"  # fleetheal.remediator.app.WEBHOOK_PATH (a test keeps them equal)
-TOKEN_MOUNT = "/var/run/secrets/fleetheal"  # noqa: S105 - a mount path
-STORE_MOUNT = "/var/run/secrets/fleetheal-store"
-CONFIG_MOUNT = "/etc/fleetheal"
-#: Where a federation member's fleet file (the ConfigMap fleetheal-fleet) is mounted: cross-cluster failover.
-FLEET_MOUNT = "/etc/fleetheal/fleet"
-STATE_DIR = "/var/lib/fleetheal"
-LEASE_NAME = NAME
-#: How the incident store is kept: SQLite on a PVC; the operator's PostgreSQL; a PostgreSQL deployed here.
-STORES = ("sqlite", "postgres", "postgres-in-cluster")
-_STORE_FIELDS = {
-    "sqlite": ("kind",),
-    "postgres": ("kind", "secret"),
-    "postgres-in-cluster": ("kind", "secret", "image", "size", "password"),
-}
-DB_NAME = f"{NAME}-db"
-DB_PORT = 5432
-DB_USER = "fleetheal"
-DB_DATABASE = "fleetheal"
-#: The postgres image's user and group (uid 999 in the Debian-based official image).
-DB_UID = 999
-DB_DATA = "/var/lib/postgresql/data"
-
-
-class RemediatorStore(TypedDict, total=False):
-    kind: Required[str]
-    """One of STORES: sqlite (a state PVC, exactly one replica), postgres, postgres-in-cluster."""
-    secret: str
-    """postgres, postgres-in-cluster: Secret in the namespace whose key `url` holds the libpq URI
-    (postgresql://user:password@host:5432/db?sslmode=...); postgres-in-cluster: and key `password`."""
-    image: str
-    """postgres-in-cluster: pinned PostgreSQL image."""
-    size: str
-    """postgres-in-cluster: size of the database volume (a Kubernetes quantity)."""
-    password: Any
-    """postgres-in-cluster: the database password (a secret Output); the `secret` Secret is built from it.
-    None: that Secret must exist already."""
-
+from fleetheal.infra import common, remediator_store
+from fleetheal.infra.remediator_config import (
+    COMPONENT,
+    CONFIG_MOUNT,
+    FLEET_MOUNT,
+    LEASE_NAME,
+    NAME,
+    PORT,
+    STATE_DIR,
+    STORE_MOUNT,
+    TOKEN_MOUNT,
+    WEBHOOK_PATH,
+    remediator_config,
+)
+from fleetheal.infra.remediator_store import RemediatorStore
 
 #: RemediatorArgs' NotRequired keys (with postponed annotations TypedDict counts every key as required).
 _OPTIONAL = ("fleet_configmap",)
@@ -96,83 +69,6 @@ class RemediatorArgs(TypedDict):
     the remediator gets read access to ConfigMaps there and runs its membership controller."""
 
 
-def remediator_config(
-    cluster: str,
-    nodes: dict[str, str],
-    dry_run: bool,
-    standby_target: int = 0,
-    *,
-    lease_namespace: str | None = None,
-    membership_namespace: str | None = None,
-    fleet_file: str | None = None,
-) -> dict[str, Any]:
-    """The remediator's YAML config (fleetheal/remediator/config.py schema).
-
-    `lease_namespace` set: the store is PostgreSQL (the URI in the mounted store Secret) and the replicas
-    elect a leader through the Lease LEASE_NAME there; None: SQLite in the state directory.
-    `membership_namespace` set: the leader applies the pool membership ConfigMaps there to the Nodes.
-    `fleet_file` set (its path in the pod): cross-cluster failover is on, for this cluster of the federation.
-    """
-    cfg: dict[str, Any] = {
-        "cluster": {"name": cluster, "nodes": dict(sorted(nodes.items()))},
-        "listen": {"host": "0.0.0.0", "port": PORT},  # noqa: S104 - a Service fronts the pod
-        "auth": {"token_file": f"{TOKEN_MOUNT}/token"},
-        "store": {"path": f"{STATE_DIR}/remediator.sqlite"},
-        "runner": {"run_dir": f"{STATE_DIR}/runs"},
-        "gate": {"dry_run": dry_run},
-        "lifecycle": {"standby_target": standby_target, "report_dir": f"{STATE_DIR}/lifecycle"},
-    }
-    if lease_namespace is not None:
-        cfg["store"] = {"url_file": f"{STORE_MOUNT}/url"}
-        # identity "" is $POD_NAME (the Deployment sets it); the timings are the remediator's defaults.
-        cfg["leader_election"] = {"enabled": True, "namespace": lease_namespace, "lease_name": LEASE_NAME}
-    if membership_namespace is not None:
-        cfg["membership"] = {"enabled": True, "namespace": membership_namespace}
-    if fleet_file is not None:
-        cfg["failover"] = {"enabled": True, "fleet_file": fleet_file, "slurm_cluster": cluster}
-    return cfg
-
-
-def _store(value: Any, replicas: int) -> dict[str, Any]:
-    """The checked `store` argument."""
-    if not isinstance(value, Mapping) or "kind" not in value:
-        raise common.ComponentArgError(
-            f"{COMPONENT}.store: {value!r} is not accepted; use a mapping with `kind` (one of: {', '.join(STORES)})"
-        )
-    kind = common.one_of(COMPONENT, "store.kind", value["kind"], STORES)
-    accepted = _STORE_FIELDS[kind]
-    unknown = sorted(set(value) - set(accepted))
-    if unknown:
-        raise common.ComponentArgError(
-            f"{COMPONENT}.store: unknown field(s) {', '.join(unknown)} for kind {kind}; "
-            f"accepted fields: {', '.join(accepted)}"
-        )
-    missing = [f for f in accepted if f != "password" and value.get(f) is None]
-    if missing:
-        raise common.ComponentArgError(f"{COMPONENT}.store: missing field(s) {', '.join(missing)} for kind {kind}")
-    if kind == "sqlite" and replicas > 1:
-        raise common.ComponentArgError(
-            f"{COMPONENT}.replicas: {replicas} is not accepted with store kind sqlite: SQLite lives on one pod's "
-            "volume and serves exactly 1 replica; use replicas 1, or store kind postgres or postgres-in-cluster"
-        )
-    if kind != "sqlite":
-        common.dns_label(COMPONENT, "store.secret", value["secret"], 253)
-    if kind == "postgres-in-cluster":
-        common.pinned_image(COMPONENT, "store.image", value["image"])
-        common.quantity(COMPONENT, "store.size", value["size"])
-        password = value.get("password")
-        if (
-            password is not None
-            and not isinstance(password, pulumi.Output)
-            and not (isinstance(password, str) and password)
-        ):
-            raise common.ComponentArgError(
-                f"{COMPONENT}.store.password: not accepted; use a non-empty string or a secret Output "
-                "(or leave it unset when the store Secret exists already)"
-            )
-    return dict(value)
-
-
 class Remediator(pulumi.ComponentResource):
     webhook_url: str
 
@@ -193,7 +89,7 @@ class Remediator(pulumi.ComponentResource):
                 f"{COMPONENT}.membership: {a['membership']!r} is not accepted; use true or false"
             )
         replicas = common.positive(COMPONENT, "replicas", a["replicas"])
-        store = _store(a["store"], replicas)
+        store = remediator_store.check_store(a["store"], replicas)
         shared = store["kind"] != "sqlite"
         super().__init__("fleetheal:remediator:Remediator", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
@@ -330,7 +226,10 @@ class Remediator(pulumi.ComponentResource):
                 ],
             )
             if store["kind"] == "postgres-in-cluster":
-                depends_on += self._deploy_database(name, ns, store)
+                self.store_secret, self.database_service, self.database = remediator_store.deploy_database(
+                    self, name, ns, store
+                )
+                depends_on += [r for r in (self.store_secret, self.database) if r is not None]
             # maxUnavailable 0: a rollout adds the new pod (maxSurge 1) before it removes an old one, so the
             # replicas that can take over the Lease never drop below `replicas`; with one node short for the
             # surge pod the rollout waits, and the old pods keep serving.
@@ -442,112 +341,3 @@ class Remediator(pulumi.ComponentResource):
             opts=child,
         )
         return role, binding
-
-    def _deploy_database(self, name: str, ns: str, store: dict[str, Any]) -> list[pulumi.Resource]:
-        """The PostgreSQL the replicas share (store kind postgres-in-cluster): a one-pod StatefulSet, its
-        headless Service and, from the password, the Secret with the password and the remediator's URI.
-        Returns what the remediator's pods need first."""
-        child = pulumi.ResourceOptions(parent=self)
-        labels = common.labels("remediator-db", DB_NAME)
-        sel = {"app.kubernetes.io/name": DB_NAME}
-        secret = store["secret"]
-        if store.get("password") is not None:
-            password = pulumi.Output.secret(store["password"])
-            host = common.cluster_dns(DB_NAME, ns)
-            # sslmode=disable: this server has no certificate and the traffic stays in the cluster network;
-            # for TLS use store kind postgres with a database whose URI says sslmode=verify-full.
-            url = password.apply(
-                lambda pw: f"postgresql://{DB_USER}:{quote(pw, safe='')}@{host}:{DB_PORT}/{DB_DATABASE}?sslmode=disable"
-            )
-            self.store_secret = k8s.core.v1.Secret(
-                f"{name}-store-secret",
-                metadata={"name": secret, "namespace": ns, "labels": labels},
-                string_data={"url": url, "password": password},
-                opts=child,
-            )
-        self.database_service = k8s.core.v1.Service(
-            f"{name}-db-svc",
-            metadata={"name": DB_NAME, "namespace": ns, "labels": labels},
-            spec={
-                "clusterIP": "None",
-                "selector": sel,
-                "ports": [{"name": "postgres", "port": DB_PORT, "targetPort": DB_PORT}],
-            },
-            opts=child,
-        )
-        self.database = k8s.apps.v1.StatefulSet(
-            f"{name}-db",
-            metadata={"name": DB_NAME, "namespace": ns, "labels": labels},
-            spec={
-                "serviceName": DB_NAME,
-                "replicas": 1,
-                "selector": {"matchLabels": sel},
-                "template": {
-                    "metadata": {"labels": {**labels, **sel}},
-                    "spec": {
-                        "securityContext": {
-                            "runAsNonRoot": True,
-                            "runAsUser": DB_UID,
-                            "runAsGroup": DB_UID,
-                            "fsGroup": DB_UID,
-                            "seccompProfile": {"type": "RuntimeDefault"},
-                        },
-                        "containers": [
-                            {
-                                "name": "postgres",
-                                "image": store["image"],
-                                "env": [
-                                    {"name": "POSTGRES_USER", "value": DB_USER},
-                                    {"name": "POSTGRES_DB", "value": DB_DATABASE},
-                                    {
-                                        "name": "POSTGRES_PASSWORD",
-                                        "valueFrom": {"secretKeyRef": {"name": secret, "key": "password"}},
-                                    },
-                                    # initdb wants an empty directory; a fresh volume's root may hold lost+found
-                                    # (the postgres image's documentation, "PGDATA").
-                                    {"name": "PGDATA", "value": f"{DB_DATA}/pgdata"},
-                                ],
-                                "ports": [{"name": "postgres", "containerPort": DB_PORT}],
-                                # Over TCP: the image's first-start server listens on its socket only, so the
-                                # pod is ready once the real server is.
-                                "readinessProbe": {
-                                    "exec": {
-                                        "command": ["pg_isready", "-h", "127.0.0.1", "-U", DB_USER, "-d", DB_DATABASE]
-                                    }
-                                },
-                                "resources": {
-                                    "requests": {"cpu": "250m", "memory": "256Mi"},
-                                    "limits": {"memory": "1Gi"},
-                                },
-                                "securityContext": {
-                                    "allowPrivilegeEscalation": False,
-                                    "readOnlyRootFilesystem": True,
-                                    "capabilities": {"drop": ["ALL"]},
-                                },
-                                "volumeMounts": [
-                                    {"name": "data", "mountPath": DB_DATA},
-                                    {"name": "run", "mountPath": "/var/run/postgresql"},
-                                    {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 - an emptyDir
-                                ],
-                            }
-                        ],
-                        "volumes": [{"name": "run", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
-                    },
-                },
-                "volumeClaimTemplates": [
-                    {
-                        "metadata": {"name": "data"},
-                        "spec": {
-                            "accessModes": ["ReadWriteOnce"],
-                            "resources": {"requests": {"storage": store["size"]}},
-                        },
-                    }
-                ],
-                # The incident store is the audit record: its claim outlives the StatefulSet.
-                "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Retain", "whenScaled": "Retain"},
-            },
-            opts=pulumi.ResourceOptions(
-                parent=self, depends_on=[r for r in (self.database_service, self.store_secret) if r is not None]
-            ),
-        )
-        return [r for r in (self.store_secret, self.database) if r is not None]

@@ -7,6 +7,9 @@ Two modes:
   the CRDs' schemas.
 - `helm`: installs the slurm-operator-crds, slurm-operator and slurm charts as `helm.v3.Release`s
   with values built from the same settings (the chart renders the same custom resources).
+
+This module creates the objects and checks the arguments; what the custom resources and the chart's
+values hold is rendered by fleetheal.infra.slinky_specs.SlinkySpecs (`SlinkyCluster.specs`).
 """
 
 from __future__ import annotations
@@ -19,14 +22,12 @@ import pulumi
 import pulumi_kubernetes as k8s
 import yaml
 
-from fleetheal import contracts
 from fleetheal.infra import common, slurm_hooks
-from fleetheal.infra.policy import shared
-from fleetheal.infra.stack_model import GpuPool
+from fleetheal.infra.slinky_specs import SSSD_CONF, SlinkySpecs
+from fleetheal.infra.stack_model import ACCOUNTING_SERVICE_TYPES, FEDERATION_ROLES, SLINKY_MODES, GpuPool
 
 COMPONENT = "SlinkyCluster"
 API = "slinky.slurm.net/v1beta1"
-MODES = ("manifests", "helm")
 CRD_FILES = (
     "slinky.slurm.net_accountings.yaml",
     "slinky.slurm.net_controllers.yaml",
@@ -35,27 +36,6 @@ CRD_FILES = (
     "slinky.slurm.net_restapis.yaml",
     "slinky.slurm.net_tokens.yaml",
 )
-#: sssd.conf of the slurm chart 1.2.1 (values.yaml `sssd.conf`): local users only.
-SSSD_CONF = """[sssd]
-services = nss,pam
-domains = DEFAULT
-
-[nss]
-filter_groups = root,slurm
-filter_users = root,slurm
-
-[pam]
-
-[domain/DEFAULT]
-id_provider = proxy
-proxy_lib_name = files
-auth_provider = proxy
-proxy_pam_target = sssd-shadowutils
-"""
-GPU_RESOURCE = "nvidia.com/gpu"
-SHARED_VOLUME = "shared"
-HOOKS_VOLUME = "fleetheal-hooks"
-AGENT_STATE_VOLUME = "fleetheal-state"
 
 
 @cache
@@ -112,28 +92,6 @@ class SlinkyClusterArgs(_SlinkyClusterRequired, total=False):
     """manager: the Kubernetes Service type of slurmdbd (LoadBalancer, NodePort or ClusterIP)."""
 
 
-FEDERATION_ROLES = ("none", "manager", "worker")
-#: slurm.conf lines of every federation member: `sinfo`/`squeue` show the whole federation by default.
-FEDERATION_CONF = "FederationParameters=fed_display\n"
-SERVICE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
-#: slurmdbd's port (its DbdPort default; the Slinky Accounting service's port).
-SLURMDBD_PORT = 6819
-
-
-def accounting_service(cluster_name: str) -> str:
-    """The Service the slurm-operator makes for the Accounting `<cluster>-accounting` (its `<name>-accounting`)."""
-    return f"{cluster_name}-accounting-accounting"
-
-
-def controller_service(cluster_name: str) -> str:
-    """The Service the slurm-operator makes for the Controller `<cluster>` (its `<name>-controller`)."""
-    return f"{cluster_name}-controller"
-
-
-def _key_ref(name: str, key: str) -> dict[str, str]:
-    return {"name": name, "key": key}
-
-
 class SlinkyCluster(pulumi.ComponentResource):
     """The slurm-operator and a Slurm cluster whose GPU NodeSets follow fleetheal's pool labels."""
 
@@ -142,7 +100,7 @@ class SlinkyCluster(pulumi.ComponentResource):
     def __init__(self, name: str, args: SlinkyClusterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         a: dict[str, Any] = {"federation_role": "none", **dict(args)}
         common.require(a, COMPONENT, _SlinkyClusterRequired.__annotations__)
-        mode = common.one_of(COMPONENT, "mode", a["mode"], MODES)
+        mode = common.one_of(COMPONENT, "mode", a["mode"], SLINKY_MODES)
         role = common.one_of(COMPONENT, "federation_role", a["federation_role"], FEDERATION_ROLES)
         if role != "none" and mode != "manifests":
             raise common.ComponentArgError(
@@ -157,7 +115,10 @@ class SlinkyCluster(pulumi.ComponentResource):
                 )
         if role == "manager":
             common.one_of(
-                COMPONENT, "accounting_service_type", a.get("accounting_service_type", "LoadBalancer"), SERVICE_TYPES
+                COMPONENT,
+                "accounting_service_type",
+                a.get("accounting_service_type", "LoadBalancer"),
+                ACCOUNTING_SERVICE_TYPES,
             )
         common.dns_label(COMPONENT, "cluster_name", a["cluster_name"], 40)
         common.dns_label(COMPONENT, "namespace", a["namespace"])
@@ -176,7 +137,8 @@ class SlinkyCluster(pulumi.ComponentResource):
         common.positive(COMPONENT, "requeue_grace_seconds", a["requeue_grace_seconds"])
         super().__init__("fleetheal:slinky:SlinkyCluster", name, None, opts)
         self.args = a
-        self.nodeset_names = [self.nodeset_name(p) for p in a["pools"]]
+        self.specs = SlinkySpecs(a)
+        self.nodeset_names = self.specs.nodeset_names
         child = pulumi.ResourceOptions(parent=self)
 
         self.operator_ns = k8s.core.v1.Namespace(
@@ -190,7 +152,7 @@ class SlinkyCluster(pulumi.ComponentResource):
             metadata={
                 "name": f"{a['cluster_name']}-sssd-conf",
                 "namespace": a["namespace"],
-                "labels": self._labels("login"),
+                "labels": self.specs.labels("login"),
             },
             string_data={"sssd.conf": SSSD_CONF},
             opts=child,
@@ -213,210 +175,29 @@ class SlinkyCluster(pulumi.ComponentResource):
             self.releases = self._helm(name, pulumi.ResourceOptions(parent=self, depends_on=[*self.hooks, self.sssd]))
         self.register_outputs({"controller": a["cluster_name"], "nodesets": self.nodeset_names})
 
-    # -- names -----------------------------------------------------------------------------------
-
-    def nodeset_name(self, pool: GpuPool) -> str:
-        return f"{self.args['cluster_name']}-{pool.name}"
-
-    def _labels(self, component: str) -> dict[str, str]:
-        extra = {"app.kubernetes.io/instance": self.args["cluster_name"]}
-        if self.args["federation_role"] != "none" and component in ("controller", "accounting"):
-            # The policy pack finds the federation's members (and their manager) by this label.
-            extra[shared.LABEL_FEDERATION_ROLE] = self.args["federation_role"]
-        return common.labels(component, f"{self.args['cluster_name']}-{component}", extra)
-
-    @property
-    def prolog_name(self) -> str:
-        return f"{self.args['cluster_name']}-fleetheal-prolog"
-
-    @property
-    def epilog_name(self) -> str:
-        return f"{self.args['cluster_name']}-fleetheal-epilog"
-
-    @property
-    def hooks_name(self) -> str:
-        return f"{self.args['cluster_name']}-fleetheal-hooks"
-
-    # -- shared pieces ---------------------------------------------------------------------------
-
     def _hook_config_maps(self, name: str, child: pulumi.ResourceOptions) -> list[k8s.core.v1.ConfigMap]:
         a = self.args
-        md = {"namespace": a["namespace"], "labels": self._labels("slurm-hooks")}
+        md = {"namespace": a["namespace"], "labels": self.specs.labels("slurm-hooks")}
         return [
             k8s.core.v1.ConfigMap(
                 f"{name}-prolog",
-                metadata={"name": self.prolog_name, **md},
+                metadata={"name": self.specs.prolog_name, **md},
                 data={"10-fleetheal-agent.sh": slurm_hooks.prolog_script()},
                 opts=child,
             ),
             k8s.core.v1.ConfigMap(
                 f"{name}-epilog",
-                metadata={"name": self.epilog_name, **md},
+                metadata={"name": self.specs.epilog_name, **md},
                 data={"90-fleetheal-agent.sh": slurm_hooks.epilog_script()},
                 opts=child,
             ),
             k8s.core.v1.ConfigMap(
                 f"{name}-hooks",
-                metadata={"name": self.hooks_name, **md},
+                metadata={"name": self.specs.hooks_name, **md},
                 data={slurm_hooks.HEALTHCHECK: slurm_hooks.healthcheck_script()},
                 opts=child,
             ),
         ]
-
-    def extra_conf(self) -> str:
-        a = self.args
-        conf = slurm_hooks.slurm_conf_lines(a["requeue_grace_seconds"], a["large_job_min_nodes"], self.nodeset_names)
-        return conf + (FEDERATION_CONF if a["federation_role"] != "none" else "")
-
-    def _shared_volume(self) -> dict[str, Any]:
-        return {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": self.args["shared_claim"]}}
-
-    def _shared_mount(self) -> dict[str, Any]:
-        return {"name": SHARED_VOLUME, "mountPath": self.args["shared_mount_path"]}
-
-    def nodeset_pod_volumes(self) -> list[dict[str, Any]]:
-        return [
-            self._shared_volume(),
-            {"name": HOOKS_VOLUME, "configMap": {"name": self.hooks_name, "defaultMode": 0o755}},
-            {"name": AGENT_STATE_VOLUME, "hostPath": {"path": contracts.AGENT_STATE_DIR, "type": "DirectoryOrCreate"}},
-        ]
-
-    def slurmd_mounts(self) -> list[dict[str, Any]]:
-        return [
-            self._shared_mount(),
-            {"name": HOOKS_VOLUME, "mountPath": slurm_hooks.HOOKS_MOUNT, "readOnly": True},
-            {"name": AGENT_STATE_VOLUME, "mountPath": contracts.AGENT_STATE_DIR},
-        ]
-
-    def nodeset_node_selector(self, pool: GpuPool) -> dict[str, str]:
-        return {"kubernetes.io/os": "linux", contracts.LABEL_POOL: "active", contracts.LABEL_GPU_POOL: pool.name}
-
-    @staticmethod
-    def nodeset_tolerations() -> list[dict[str, str]]:
-        # GPU nodes commonly carry the nvidia.com/gpu taint; the standby and unhealthy taints are
-        # deliberately NOT tolerated: slurmd must not start on a standby or isolated node.
-        return [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-
-    def nodeset_spec(self, pool: GpuPool) -> dict[str, Any]:
-        a = self.args
-        features = ",".join(dict.fromkeys((pool.gpu_type, pool.name)))
-        return {
-            "controllerRef": self._ref(a["cluster_name"]),
-            # One slurmd per matching node: promoting a standby node (relabel to active) is enough
-            # for the operator to start slurmd on it; no replica count to edit.
-            "scalingMode": "DaemonSet",
-            "slurmd": {
-                "name": "slurmd",
-                "image": a["images"]["slurmd"],
-                "resources": {
-                    "requests": {GPU_RESOURCE: str(pool.gpus_per_node)},
-                    "limits": {GPU_RESOURCE: str(pool.gpus_per_node)},
-                },
-                "volumeMounts": self.slurmd_mounts(),
-            },
-            "logfile": {"image": a["images"]["helper"]},
-            "extraConf": f"Gres=gpu:{pool.gpu_type}:{pool.gpus_per_node} Features={features}",
-            "partition": {"enabled": True, "config": "State=UP MaxTime=UNLIMITED"},
-            "template": {
-                "metadata": {"labels": {contracts.LABEL_GPU_POOL: pool.name}},
-                "spec": {
-                    "containers": [],
-                    "nodeSelector": self.nodeset_node_selector(pool),
-                    "tolerations": self.nodeset_tolerations(),
-                    "volumes": self.nodeset_pod_volumes(),
-                },
-            },
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
-            # Jobs running on a node keep a PodDisruptionBudget until Slurm has drained it.
-            "workloadDisruptionProtection": True,
-            **self._prune_slurm_node_records(),
-        }
-
-    @property
-    def _before_1_2(self) -> bool:
-        """An operator older than 1.2, whose CRDs differ in the fields below (tests/infra/test_slinky_operator.py
-        runs the real 1.1.0 on them)."""
-        major, minor = (int(x) for x in self.args["version"].lstrip("v").split(".")[:2])
-        return (major, minor) < (1, 2)
-
-    def _ref(self, name: str) -> dict[str, str]:
-        # Before 1.2 a reference names its namespace; an operator 1.1 looks for the object in "" otherwise.
-        return {"name": name, "namespace": self.args["namespace"]} if self._before_1_2 else {"name": name}
-
-    def _prune_slurm_node_records(self) -> dict[str, str]:
-        # A failed node replaced by a standby one should not linger in slurm.conf. The field came with 1.2.
-        return {} if self._before_1_2 else {"pruneSlurmNodeRecords": "NodeNotFound"}
-
-    def controller_spec(self) -> dict[str, Any]:
-        a = self.args
-        return {
-            "clusterName": a["cluster_name"],
-            "slurmKeyRef": _key_ref(a["slurm_key_secret"], "slurm.key"),
-            "jwtHs256KeyRef": _key_ref(a["jwt_key_secret"], "jwt.key"),
-            "accountingRef": self._ref(f"{a['cluster_name']}-accounting"),
-            "slurmctld": {"image": a["images"]["slurmctld"], "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
-            "reconfigure": {"image": a["images"]["slurmctld"]},
-            "logfile": {"image": a["images"]["helper"]},
-            "extraConf": self.extra_conf(),
-            "prologScriptRefs": [{"name": self.prolog_name}],
-            "epilogScriptRefs": [{"name": self.epilog_name}],
-            "persistence": {
-                "enabled": True,
-                "accessModes": ["ReadWriteOnce"],
-                "resources": {"requests": {"storage": "4Gi"}},
-            },
-            "metrics": {"enabled": True},
-        }
-
-    def accounting_spec(self) -> dict[str, Any]:
-        a = self.args
-        if a["federation_role"] == "worker":
-            # The federation's one slurmdbd (and its database) run in the manager's stack; this cluster's
-            # controller writes its job records there and learns its siblings from it.
-            host, port = a["manager_address"]
-            return {"external": True, "externalConfig": {"host": host, "port": port}}
-        spec = self._local_accounting_spec()
-        if a["federation_role"] == "manager":
-            # The workers' controllers (other Kubernetes clusters) reach slurmdbd through this Service.
-            spec["service"] = {
-                "spec": {"type": a.get("accounting_service_type", "LoadBalancer")},
-                "port": SLURMDBD_PORT,
-            }
-        return spec
-
-    def _local_accounting_spec(self) -> dict[str, Any]:
-        a = self.args
-        return {
-            "slurmKeyRef": _key_ref(a["slurm_key_secret"], "slurm.key"),
-            "jwtHs256KeyRef": _key_ref(a["jwt_key_secret"], "jwt.key"),
-            "slurmdbd": {"image": a["images"]["slurmdbd"]},
-            "storageConfig": {
-                "host": a["accounting_db_host"],
-                "port": 3306,
-                "database": "slurm_acct_db",
-                "username": "slurm",
-                "passwordKeyRef": _key_ref(a["accounting_db_password_secret"], "password"),
-            },
-        }
-
-    def restapi_spec(self) -> dict[str, Any]:
-        a = self.args
-        return {
-            "controllerRef": self._ref(a["cluster_name"]),
-            "replicas": 1,
-            "slurmrestd": {"image": a["images"]["slurmrestd"]},
-        }
-
-    def loginset_spec(self) -> dict[str, Any]:
-        a = self.args
-        return {
-            "controllerRef": self._ref(a["cluster_name"]),
-            "replicas": 1,
-            "sssdConfRef": _key_ref(f"{a['cluster_name']}-sssd-conf", "sssd.conf"),
-            "login": {"name": "login", "image": a["images"]["login"], "volumeMounts": [self._shared_mount()]},
-            "initconf": {"image": a["images"]["helper"]},
-            "template": {"spec": {"containers": [], "volumes": [self._shared_volume()]}},
-        }
 
     # -- manifests mode --------------------------------------------------------------------------
 
@@ -494,7 +275,7 @@ class SlinkyCluster(pulumi.ComponentResource):
                                 "name": "slurm-operator",
                                 "image": a["operator_image"],
                                 "imagePullPolicy": "IfNotPresent",
-                                "args": self.operator_args(),
+                                "args": self.specs.operator_args(),
                                 "ports": [
                                     {"name": "health", "containerPort": 8081},
                                     {"name": "metrics", "containerPort": 8080},
@@ -517,17 +298,12 @@ class SlinkyCluster(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.operator_ns, self.operator_binding]),
         )
 
-    def operator_args(self) -> list[str]:
-        """The operator's command line (cmd/manager's flags; tests run the real operator with them)."""
-        ns = self.args["operator_namespace"]
-        return ["--leader-elect", f"--leader-elect-namespace={ns}", "--health-addr=:8081", "--metrics-addr=:8080"]
-
     def _cr(self, name: str, kind: str, obj_name: str, spec: dict[str, Any], opts: pulumi.ResourceOptions) -> Any:
         return k8s.apiextensions.CustomResource(
             name,
             api_version=API,
             kind=kind,
-            metadata={"name": obj_name, "namespace": self.args["namespace"], "labels": self._labels(kind.lower())},
+            metadata={"name": obj_name, "namespace": self.args["namespace"], "labels": self.specs.labels(kind.lower())},
             spec=spec,
             opts=opts,
         )
@@ -536,89 +312,22 @@ class SlinkyCluster(pulumi.ComponentResource):
         a = self.args
         cn = a["cluster_name"]
         out = [
-            self._cr(f"{name}-accounting", "Accounting", f"{cn}-accounting", self.accounting_spec(), opts),
-            self._cr(f"{name}-controller", "Controller", cn, self.controller_spec(), opts),
-            self._cr(f"{name}-restapi", "RestApi", f"{cn}-restapi", self.restapi_spec(), opts),
-            self._cr(f"{name}-login", "LoginSet", f"{cn}-login", self.loginset_spec(), opts),
+            self._cr(f"{name}-accounting", "Accounting", f"{cn}-accounting", self.specs.accounting_spec(), opts),
+            self._cr(f"{name}-controller", "Controller", cn, self.specs.controller_spec(), opts),
+            self._cr(f"{name}-restapi", "RestApi", f"{cn}-restapi", self.specs.restapi_spec(), opts),
+            self._cr(f"{name}-login", "LoginSet", f"{cn}-login", self.specs.loginset_spec(), opts),
         ]
         for pool in a["pools"]:
             out.append(
                 self._cr(
-                    f"{name}-nodeset-{pool.name}", "NodeSet", self.nodeset_name(pool), self.nodeset_spec(pool), opts
+                    f"{name}-nodeset-{pool.name}",
+                    "NodeSet",
+                    self.specs.nodeset_name(pool),
+                    self.specs.nodeset_spec(pool),
+                    opts,
                 )
             )
         return out
-
-    # -- helm mode -------------------------------------------------------------------------------
-
-    def helm_values(self) -> dict[str, Any]:
-        """Values for the slurm chart 1.2.1 (shape of its values.yaml, not of the custom resources)."""
-        a = self.args
-
-        def image(ref: str) -> dict[str, Any]:
-            repo, _, tag = ref.rpartition(":")
-            return {"repository": repo, "tag": tag}
-
-        nodesets: dict[str, Any] = {}
-        for pool in a["pools"]:
-            spec = self.nodeset_spec(pool)
-            nodesets[pool.name] = {
-                "enabled": True,
-                "scalingMode": "DaemonSet",
-                "workloadDisruptionProtection": True,
-                **self._prune_slurm_node_records(),
-                "slurmd": {
-                    "image": image(a["images"]["slurmd"]),
-                    "resources": spec["slurmd"]["resources"],
-                    "volumeMounts": self.slurmd_mounts(),
-                },
-                "logfile": {"image": image(a["images"]["helper"])},
-                "extraConf": spec["extraConf"],
-                "partition": {"enabled": True, "config": spec["partition"]["config"]},
-                "updateStrategy": spec["updateStrategy"],
-                "metadata": {"labels": {contracts.LABEL_GPU_POOL: pool.name}},
-                "podSpec": {
-                    "nodeSelector": self.nodeset_node_selector(pool),
-                    "tolerations": self.nodeset_tolerations(),
-                    "volumes": self.nodeset_pod_volumes(),
-                },
-            }
-        return {
-            "clusterName": a["cluster_name"],
-            "slurmKey": {"create": False, "secretRef": _key_ref(a["slurm_key_secret"], "slurm.key")},
-            "jwtKey": {"create": False, "secretRef": _key_ref(a["jwt_key_secret"], "jwt.key")},
-            "prologScripts": {"10-fleetheal-agent.sh": slurm_hooks.prolog_script()},
-            "epilogScripts": {"90-fleetheal-agent.sh": slurm_hooks.epilog_script()},
-            "controller": {
-                "slurmctld": {"image": image(a["images"]["slurmctld"])},
-                "reconfigure": {"image": image(a["images"]["slurmctld"])},
-                "logfile": {"image": image(a["images"]["helper"])},
-                "extraConf": self.extra_conf(),
-                "metrics": {"enabled": True},
-            },
-            "restapi": {"replicas": 1, "slurmrestd": {"image": image(a["images"]["slurmrestd"])}},
-            "accounting": {
-                "enabled": True,
-                "slurmdbd": {"image": image(a["images"]["slurmdbd"])},
-                "storageConfig": {
-                    "host": a["accounting_db_host"],
-                    "port": 3306,
-                    "database": "slurm_acct_db",
-                    "username": "slurm",
-                    "passwordKeyRef": _key_ref(a["accounting_db_password_secret"], "password"),
-                },
-            },
-            "sssd": {"secretRef": _key_ref(f"{a['cluster_name']}-sssd-conf", "sssd.conf")},
-            "loginsetDefaults": {
-                "login": {"image": image(a["images"]["login"]), "volumeMounts": [self._shared_mount()]},
-                "initconf": {"image": image(a["images"]["helper"])},
-                "podSpec": {"volumes": [self._shared_volume()]},
-            },
-            "loginsets": {"login": {"enabled": True, "replicas": 1}},
-            "nodesets": nodesets,
-            # Partitions come from controller.extraConf (large/small); the chart's example `all` stays off.
-            "partitions": {"all": {"enabled": False}},
-        }
 
     def _helm(self, name: str, opts: pulumi.ResourceOptions) -> list[k8s.helm.v3.Release]:
         a = self.args
@@ -657,7 +366,7 @@ class SlinkyCluster(pulumi.ComponentResource):
             "slurm",
             "slurm",
             a["namespace"],
-            self.helm_values(),
+            self.specs.helm_values(),
             pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[operator])),
         )
         return [crds, operator, slurm]

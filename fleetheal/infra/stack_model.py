@@ -15,6 +15,8 @@ from typing import Any
 SLINKY_MODES = ("manifests", "helm")
 NODE_PROVIDERS = ("existing", "eks")
 ENVIRONMENTS = ("development", "staging", "production")
+#: How the remediator's incident store is kept: SQLite on a PVC; the operator's PostgreSQL; a PostgreSQL deployed
+#: in the cluster (fleetheal.infra.remediator_store).
 REMEDIATOR_STORES = ("sqlite", "postgres", "postgres-in-cluster")
 #: `none`: a cluster on its own (its own slurmdbd); `manager`: a cluster that also runs the federation's
 #: slurmdbd and declares the federation; `worker`: a cluster whose accounting is the manager's slurmdbd.

@@ -5,7 +5,7 @@ One control plane per test session (fixture `kube` in conftest.py: etcd + kube-a
 its own private Slurm (fixture `slurm`, nodes n1..n3). Each test gets fresh Node objects named like the
 Slurm nodes and its own namespace (the playbooks' `fleetheal_slurm_namespace`) holding:
 
-- the NodeSet `lab-h100` of pool h100 (`<fleetheal_cluster>-<pool>`, fleetheal.infra.slinky nodeset_name);
+- the NodeSet `lab-h100` of pool h100 (`<fleetheal_cluster>-<pool>`, fleetheal.infra.slinky_specs nodeset_name);
 - a slurmd pod owned by that NodeSet on n1 and on n2, under a PodDisruptionBudget;
 - a DaemonSet `fleetheal-agent` whose controller made its pod on n1 (a drain leaves it alone).
 
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.kube]
 
 CLUSTER = "lab"  # Playbooks.base_vars: fleetheal_cluster, the Slurm ClusterName
 POOL = "h100"
-NODESET = f"{CLUSTER}-{POOL}"  # fleetheal.infra.slinky.SlinkyCluster.nodeset_name
+NODESET = f"{CLUSTER}-{POOL}"  # fleetheal.infra.slinky_specs.SlinkySpecs.nodeset_name
 FAILED, ACTIVE, STANDBY = "n1", "n2", "n3"
 GROUP, VERSION = "slinky.slurm.net", "v1beta1"
 POOL_LABEL = contracts.LABEL_POOL

@@ -392,9 +392,9 @@ def test_container_commands_parse_with_the_real_fleetheal_cli(run_mocked: Runner
         parsed = parser.parse_args(argv)
         assert callable(parsed.func), argv
     assert Remediator.__module__ == "fleetheal.infra.remediator"
-    from fleetheal.infra import remediator as infra_remediator
+    from fleetheal.infra import remediator_config
 
-    assert infra_remediator.WEBHOOK_PATH == app.WEBHOOK_PATH
+    assert remediator_config.WEBHOOK_PATH == app.WEBHOOK_PATH
 
 
 def test_agent_metrics_carry_node_and_cluster_labels(run_mocked: Runner, k8s_schemas: SchemaSet) -> None:

@@ -26,7 +26,7 @@ from pulumi import automation as auto
 
 from fleetheal import contracts, steps
 from fleetheal.infra import config, engine, project
-from fleetheal.infra.remediator import NAME as REMEDIATOR
+from fleetheal.infra.remediator_config import NAME as REMEDIATOR
 from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.remediator.leader import api_client

@@ -34,13 +34,13 @@ from fleetheal.infra import (
     federation,
     fleet_file,
     mocks,
-    policy,
     program,
     project,
     render,
     stack_model,
 )
 from fleetheal.infra.drift import Finding
+from fleetheal.infra.policy import shared, slurm_rules
 from fleetheal.lab import controlplane
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.federation import Federation
@@ -96,7 +96,7 @@ def test_manager_runs_slurmdbd_for_the_federation_and_applies_it_with_a_job(
     records = stack_records["fleet-manager"]
     assert_all_valid(k8s_schemas, records)
     acct = _one(records, "Accounting")
-    assert acct["metadata"]["labels"][policy.LABEL_FEDERATION_ROLE] == "manager"
+    assert acct["metadata"]["labels"][shared.LABEL_FEDERATION_ROLE] == "manager"
     # slurmdbd on its own database, reachable from the workers' Kubernetes clusters
     assert acct["spec"]["storageConfig"]["host"] == "mariadb" and "external" not in acct["spec"]
     assert acct["spec"]["service"] == {"spec": {"type": "LoadBalancer"}, "port": 6819}
@@ -106,8 +106,8 @@ def test_manager_runs_slurmdbd_for_the_federation_and_applies_it_with_a_job(
     assert controller["spec"]["extraConf"].endswith("FederationParameters=fed_display\n")
 
     script_cm = _one(records, "ConfigMap", federation.SCRIPT_CONFIGMAP)
-    script = script_cm["data"][policy.FEDERATION_SCRIPT_KEY]
-    assert policy.federation_statements(script) == [
+    script = script_cm["data"][shared.FEDERATION_SCRIPT_KEY]
+    assert slurm_rules.federation_statements(script) == [
         ("cluster", "core", "data-imagenet,h100"),
         ("cluster", "a", "data-imagenet,h100,ib-ndr"),
         ("cluster", "b", "a100,data-c4"),
@@ -188,7 +188,7 @@ def test_worker_controller_points_at_the_managers_slurmdbd(
     assert_all_valid(k8s_schemas, records)
     controller = _one(records, "Controller")
     assert controller["spec"]["clusterName"] == cluster
-    assert controller["metadata"]["labels"][policy.LABEL_FEDERATION_ROLE] == "worker"
+    assert controller["metadata"]["labels"][shared.LABEL_FEDERATION_ROLE] == "worker"
     assert "FederationParameters=fed_display" in controller["spec"]["extraConf"].splitlines()
     acct = _one(records, "Accounting", controller["spec"]["accountingRef"]["name"])
     assert acct["spec"] == {"external": True, "externalConfig": {"host": "slurmdbd.fleet.example.com", "port": 6819}}
@@ -552,7 +552,7 @@ def test_a_stand_alone_stack_is_unchanged(dev_config: stack_model.StackConfig) -
     assert dev_config.federation == stack_model.FederationSpec()
     records = mocks.run(lambda: program.build(dev_config))
     controller = _one(records, "Controller")
-    assert policy.LABEL_FEDERATION_ROLE not in controller["metadata"]["labels"]
+    assert shared.LABEL_FEDERATION_ROLE not in controller["metadata"]["labels"]
     assert "Federation" not in controller["spec"]["extraConf"]
     assert not by_kind(records, "Job")
 
@@ -651,7 +651,7 @@ def test_manager_stack_previews_with_the_pack_and_deploys(tmp_path: Path, shared
         (job,) = batch.list_namespaced_job("slurm").items
         assert job.metadata.name.startswith(federation.JOB_PREFIX)
         script = core.read_namespaced_config_map(federation.SCRIPT_CONFIGMAP, "slurm").data["apply.sh"]
-        assert ("federation", "fleet", "core", "a", "b") in policy.federation_statements(script)
+        assert ("federation", "fleet", "core", "a", "b") in slurm_rules.federation_statements(script)
         fleet_text = core.read_namespaced_config_map(fleet_file.FLEET_CONFIGMAP, "fleetheal-system").data["fleet.yaml"]
         assert yaml.safe_load(fleet_text)["clusters"]["b"]["gpu_type"] == "a100"
         # A worker's Accounting (external) and Controller, as its stack renders them, pass the API server's

@@ -18,7 +18,7 @@ from pulumi_policy import ResourceValidationArgs, StackValidationArgs
 from fleetheal import contracts
 from fleetheal.infra import agent, config, mocks, policy, program, project
 from fleetheal.infra.policy import agent_rules, pool_rules, remediator_rules, shared, slurm_rules
-from fleetheal.infra.remediator import remediator_config
+from fleetheal.infra.remediator_config import remediator_config
 
 SLINKY = "slinky.slurm.net/v1beta1"
 Props = dict[str, Any]
