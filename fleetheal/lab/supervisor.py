@@ -5,7 +5,7 @@ cluster's remediator) and the one way they start a daemon.
 A supervisor's `start()` returns itself once what it started answers; `stop()` stops everything it started
 (by PID or process group, a timeout, then SIGKILL: each supervisor keeps its own order and timeouts) and may
 be called after a failed or partial start. As a context manager it starts on entry and stops on exit, also
-when the block raised.
+when the block raised, and stops what a failed start left running.
 
 `spawn()` starts a daemon in a session of its own (so it survives the caller's terminal and Ctrl-C, and
 `fleetheal.procs.stop_pid` signals its whole process group), stdin from /dev/null, stdout and stderr
@@ -14,6 +14,7 @@ appended to its log file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from abc import ABC, abstractmethod
@@ -35,7 +36,12 @@ class Supervisor(ABC):
         """Stop every process started; return once they are gone."""
 
     def __enter__(self) -> Self:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            with contextlib.suppress(Exception):  # what failed to start is the error to report
+                self.stop()
+            raise
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -55,6 +55,8 @@ class Settings:
                 raw = raw.replace("{{ fleetheal_drain_reason_prefix }}", contracts.DRAIN_REASON_PREFIX)
                 if "{{" in raw or "{%" in raw:
                     raise settings.ConfigError(f"{key}: {raw!r} is a Jinja template; give the remediator a plain value")
+            if f.type in (bool, "bool") and str(raw) in ("1", "0"):
+                raw = str(raw) == "1"  # Ansible's own booleans: -e fleetheal_promote_standby=0
             doc[f.name] = raw
         try:
             return settings.build(cls, doc, {}, PREFIX)

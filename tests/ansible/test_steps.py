@@ -175,6 +175,9 @@ def test_settings_are_coerced_as_every_fleetheal_setting_and_errors_name_the_var
     )
     assert (got.slurm_retries, got.promote_standby, dict(got.slurm_env)) == (5, False, {"A": "1"})
     assert steps.Settings.from_vars({"fleetheal_unused": 1, "fleetheal_kubeconfig": None}) == steps.Settings()
+    # Ansible's 1/0 booleans (-e fleetheal_promote_standby=0), accepted before the steps shared the coercion.
+    for raw, want in ((0, False), ("0", False), (1, True), ("1", True)):
+        assert steps.Settings.from_vars({"fleetheal_promote_standby": raw}).promote_standby is want
     with pytest.raises(ValueError, match=r"^fleetheal_slurm_retries: expected an integer, got 'x'$"):
         steps.Settings.from_vars({"fleetheal_slurm_retries": "x"})
 
