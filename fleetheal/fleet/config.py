@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from fleetheal import settings
+from fleetheal import contracts, settings
 from fleetheal.settings import ConfigError
 
 ENV_PREFIX = "FLEETHEAL_FLEET_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 #: Slurm cluster names and fleetheal's names for datasets and stores: short, lower case, no dots.
-NAME = re.compile(r"[a-z][a-z0-9-]{0,39}")
+NAME = re.compile(contracts.CLUSTER_NAME_PATTERN)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from fleetheal import contracts
 from fleetheal.infra.config_checks import RFC1123_LABEL, fields, int_range, names, one_of, unique_named
 from fleetheal.infra.fleet_file import fleet_document
 from fleetheal.infra.project import PROJECT
@@ -27,9 +28,9 @@ from fleetheal.settings import ConfigError
 #: Reads another stack of the project by name (fleetheal.infra.config passes its own reader).
 StackReader = Callable[[str], StackConfig]
 
-#: Slurm ClusterNames of a federation: the fleet file's names (fleetheal.fleet.config.NAME), which slurmdbd
-#: also uses as the prefix of its per-cluster tables.
-SLURM_CLUSTER = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
+#: Slurm ClusterNames of a federation (contracts.CLUSTER_NAME_PATTERN), which slurmdbd also uses as the prefix
+#: of its per-cluster tables.
+SLURM_CLUSTER = re.compile(rf"^{contracts.CLUSTER_NAME_PATTERN}$(?!\n)")
 _SLURM_ENTITY = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")  # accounts and QOS (sacctmgr lower-cases them anyway)
 _POSIX_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 #: Cluster features: no character that `--cluster-constraint` expressions give a meaning (,&|!()[]*).

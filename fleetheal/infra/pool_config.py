@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetheal import contracts
 from fleetheal.infra import schema
-from fleetheal.infra.config_checks import RFC1123_LABEL, RFC1123_SUBDOMAIN
+from fleetheal.infra.config_checks import RFC1123_LABEL
 from fleetheal.infra.project import PROJECT
 from fleetheal.infra.stack_model import GpuPool, standby_size
 from fleetheal.settings import ConfigError
@@ -96,7 +97,7 @@ def _node_names(where: str, value: Any, seen: set[str], allow_empty: bool = True
     if not isinstance(value, list) or (not value and not allow_empty):
         raise ConfigError(f"{where}: expected a {'' if allow_empty else 'non-empty '}list of Kubernetes node names")
     for n in value:
-        if not isinstance(n, str) or not RFC1123_SUBDOMAIN.match(n) or len(n) > 253:
+        if not contracts.is_node_name(n):
             raise ConfigError(f"{where}: {n!r} is not a Kubernetes node name (RFC 1123 subdomain)")
         if n in seen:
             raise ConfigError(f"{where}: node {n!r} appears twice; a node belongs to one pool, active or standby")

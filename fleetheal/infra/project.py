@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from fleetheal.settings import ConfigError
+from fleetheal.tools import CHECKOUT
 
 PROJECT = "fleetheal"
 
@@ -21,9 +22,8 @@ def _project_root() -> Path:
     """The Pulumi project: the checkout this package sits in, or for an installed wheel the nearest
     directory holding Pulumi.yaml from the working directory up (as the Pulumi CLI looks), else the
     working directory (`fleetheal render --root` names another)."""
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "Pulumi.yaml").is_file():
-        return checkout
+    if (CHECKOUT / "Pulumi.yaml").is_file():
+        return CHECKOUT
     cwd = Path.cwd()
     return next((d for d in (cwd, *cwd.parents) if (d / "Pulumi.yaml").is_file()), cwd)
 

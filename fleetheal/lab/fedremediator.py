@@ -25,6 +25,7 @@ from fleetheal.lab.slurm import (
 )
 from fleetheal.lab.supervisor import Supervisor, spawn
 from fleetheal.procs import free_ports
+from fleetheal.tools import CHECKOUT
 
 
 class ClusterRemediator(Supervisor):
@@ -63,7 +64,7 @@ class ClusterRemediator(Supervisor):
             "fleetheal_control": {"hosts": {"localhost": local}},
             "fleetheal_gpu_nodes": {"hosts": dict.fromkeys(slurm.node_names, local)},
         }}}))  # fmt: skip
-        repo = Path(__file__).resolve().parents[2]
+        repo = CHECKOUT
         cfg = {
             "cluster": {"name": cluster, "nodes": dict.fromkeys(slurm.node_names, f"{cluster}-leaf-1")},
             "listen": {"host": "127.0.0.1", "port": self.port},

@@ -66,8 +66,8 @@ from fleetheal.lab.monitoring import Monitoring
 from fleetheal.lab.slurm import SlurmCluster, SlurmError
 from fleetheal.lab.supervisor import spawn
 from fleetheal.procs import free_ports
+from fleetheal.tools import CHECKOUT
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
 CLUSTER = "lab"
 STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
@@ -310,7 +310,7 @@ class Lab:
     def _agent_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["SLURM_CONF"] = str(self.dir / "slurm" / "etc" / "slurm.conf")
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(CHECKOUT) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
     def _up_agents(self, gpus: int) -> None:
@@ -401,7 +401,7 @@ class Lab:
             "auth": {"token_file": str(rdir / "token"), "operator_token_file": str(rdir / "operator-token")},
             "store": {"path": str(rdir / "remediator.sqlite"), "synchronous": "NORMAL"},
             "runner": {
-                "playbook_dir": str(REPO / "playbooks"),
+                "playbook_dir": str(CHECKOUT / "playbooks"),
                 "run_dir": str(rdir / "runs"),
                 "inventory": str(inventory),
                 "timeout_s": 300,
@@ -449,7 +449,7 @@ class Lab:
         self._done(
             "remediator",
             t0,
-            f"`fleetheal remediator serve` at {url}, playbooks from {REPO / 'playbooks'}",
+            f"`fleetheal remediator serve` at {url}, playbooks from {CHECKOUT / 'playbooks'}",
         )
 
     def _up_monitoring(self) -> None:
@@ -457,7 +457,7 @@ class Lab:
         mon = Monitoring(
             self.dir / "monitoring",
             scrape_targets=list(self.meta["agents"].values()),
-            rules_files=[REPO / "policies" / "alert-rules.yml"],
+            rules_files=[CHECKOUT / "policies" / "alert-rules.yml"],
             webhook_url=self.meta["remediator"]["webhook"],
             webhook_token=(self.dir / "remediator" / "token").read_text().strip(),
             cluster=CLUSTER,
@@ -557,7 +557,7 @@ class Lab:
             step_time=step_time,
             checkpoint_every=checkpoint_every,
             socket_template=str(self.dir / "nodes" / "{node}" / "training.sock"),
-            pythonpath=str(REPO),
+            pythonpath=str(CHECKOUT),
         )
         gpus = self.meta["gpus"]
         job = self.slurm().sbatch(

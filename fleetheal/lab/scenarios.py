@@ -15,9 +15,10 @@ from fleetheal.contracts import CHECKPOINT_WORD, LABEL_POOL, TAINT_UNHEALTHY, ow
 from fleetheal.lab import LabError
 from fleetheal.lab.federation import Federation, SlurmError
 from fleetheal.lab.fedremediator import ClusterRemediator
-from fleetheal.lab.lab import REPO, Lab
+from fleetheal.lab.lab import Lab
 from fleetheal.lab.train import read_checkpoint, read_events
 from fleetheal.lab.watcher import Outcome, Watcher, continuity, expand_nodelist, follow, run_starts
+from fleetheal.tools import CHECKOUT
 from fleetheal.wait import WaitTimeout, wait_until
 
 #: Seconds between checkpoints of the demo's training job, and its step time.
@@ -339,7 +340,7 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
         out(f"  federation a+b (slurmdbd, MariaDB, two slurmctld) and a's remediator up in "
             f"{time.monotonic() - t_up:.1f}s; a and b read checkpoint store 'shared' ({store})")  # fmt: skip
         script = (
-            f"#!/bin/bash\nexport PYTHONPATH={REPO}\nexec {sys.executable} -m fleetheal.lab.train coordinator "
+            f"#!/bin/bash\nexport PYTHONPATH={CHECKOUT}\nexec {sys.executable} -m fleetheal.lab.train coordinator "
             f"--run-dir {store} --step-time {STEP_TIME} --checkpoint-every 1\n"
         )
         a = fed.clusters["a"]

@@ -62,6 +62,7 @@ from fleetheal.lab.simnode import (
     node_state,
 )
 from fleetheal.lab.simprograms import all_reduce_perf, burn_in, dcgmi, nvidia_smi
+from fleetheal.tools import CHECKOUT
 
 
 def run_tool(
@@ -142,10 +143,9 @@ def write_sim_tools(
     bindir = Path(bin_dir).resolve()
     bindir.mkdir(parents=True, exist_ok=True)
     state = Path(state_file).resolve()
-    root = Path(__file__).resolve().parents[2]  # the directory that holds the fleetheal package
     for tool in TOOLS:
         tmp = bindir / f".{tool}.{os.getpid()}.tmp"
-        tmp.write_text(_script(python, root, state, gpus, burnin_seconds=burnin_seconds, tool=tool))
+        tmp.write_text(_script(python, CHECKOUT, state, gpus, burnin_seconds=burnin_seconds, tool=tool))
         tmp.chmod(0o755)
         os.replace(tmp, bindir / tool)
     return _role_vars(str(bindir), gpus)

@@ -33,7 +33,8 @@ FEDERATION_SCRIPT_KEY = "apply.sh"
 #: `cluster NAME FEATURES`, `qos NAME PRIORITY`, `grant ACCOUNT CLUSTER QOS|- DEFAULT_QOS|- [USER...]`,
 #: `federation NAME CLUSTER...`.
 FEDERATION_VERBS = ("cluster", "qos", "grant", "federation")
-#: Slurm ClusterNames in a federation (fleetheal.fleet.config.NAME; slurmdbd prefixes its tables with them).
+#: Slurm ClusterNames in a federation (fleetheal.contracts.CLUSTER_NAME_PATTERN; slurmdbd prefixes its tables
+#: with them).
 SLURM_CLUSTER_NAME = r"[a-z][a-z0-9-]{0,39}"
 
 GPU = "nvidia.com/gpu"

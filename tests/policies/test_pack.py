@@ -66,6 +66,8 @@ def test_the_names_the_pack_carries_equal_fleetheals_contracts() -> None:
         assert getattr(shared, name) == getattr(contracts, name), name
     # The Pulumi components take it from the pack itself: one definition.
     assert common.image_is_pinned is shared.image_is_pinned
+    # The pack stands alone (no fleetheal import), so it carries its own copy of the cluster-name rule.
+    assert shared.SLURM_CLUSTER_NAME == contracts.CLUSTER_NAME_PATTERN
 
 
 @pytest.mark.parametrize(
