@@ -1,5 +1,5 @@
 """The SlurmCluster harness: parsing a job line (no daemons) and a real private slurmctld + slurmd.
-Node reads are tested in tests/test_slurm_nodes.py."""
+Node reads are tested in tests/slurm/test_readers.py."""
 
 from __future__ import annotations
 
