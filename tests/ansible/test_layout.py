@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
 import sys
@@ -56,11 +57,19 @@ def test_playbook_vars_agree_with_contracts() -> None:
 
 def test_reason_format_matches_contracts() -> None:
     validate = (REPO / "playbooks" / "tasks" / "validate.yml").read_text()
-    # drain_reason() writes `fleetheal:<fault> incident=<id> gpu=<i>`; the playbook builds the same.
+    # drain_reason() writes `fleetheal:<fault> incident=<id> gpu=<i>`; the playbook writes it through a filter
+    # that calls it (playbooks/filter_plugins), never by a template of its own.
     assert contracts.drain_reason("xid-79", "inc-1", gpu="3") == "fleetheal:xid-79 incident=inc-1 gpu=3"
-    assert "{{ __prefix }}{{ fleetheal_fault_id }} incident={{ fleetheal_incident_id" in validate
-    assert '__prefix: "{{ __taxonomy.fleetheal_drain_reason_prefix }}"' in validate
-    assert "' gpu=' ~ fleetheal_gpu" in validate
+    assert '__fleetheal_reason: "{{ fleetheal_fault_id | fleetheal_drain_reason(fleetheal_incident_id,' in validate
+    spec = importlib.util.spec_from_file_location(
+        "inputs", REPO / "playbooks" / "filter_plugins" / "fleetheal_inputs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    inputs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inputs)
+    reason = inputs.FilterModule().filters()["fleetheal_drain_reason"]
+    assert reason("xid-79", "inc-1", "3") == contracts.drain_reason("xid-79", "inc-1", "3")
+    assert reason("xid-79", "inc-1", "") == reason("xid-79", "inc-1", None) == "fleetheal:xid-79 incident=inc-1"
 
 
 @pytest.mark.parametrize("role", ROLES, ids=lambda p: p.name)
