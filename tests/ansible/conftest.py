@@ -144,7 +144,7 @@ def wait_until(predicate: Any, timeout: float = 60.0) -> bool:
 
 
 def job_json(cluster: SlurmCluster, job: str) -> dict[str, Any]:
-    """The job as `squeue --json` reports it, read as the playbooks read it (`fleetheal.jobs.slurm_job`:
+    """The job as `squeue --json` reports it, read as the playbooks read it (`fleetheal.slurm.jobs.slurm_job`:
     state, nodes, priority, restart_cnt, comment...; scontrol's key=value text cannot hold a comment with `=`)."""
     entry = slurm_jobs.slurm_job(cluster.run("squeue", "--json").stdout, job)
     if not entry:
