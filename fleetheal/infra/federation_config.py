@@ -30,7 +30,7 @@ StackReader = Callable[[str], StackConfig]
 
 #: Slurm ClusterNames of a federation (contracts.CLUSTER_NAME_PATTERN), which slurmdbd also uses as the prefix
 #: of its per-cluster tables.
-SLURM_CLUSTER = re.compile(rf"^{contracts.CLUSTER_NAME_PATTERN}$(?!\n)")
+SLURM_CLUSTER = re.compile(rf"^{contracts.CLUSTER_NAME_PATTERN}$")
 _SLURM_ENTITY = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")  # accounts and QOS (sacctmgr lower-cases them anyway)
 _POSIX_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 #: Cluster features: no character that `--cluster-constraint` expressions give a meaning (,&|!()[]*).
