@@ -5,6 +5,7 @@ TYPE_CHECKING, and `importlib.import_module` / `__import__` of a literal name.""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fleetheal"
@@ -141,3 +142,25 @@ def test_no_deployable_part_imports_the_lab() -> None:
         "the deployable parts run from the wheel, which has no lab (its test doubles and simulators); "
         "move what they need out of fleetheal.lab:\n" + "\n".join(found)
     )
+
+
+def test_the_slurm_wing_needs_nothing_beyond_the_standard_library() -> None:
+    """The agent's fast path runs the wing on every GPU node: it may import the standard library and
+    fleetheal's bottom layer, nothing a node's Python may lack."""
+    found = []
+    for name, path in MODULES.items():
+        if not _within(name, ("fleetheal.slurm",)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for imported in names:
+                top = imported.split(".")[0]
+                ok = top in sys.stdlib_module_names or _within(imported, ("fleetheal.slurm", *BOTTOM_MODULES[1:]))
+                if not ok:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {name} imports {imported}")
+    assert not found, "the Slurm wing imports more than the standard library:\n" + "\n".join(found)
