@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jsonschema
-
 #: Which error a reader meets first: the object's shape, then its fields in the schema's order.
 _SHAPE_FIRST = {"type": 0, "additionalProperties": 1, "required": 2}
 
@@ -20,6 +18,8 @@ _SHAPE_FIRST = {"type": 0, "additionalProperties": 1, "required": 2}
 def errors(schema: Mapping[str, Any], value: Any, where: str, context: str = "") -> list[tuple[str, str]]:
     """(field, message) of each way `value` breaks `schema`, the one to report first first; field is ""
     for the object's shape. `context` follows the unknown-field list (e.g. "for nodeProvider=eks")."""
+    import jsonschema  # at the first check: `fleetheal --help` does not pay for it
+
     validator = jsonschema.Draft202012Validator(schema)
     order = list((schema.get("properties") or {}).keys())
     accepted = ", ".join(order)

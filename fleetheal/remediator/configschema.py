@@ -10,11 +10,10 @@ that the error is reported with; `{path}` is the key at fault and `{value}` its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
-
-import jsonschema
 
 from fleetheal.contracts import NODE_NAME_PATTERN, PLAYBOOK_VARS
 from fleetheal.settings import ConfigError
@@ -161,7 +160,13 @@ SCHEMA: dict[str, Any] = {
     },
 }
 
-_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
+
+@functools.cache
+def _validator() -> Any:
+    """SCHEMA's validator, built at the first check: `fleetheal --help` and the agent never import jsonschema."""
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(SCHEMA)
 
 
 def as_json(value: Any) -> Any:
@@ -182,7 +187,7 @@ def as_json(value: Any) -> Any:
 
 def check(doc: Mapping[str, Any]) -> None:
     """ConfigError with the message of the first setting (in SCHEMA's order) that breaks SCHEMA."""
-    error = next(iter(_VALIDATOR.iter_errors(doc)), None)
+    error = next(iter(_validator().iter_errors(doc)), None)
     if error is None:
         return
     path = ".".join(str(p) for p in error.absolute_path)
