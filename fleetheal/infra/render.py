@@ -152,7 +152,8 @@ def write_stacks(stacks: dict[str, dict[str, str]], out: Path) -> None:
 # reading stacks back: stack files, project directories, rendered directories
 
 
-def _render_objects(stack: str, root: Path) -> list[dict[str, Any]]:
+def render_objects(stack: str, root: Path) -> list[dict[str, Any]]:
+    """The Kubernetes objects (Helm releases aside) that `stack` of the project at `root` would create."""
     records = record_stack(stack, root)
     return [r.inputs for r in records if r.custom and r.is_kubernetes_object and r.type != mocks.HELM_RELEASE]
 
@@ -178,7 +179,7 @@ def load_inputs(paths: Sequence[Path]) -> list[tuple[str, list[dict[str, Any]]]]
             m = re.fullmatch(r"Pulumi\.(.+)\.yaml", path.name)
             if not m or not (path.parent / "Pulumi.yaml").is_file():
                 raise UsageError(f"{path}: not a stack file (Pulumi.<stack>.yaml beside a Pulumi.yaml)")
-            out.append((m.group(1), _render_objects(m.group(1), path.parent)))
+            out.append((m.group(1), render_objects(m.group(1), path.parent)))
         elif (path / MARKER).is_file():
             subs = sorted(d for d in path.iterdir() if (d / MARKER).is_file())
             for d in subs or [path]:
@@ -187,7 +188,7 @@ def load_inputs(paths: Sequence[Path]) -> list[tuple[str, list[dict[str, Any]]]]
             for stack in project.list_stacks(path):
                 raw = project.stack_values(stack, path).get("federation") or {}
                 if isinstance(raw, dict) and raw.get("role", "none") != "none":
-                    out.append((stack, _render_objects(stack, path)))
+                    out.append((stack, render_objects(stack, path)))
         elif path.is_dir():
             raise UsageError(f"{path}: neither a Pulumi project (no Pulumi.yaml) nor a render (no {MARKER})")
         else:

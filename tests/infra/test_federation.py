@@ -657,7 +657,7 @@ def test_manager_stack_previews_with_the_pack_and_deploys(tmp_path: Path, shared
         # A worker's Accounting (external) and Controller, as its stack renders them, pass the API server's
         # own validation of the Slinky CRDs (their CEL rules too), server-side and not persisted.
         custom = k8s_client.CustomObjectsApi(api)
-        worker = federation._render_objects("fleet-a", REPO)
+        worker = render.render_objects("fleet-a", REPO)
         for kind, plural in (("Accounting", "accountings"), ("Controller", "controllers")):
             (obj,) = [o for o in worker if o["kind"] == kind]
             created = custom.create_namespaced_custom_object(
