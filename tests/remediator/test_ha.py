@@ -233,7 +233,9 @@ def _check_every_incident_once(url: str, expected: int, record: Path) -> list:
             # a playbook ran to its end once, or once more for each attempt a dead leader left behind
             interrupted = sum(1 for s in attempts if s.result == "interrupted")
             finished = records.get(inc.ref, 0)
-            assert 1 <= finished <= 1 + interrupted, (inc.ref, finished, attempts)
+            # (the attempts in short, so that pytest does not cut what explains a failure)
+            brief = [(s.attempt, s.result, s.detail[:160], s.run_dir) for s in attempts]
+            assert 1 <= finished <= 1 + interrupted, (inc.ref, finished, brief)
         return incidents
     finally:
         store.close()
