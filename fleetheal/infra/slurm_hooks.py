@@ -1,4 +1,5 @@
-"""Slurm hook scripts wired to the node agent: HealthCheckProgram, prolog and epilog parts.
+"""Slurm hook scripts wired to the node agent: HealthCheckProgram, prolog and epilog parts; and the controller's
+extraConf, rendered from `fleetheal.slurm.conf` (the one source of the settings the lab runs too).
 
 They talk to the agent through the host directory in `contracts.AGENT_STATE_DIR` (mounted into
 slurmd pods), not over the network, so a hung API or DNS never blocks a job start.
@@ -8,9 +9,12 @@ slurmd pods), not over the network, so a hung API or DNS never blocks a job star
 from __future__ import annotations
 
 from fleetheal import contracts
+from fleetheal.slurm import conf
 
+#: Where the Slinky NodeSet pods mount these scripts, and the health check's file name there.
 HOOKS_MOUNT = "/etc/fleetheal/slurm"
 HEALTHCHECK = "healthcheck.sh"
+HEALTH_CHECK_PROGRAM = f"{HOOKS_MOUNT}/{HEALTHCHECK}"
 
 
 def healthcheck_script() -> str:
@@ -73,22 +77,11 @@ rm -f "$state_dir/jobs/${{SLURM_JOB_ID}}"
 
 
 def slurm_conf_lines(grace_seconds: int, large_min_nodes: int, nodesets: list[str]) -> str:
-    """slurm.conf lines fleetheal needs: requeue on, the grace period, the health check, partitions."""
+    """The controller's extraConf: the stack's settings (`fleetheal.slurm.conf.stack_settings`, each with its
+    reason there), then the large/small partitions over the NodeSets."""
     nodes = ",".join(nodesets)
     lines = [
-        # Batch jobs are requeued (not failed) when their node fails or is drained by fleetheal.
-        "JobRequeue=1",
-        # Grace between SIGTERM (and the remediator's USR1) and SIGKILL: time to write a checkpoint.
-        f"KillWait={grace_seconds}",
-        # A node fleetheal drained stays drained until fleetheal (or a human) returns it; with 2 an
-        # admin DOWN was undone within 40 ms on Slurm 22.05.
-        "ReturnToService=1",
-        f"HealthCheckProgram={HOOKS_MOUNT}/{HEALTHCHECK}",
-        "HealthCheckInterval=30",
-        "HealthCheckNodeState=ANY,CYCLE",
-        # Requeued jobs get a priority boost from the remediator; multifactor makes it count.
-        "PriorityType=priority/multifactor",
-        "GresTypes=gpu",
+        *(s.line() for s in conf.stack_settings(grace_seconds, HEALTH_CHECK_PROGRAM)),
         f"PartitionName=large Nodes={nodes} MinNodes={large_min_nodes} MaxTime=UNLIMITED PriorityTier=2 State=UP",
         f"PartitionName=small Nodes={nodes} MaxNodes={large_min_nodes - 1} MaxTime=UNLIMITED Default=YES State=UP",
     ]

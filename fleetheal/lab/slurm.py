@@ -8,8 +8,9 @@ find the cluster through `SLURM_CONF`, which `env` (and every helper here) sets.
 
 Each node has `gpus_per_node` fake GPUs declared as GRES: character devices with `/dev/null`'s
 numbers and `AutoDetect=off`, so `--gres=gpu:N` schedules and sets `CUDA_VISIBLE_DEVICES`.
-Timers are short (`cred_expire=5`, `sched_interval=2`, `batch_sched_delay=0`, `SlurmdTimeout=10`,
-`MessageTimeout=5`), `ReturnToService=1` and `JobRequeue=1`; `extra_conf` appends lines such as
+slurm.conf is the deployed stack's configuration with the lab's differences
+(`fleetheal.lab.slurmconf.LAB_DIFFERENCES`), among them its short timers (`cred_expire=5`, `sched_interval=2`,
+`batch_sched_delay=0`, `SlurmdTimeout=10`, `MessageTimeout=5`); `extra_conf` appends lines such as
 `HealthCheckProgram=...` (a later key overrides an earlier one in slurm.conf).
 
 All daemons run in one PID namespace (`unshare --pid --fork --mount-proc --kill-child`), whose
@@ -289,7 +290,8 @@ class SlurmCluster(Supervisor):
                 gpus_per_node=self.gpus_per_node,
                 gpu_type=self.gpu_type,
                 partition=self.partition,
-                extra=[*self.release.conf_lines(), *self.extra_conf],
+                plugin_dir=self.release.plugin_dir,
+                extra=self.extra_conf,
             )
         )
         (d / "etc" / "gres.conf").write_text(gres_conf(d, self.node_names, self.gpus_per_node, self.gpu_type))

@@ -1,11 +1,136 @@
 """The configuration files of a lab Slurm cluster (`fleetheal.lab.slurm.SlurmCluster`): slurm.conf and
-gres.conf, rendered from the cluster's settings; the cluster writes them at every start.
+gres.conf; the cluster writes them at every start.
+
+slurm.conf is the configuration a deployed stack runs (`fleetheal.slurm.conf.deployed`: the slurm-operator's
+settings and the stack's extraConf, from the same code the Pulumi components render) with `LAB_DIFFERENCES`
+applied: what a laptop cannot have (loopback addresses, a state directory, munge, no cgroups), and the lab's
+fast timers, kept until the demo is measured on the production ones. tests/infra/test_slurm_conf.py holds
+the lab's file to exactly these differences.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from fleetheal.infra import slurm_hooks
+from fleetheal.slurm import conf
+
+#: The stacks' requeueGraceSeconds (Pulumi.yaml's default) that the lab's settings start from; the lab's own
+#: KillWait is a difference below.
+REFERENCE_GRACE_SECONDS = 120
+
+#: A lab difference says that the lab sets `value`, or leaves the key out (None), or (`local`) supplies a value
+#: of its own machine: a path under the state directory, a port, a user.
+LOCAL = "<local>"
+
+
+@dataclass(frozen=True)
+class LabDifference:
+    """How the lab's slurm.conf differs from the deployed one for one key, and why."""
+
+    why: str
+    #: The lab's value; None: the lab leaves the key out (Slurm's default applies); LOCAL: the lab's own.
+    value: str | None = None
+
+
+_NOT_YET = "not switched yet: the demo and benchmarks are measured with the lab's value; switching is this one edit"
+_NO_CGROUPS = "no delegated cgroup file system in the lab's container"
+_LAPTOP = "one machine: every daemon on loopback, every file under the cluster's state directory"
+
+#: Every way the lab's slurm.conf differs from the deployed one (node and partition lines included), and why.
+LAB_DIFFERENCES: Mapping[str, LabDifference] = {
+    # -- what a laptop cannot have: one machine, its own paths and ports, no cgroups, no slurmdbd ---------------
+    "ClusterName": LabDifference("the lab's cluster name (the stack's clusterName in a deployment)", LOCAL),
+    "SlurmctldHost": LabDifference(_LAPTOP, LOCAL),
+    "SlurmctldPort": LabDifference(f"{_LAPTOP}; free ports, several clusters per machine", LOCAL),
+    "SlurmdPort": LabDifference("each of the N slurmd on one machine has its own port, on its NodeName line"),
+    "SlurmUser": LabDifference("root, or a user the caller names (tests that need Slinky's `slurm`)", LOCAL),
+    "StateSaveLocation": LabDifference(_LAPTOP, LOCAL),
+    "SlurmdSpoolDir": LabDifference(_LAPTOP, LOCAL),
+    "SlurmctldPidFile": LabDifference(_LAPTOP, LOCAL),
+    "SlurmdPidFile": LabDifference(_LAPTOP, LOCAL),
+    "SlurmctldLogFile": LabDifference(_LAPTOP, LOCAL),
+    "SlurmdLogFile": LabDifference(_LAPTOP, LOCAL),
+    "SlurmSchedLogFile": LabDifference("the lab reads slurmctld's own log"),
+    "LogTimeFormat": LabDifference("Slurm's default format, which Slurm 22.05 and the lab's log readers know"),
+    "PluginDir": LabDifference("a relocated Slurm tree (scripts/slurm-tree.sh) loads its plugins from there", LOCAL),
+    "MaxNodeCount": LabDifference("no dynamic nodes: the lab's nodes are all in slurm.conf"),
+    "AuthType": LabDifference("munge: Slurm 22.05, which the lab also runs, has no auth/slurm", "auth/munge"),
+    "CredType": LabDifference("munge, as AuthType", "cred/munge"),
+    "AuthInfo": LabDifference(
+        "the lab's munge socket, and cred_expire=5 (" + _NOT_YET + "; deployed: conf.CRED_EXPIRE_S)", LOCAL
+    ),
+    "AuthAltTypes": LabDifference("no JWT key in the lab; tests of slurmrestd and the operator add it"),
+    "AuthAltParameters": LabDifference("no JWT key in the lab, as AuthAltTypes"),
+    "CommunicationParameters": LabDifference("block_null_hash is unknown to Slurm 22.05, which the lab also runs"),
+    "SlurmctldParameters": LabDifference("slurmd read the one slurm.conf file: no configless fetch, no stepmgr"),
+    "ProctrackType": LabDifference(_NO_CGROUPS + ": processes are tracked through /proc", "proctrack/linuxproc"),
+    "TaskPlugin": LabDifference(_NO_CGROUPS + "; fake GPUs need no binding", "task/none"),
+    "PrologFlags": LabDifference("Contain needs proctrack/cgroup"),
+    "MetricsType": LabDifference("metrics/openmetrics is unknown to Slurm 22.05; the lab scrapes its own"),
+    "SelectType": LabDifference(
+        "the deployed images' default (Slurm >= 23.11); the lab also runs 22.05, whose default is select/linear",
+        "select/cons_tres",
+    ),
+    "SelectTypeParameters": LabDifference(
+        "the lab's nodes declare a nominal RealMemory: with memory consumable each job would take a whole node",
+        "CR_Core",
+    ),
+    "SlurmdParameters": LabDifference(
+        "nodes declare more CPUs and GPUs than the machine has (simulated GPUs)", "config_overrides"
+    ),
+    "AccountingStorageType": LabDifference(
+        "no slurmdbd in a single lab cluster (the lab's federation adds one)", "accounting_storage/none"
+    ),
+    "AccountingStoragePort": LabDifference("no slurmdbd, as AccountingStorageType"),
+    "AccountingStorageTRES": LabDifference("no slurmdbd, as AccountingStorageType"),
+    "JobAcctGatherType": LabDifference(_NO_CGROUPS + "; no accounting", "jobacct_gather/none"),
+    "Prolog": LabDifference("the lab's agents learn their jobs through the fast path's squeue, not a prolog"),
+    "Epilog": LabDifference("as Prolog"),
+    "HealthCheckProgram": LabDifference(
+        "no hooks mount on the lab's nodes: the agent's fast path and the remediator drain; " + _NOT_YET
+    ),
+    "HealthCheckInterval": LabDifference("no HealthCheckProgram, as above"),
+    "HealthCheckNodeState": LabDifference("no HealthCheckProgram, as above"),
+    "PriorityType": LabDifference(
+        "priority/basic: no slurmdbd for multifactor's fair share (the lab's federation sets multifactor)"
+    ),
+    "NodeName": LabDifference("N slurmd on loopback, each with its port and simulated GPUs", LOCAL),
+    "PartitionName": LabDifference(
+        "one partition holding every node; the deployed large/small partitions name Slinky NodeSets", LOCAL
+    ),
+    # -- the lab's fast timers: kept while the demo is measured with them ---------------------------------------
+    "KillWait": LabDifference("the lab's jobs checkpoint and exit on SIGTERM at once; " + _NOT_YET, "10"),
+    "SlurmdTimeout": LabDifference(
+        "the leaf-switch scenario waits for Slurm to declare frozen nodes lost; " + _NOT_YET, "10"
+    ),
+    "MessageTimeout": LabDifference("frozen slurmd answer nothing; an RPC to one gives up sooner; " + _NOT_YET, "5"),
+    "SchedulerParameters": LabDifference(
+        "a requeued job starts within 2 s of its hold; " + _NOT_YET, "sched_interval=2,batch_sched_delay=0"
+    ),
+}
+
+#: The lab's cred_expire (seconds): a requeued job is held cred_expire + 1 = 6 s.
+LAB_CRED_EXPIRE_S = 5
+
+
+def lab_settings(local: Mapping[str, str]) -> dict[str, str]:
+    """The deployed settings with `LAB_DIFFERENCES` applied; `local` gives the value of every LOCAL key but
+    NodeName and PartitionName (lines of their own)."""
+    want = {k for k, d in LAB_DIFFERENCES.items() if d.value == LOCAL} - {"NodeName", "PartitionName"}
+    if set(local) != want:
+        raise ValueError(f"lab settings need exactly {sorted(want)}, got {sorted(local)}")
+    out = conf.deployed(REFERENCE_GRACE_SECONDS, slurm_hooks.HEALTH_CHECK_PROGRAM)
+    for key, diff in LAB_DIFFERENCES.items():
+        out.pop(key, None)
+        if diff.value == LOCAL:
+            if key in local:
+                out[key] = local[key]
+        elif diff.value is not None:
+            out[key] = diff.value
+    return out
 
 
 def slurm_conf(
@@ -20,53 +145,34 @@ def slurm_conf(
     gpus_per_node: int,
     gpu_type: str | None,
     partition: str,
+    plugin_dir: Path,
     extra: Sequence[str],
 ) -> str:
-    """slurm.conf: every file under `state_dir`, short timers, one partition holding every node; `extra`
+    """slurm.conf: `lab_settings` with every file under `state_dir`, one partition holding every node; `extra`
     lines last (a later key overrides an earlier one)."""
     d = state_dir
     typed = f"{gpu_type}:" if gpu_type else ""
     gres = f" Gres=gpu:{typed}{gpus_per_node}" if gpus_per_node else ""
+    settings = lab_settings(
+        {
+            "ClusterName": cluster_name,
+            "SlurmctldHost": "localhost(127.0.0.1)",
+            "SlurmctldPort": str(ctld_port),
+            "SlurmUser": slurm_user,
+            "StateSaveLocation": str(d / "ctld"),
+            "SlurmdSpoolDir": str(d / "spool" / "%n"),
+            "SlurmctldPidFile": str(d / "run" / "slurmctld.pid"),
+            "SlurmdPidFile": str(d / "run" / "slurmd-%n.pid"),
+            "SlurmctldLogFile": str(d / "log" / "slurmctld.log"),
+            "SlurmdLogFile": str(d / "log" / "slurmd-%n.log"),
+            "PluginDir": str(plugin_dir),
+            "AuthInfo": f"socket={munge_socket},cred_expire={LAB_CRED_EXPIRE_S}",
+        }
+    )
     lines = [
         "# Written by fleetheal.lab.slurm.SlurmCluster; regenerated at every start.",
-        f"ClusterName={cluster_name}",
-        "SlurmctldHost=localhost(127.0.0.1)",
-        f"SlurmctldPort={ctld_port}",
-        f"SlurmUser={slurm_user}",
-        "SlurmdUser=root",
-        "AuthType=auth/munge",
-        "CredType=cred/munge",
-        # cred_expire=5: a requeued job waits cred_expire + 1 s before it can start again.
-        f"AuthInfo=socket={munge_socket},cred_expire=5",
-        f"StateSaveLocation={d / 'ctld'}",
-        f"SlurmdSpoolDir={d / 'spool' / '%n'}",
-        f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
-        f"SlurmdPidFile={d / 'run' / 'slurmd-%n.pid'}",
-        f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-        f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
-        "SlurmctldDebug=info",
-        "SlurmdDebug=info",
-        # No cgroup delegation in containers: track processes through /proc.
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "SwitchType=switch/none",
-        "MpiDefault=none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
-        "SchedulerType=sched/backfill",
-        "SchedulerParameters=sched_interval=2,batch_sched_delay=0",
-        "SlurmdParameters=config_overrides",
-        "GresTypes=gpu",
-        "ReturnToService=1",
-        "JobRequeue=1",
-        "SlurmdTimeout=10",
-        "MessageTimeout=5",
-        "InactiveLimit=0",
-        "KillWait=10",
-        "MinJobAge=300",
-        "AccountingStorageType=accounting_storage/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "JobCompType=jobcomp/none",
+        "# The deployed stack's settings with the lab's differences (fleetheal.lab.slurmconf.LAB_DIFFERENCES).",
+        *(f"{key}={value}" for key, value in settings.items()),
         *extra,
     ]
     for node, port in node_ports.items():

@@ -1,0 +1,190 @@
+"""The Slurm configuration fleetheal deploys, in one place, each setting with its reason and, for a timer, its cost.
+
+Two sources make a deployed cluster's slurm.conf:
+
+- `OPERATOR_SETTINGS`: what Slinky's slurm-operator writes itself before the controller's extraConf
+  (slurm-operator v1.1.0, `internal/builder/controllerbuilder/controller_config.go`, with accounting, metrics
+  and cgroups on, as the stack runs it). Listed so that the lab can run them too; never rendered by us.
+- `stack_settings`: what the stack renders into the controller's extraConf (and the slurm chart's
+  `controller.extraConf`), through `fleetheal.infra.slurm_hooks.slurm_conf_lines`. A later line wins in
+  slurm.conf, so these override the operator's (`ReturnToService`, `AuthInfo`).
+
+`deployed` merges the two; the lab's slurm.conf (`fleetheal.lab.slurmconf`) is `deployed` plus the differences
+a laptop needs, listed there with a reason each. docs/slurm-settings.md is the table of the timers.
+
+Pure data and the standard library: the wheel ships it, the lab and the Pulumi components import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+#: Seconds a job step credential lives (`AuthInfo=cred_expire`). A requeued job may start again only
+#: cred_expire + 1 s after its requeue (Slurm holds its begin time; "Job credential revoked" on its old nodes
+#: if sooner: tests/slurm/test_conf.py). It must outlive the launch of the largest job: the credential is
+#: checked when each slurmd receives its part of the launch, after the prolog (PrologFlags=Contain runs it at
+#: allocation) and the fan-out to every node. Slurm's default is 120 s, sized for that; 60 s halves the hold
+#: of every requeue and still leaves a launch of tens of seconds twice its time. Not yet measured at 2,000
+#: nodes: set it from the p99 launch time of the largest job (prolog + `srun` fan-out) times two.
+CRED_EXPIRE_S = 60
+#: Seconds slurmctld waits for a silent slurmd before it declares the node DOWN and requeues its jobs.
+#: Slurm's default is 300 s. fleetheal's remediator sets a node it knows is lost DOWN itself (NVML, kernel
+#: log, DCGM and the switch agree), so this is only the backstop for nodes nothing reports on. 120 s
+#: rides out a slurmd pod restart in a NodeSet rolling update and a controller's GC or network pause,
+#: which at 2,000 nodes would otherwise requeue the largest jobs for nothing.
+SLURMD_TIMEOUT_S = 120
+#: Seconds a Slurm RPC waits for its answer (Slurm's default, stated so it is a decision): the cost of each
+#: dead peer in an RPC fan-out; slurmd and slurmctld retry within it.
+MESSAGE_TIMEOUT_S = 10
+#: Seconds between the main scheduler's full passes (Slurm's default 60 s). A requeued job whose begin time
+#: (cred_expire + 1 s) passes triggers no scheduling event: it waits for the next pass, so this bounds what a
+#: requeue costs beyond cred_expire. 10 s costs a queue-depth-bounded pass of slurmctld every 10 s.
+SCHED_INTERVAL_S = 10
+#: Seconds the scheduling of a newly submitted batch job may be deferred to batch submissions (Slurm's
+#: default 3 s): a relocation submits nothing, so it costs recovery nothing; a submission storm stays cheap.
+BATCH_SCHED_DELAY_S = 3
+#: Seconds between HealthCheckProgram runs on each node: how late a fault the agent reports (its health
+#: file) drains a node without the agent's fast path; one short shell script per node each time.
+HEALTH_CHECK_INTERVAL_S = 30
+#: Seconds Slurm waits for a job's processes to die after SIGKILL before it drains the node ("Kill task
+#: failed"). A GPU process stuck in the driver after an Xid 79 holds its node COMPLETING, and a requeued job
+#: with it, this long; fleetheal's agent drains such a node sooner. Slurm's default is 60 s; 120 s leaves
+#: a driver reset (tens of seconds) time to release the process first.
+UNKILLABLE_STEP_TIMEOUT_S = 120
+
+#: The operator's AuthInfo (auth/slurm takes the client's ids from the message, no user lookup in the pod);
+#: the stack's AuthInfo line keeps it and adds cred_expire.
+OPERATOR_AUTH_INFO = "use_client_ids"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One slurm.conf line: `key=value`, why it is set, and for a timer what it costs."""
+
+    key: str
+    value: str
+    why: str
+    cost: str = ""
+
+    def line(self) -> str:
+        return f"{self.key}={self.value}"
+
+
+def _op(key: str, value: str, why: str) -> Setting:
+    return Setting(key, value, f"slurm-operator: {why}")
+
+
+#: slurm.conf lines the slurm-operator writes itself (v1.1.0 controller_config.go, common/const.go).
+OPERATOR_SETTINGS: tuple[Setting, ...] = (
+    _op("SlurmUser", "slurm", "slurmctld runs as slurm in Slinky's images"),
+    _op("SlurmdUser", "root", "slurmd starts jobs as their users"),
+    _op("SlurmctldPort", "6817", "the controller Service's port"),
+    _op("SlurmdPort", "6818", "each slurmd pod's port"),
+    _op("SlurmdSpoolDir", "/var/spool/slurmd", "in the slurmd pod"),
+    _op("ReturnToService", "2", "overridden by the stack (1)"),
+    _op("MaxNodeCount", "1024", "room for dynamic NodeSet nodes"),
+    _op("GresTypes", "gpu", "GPUs are GRES"),
+    _op("SlurmctldLogFile", "/var/log/slurm/slurmctld.log", "read by the pod's logfile sidecar"),
+    _op("SlurmSchedLogFile", "/var/log/slurm/slurmctld.log", "same file"),
+    _op("SlurmdLogFile", "/var/log/slurm/slurmd.log", "read by the pod's logfile sidecar"),
+    _op("LogTimeFormat", "iso8601,format_stderr", "log format"),
+    _op("AuthType", "auth/slurm", "the slurm.key Secret, no munged in the pods"),
+    _op("CredType", "cred/slurm", "same key"),
+    _op("AuthAltTypes", "auth/jwt", "slurmrestd and the operator sign tokens"),
+    _op("AuthAltParameters", "jwt_key=/etc/slurm/jwt.key", "the jwtHs256KeyRef Secret"),
+    _op("AuthInfo", OPERATOR_AUTH_INFO, "overridden by the stack (adds cred_expire)"),
+    _op("CommunicationParameters", "block_null_hash", "refuse unsigned messages"),
+    _op("SelectTypeParameters", "CR_Core_Memory", "cores and memory are consumable"),
+    _op("SlurmctldParameters", "enable_configless,enable_stepmgr", "slurmd pods fetch slurm.conf"),
+    _op("ProctrackType", "proctrack/cgroup", "a job's processes are its cgroup"),
+    _op("PrologFlags", "Contain", "the prolog runs at allocation, in the job's cgroup"),
+    _op("TaskPlugin", "task/affinity,task/cgroup", "GPU and CPU binding"),
+    _op("MetricsType", "metrics/openmetrics", "Controller metrics.enabled"),
+    _op("AccountingStorageType", "accounting_storage/slurmdbd", "the Accounting custom resource"),
+    _op("AccountingStoragePort", "6819", "slurmdbd's Service port"),
+    _op("AccountingStorageTRES", "gres/gpu", "GPU hours are accounted"),
+    _op("JobAcctGatherType", "jobacct_gather/cgroup", "with cgroups on"),
+    _op("Prolog", "10-fleetheal-agent.sh", "the key of the prologScriptRefs ConfigMap"),
+    _op("Epilog", "90-fleetheal-agent.sh", "the key of the epilogScriptRefs ConfigMap"),
+)
+
+
+def stack_settings(grace_seconds: int, health_check_program: str) -> tuple[Setting, ...]:
+    """The settings the stack renders into the controller's extraConf, in their rendered order
+    (`grace_seconds`: the stack's requeueGraceSeconds; `health_check_program`: where the pods mount
+    `fleetheal.infra.slurm_hooks.healthcheck_script`)."""
+    return (
+        Setting("JobRequeue", "1", "batch jobs are requeued (not failed) when their node fails or fleetheal drains it"),
+        Setting(
+            "KillWait",
+            str(grace_seconds),
+            "grace between SIGTERM (and the remediator's USR1) and SIGKILL: time to write a checkpoint",
+            "a job that ignores SIGTERM holds its nodes this long on every requeue",
+        ),
+        Setting(
+            "ReturnToService",
+            "1",
+            "a node fleetheal drained stays drained until fleetheal (or a human) returns it; with 2 an admin DOWN "
+            "was undone within 40 ms on Slurm 22.05",
+        ),
+        Setting(
+            "HealthCheckProgram",
+            health_check_program,
+            "drains the node when the agent's health file reports a fault",
+        ),
+        Setting(
+            "HealthCheckInterval",
+            str(HEALTH_CHECK_INTERVAL_S),
+            "how late a fault the agent reports drains a node without the agent's fast path",
+            "one short script per node every interval",
+        ),
+        Setting("HealthCheckNodeState", "ANY,CYCLE", "every node, spread over the interval, not all at once"),
+        Setting("PriorityType", "priority/multifactor", "requeued jobs get a priority boost from the remediator"),
+        Setting("GresTypes", "gpu", "GPUs are GRES"),
+        Setting(
+            "AuthInfo",
+            f"{OPERATOR_AUTH_INFO},cred_expire={CRED_EXPIRE_S}",
+            "a requeued job may start again only cred_expire + 1 s after its requeue; the credential must "
+            "outlive the launch of the largest job (CRED_EXPIRE_S)",
+            f"every requeued job waits {CRED_EXPIRE_S + 1} s (Slurm's default: 121 s)",
+        ),
+        Setting(
+            "SlurmdTimeout",
+            str(SLURMD_TIMEOUT_S),
+            "backstop for lost nodes no signal reports; the remediator sets known-lost nodes DOWN itself",
+            f"a silent node's jobs are requeued after {SLURMD_TIMEOUT_S} s (Slurm's default: 300 s)",
+        ),
+        Setting(
+            "MessageTimeout",
+            str(MESSAGE_TIMEOUT_S),
+            "Slurm's default, stated: an RPC's wait for its answer",
+            "each dead peer in an RPC fan-out costs up to this",
+        ),
+        Setting(
+            "SchedulerParameters",
+            f"sched_interval={SCHED_INTERVAL_S},batch_sched_delay={BATCH_SCHED_DELAY_S}",
+            "a requeued job whose hold expired waits for the next full scheduler pass (Slurm's default: 60 s)",
+            f"a full scheduling pass every {SCHED_INTERVAL_S} s on slurmctld",
+        ),
+        Setting(
+            "UnkillableStepTimeout",
+            str(UNKILLABLE_STEP_TIMEOUT_S),
+            "a process stuck in the GPU driver drains its node after this; a driver reset gets time to free it",
+            "such a node (and a requeued job on it) stays COMPLETING up to this long",
+        ),
+    )
+
+
+def merged(settings: Iterable[Setting]) -> dict[str, str]:
+    """`{key: value}` of slurm.conf lines in order, a later key replacing an earlier one (as Slurm reads them)."""
+    out: dict[str, str] = {}
+    for s in settings:
+        out.pop(s.key, None)
+        out[s.key] = s.value
+    return out
+
+
+def deployed(grace_seconds: int, health_check_program: str) -> dict[str, str]:
+    """The settings a deployed cluster runs (the operator's, then the stack's), partitions and nodes aside."""
+    return merged((*OPERATOR_SETTINGS, *stack_settings(grace_seconds, health_check_program)))
