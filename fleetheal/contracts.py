@@ -334,3 +334,15 @@ def own_node_policy(namespace: str) -> tuple[dict[str, Any], dict[str, Any]]:
         "spec": {"policyName": OWN_NODE_POLICY, "validationActions": ["Deny"]},
     }
     return policy, binding
+
+
+# --- the job's own output as a fault source ----------------------------------------------------------------
+
+#: The source of a fault read from a job's own stdout/stderr (`fleetheal launch`, or the agent following the
+#: job's output files). Job output is text its owner controls: a fault from it acts on that job alone
+#: (the alert names it in `job_id`) and never drains, taints or isolates a node.
+JOB_OUTPUT_SOURCE = "job_output"
+#: What a fault that would move a node becomes when only a job's output claims it (an Xid line, "GPU has
+#: fallen off the bus", an ECC error printed by the job): the job is told, the node stays. The node is
+#: isolated only when its own signals (NVML, kernel log, DCGM) raise the fault themselves.
+JOB_OUTPUT_NODE_CLAIM = "job-output-node-claim"

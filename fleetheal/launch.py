@@ -34,6 +34,16 @@ fails, the wrapper first reads the comment, and an incident it has not handled i
 
 Every other signal (Slurm's SIGTERM, fleetheal's grace signal SIGUSR1, SIGINT, SIGHUP) is passed on to
 CMD's process group. The wrapper exits with CMD's status when CMD ends by itself.
+
+The job's output is a fault source (`OutputWatch`, in a Slurm job, unless --no-watch): CMD's stdout and stderr
+go through pipes that the wrapper copies to its own, unchanged, before it looks at them; the lines that the
+application log rules flag (an NCCL watchdog timeout, a CUDA out-of-memory, an illegal address, a
+configuration error...) go to the node's agent over its training socket, whose kernel-attested sender uid
+proves the job is the sender's. The agent classifies them again and raises job-scoped faults only (a job's
+words never move a node: `fleetheal.agent.joboutput`). Looking never slows the job: the copy comes first,
+the lines are judged on another thread from a bounded queue that drops what it cannot hold (counted), a line
+longer than MAX_WATCHED_LINE is cut, and without an agent the job runs on. (Two pipes instead of one file:
+the order of stdout lines against stderr lines may differ from a shared file's by what one read holds.)
 """
 
 from __future__ import annotations
@@ -41,17 +51,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from fleetheal.slurm.jobs import job_allocation, job_comment, one_job
 from fleetheal.slurm.runner import Runner
+
+if TYPE_CHECKING:
+    from fleetheal.logparse import LogParser
 
 TAG = "fleetheal-launch"
 #: The restart order; one fixed signal, so the remediator and every job agree on it.
@@ -94,6 +109,128 @@ def needed_nodes(comment: str) -> int | None:
 #: `squeue` and `scontrol` for the wrapper's own job.
 _SLURM = Runner(timeout_s=10)
 
+#: Longest line of CMD's output that is judged whole; the rest of a longer one is not looked at.
+MAX_WATCHED_LINE = 4096
+#: Reads of CMD's output waiting to be judged (64 KiB each at most); a job printing faster than the rules
+#: run has its surplus skipped, never held.
+WATCH_QUEUE = 64
+#: Flagged lines sent to the agent per second at most (the agent applies its own limit too).
+LINES_PER_S = 10
+
+
+class OutputWatch:
+    """Copies the command's stdout and stderr through and sends the lines the application rules flag to
+    the node's agent (`fleetheal.agent.client.TrainingReporter.line`)."""
+
+    def __init__(self, job: str, run: Any) -> None:
+        from fleetheal.agent.client import TrainingReporter
+
+        self.reporter = TrainingReporter(job=job, rank=0)
+        #: The launcher's restart count, read when a line is sent.
+        self.run = run
+        self.skipped = 0
+        self.sent = 0
+        self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(WATCH_QUEUE)
+        self._pumps: list[threading.Thread] = []
+        self._budget = (float(LINES_PER_S), time.monotonic())
+        threading.Thread(target=self._judge, name="fleetheal-launch-judge", daemon=True).start()
+
+    def follow(self, child: subprocess.Popen[bytes]) -> None:
+        """Start copying a newly started child's pipes."""
+        self._pumps = [p for p in self._pumps if p.is_alive()]
+        for out, fd in ((child.stdout, 1), (child.stderr, 2)):
+            if out is not None:
+                pump = threading.Thread(target=self._pump, args=(out, fd), daemon=True)
+                pump.start()
+                self._pumps.append(pump)
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait until the command's output is copied and judged, a bounded time: a daemon the command left
+        may hold its pipes open, and the rules take a moment to load."""
+        deadline = time.monotonic() + timeout
+        for pump in self._pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _pump(self, out: IO[bytes], dst: int) -> None:
+        writable = True
+        while chunk := _read(out.fileno()):
+            view = memoryview(chunk)
+            while writable and view:  # the job's own output first, whole
+                try:
+                    view = view[os.write(dst, view) :]
+                except InterruptedError:
+                    continue
+                except OSError:
+                    writable = False  # our own stdout is gone: keep reading, so the job is never blocked
+            try:
+                self._queue.put_nowait((dst, chunk))
+            except queue.Full:
+                self.skipped += len(chunk)
+        with contextlib.suppress(OSError):
+            out.close()  # through its file object, which would otherwise close the number again, reused by then
+
+    def _judge(self) -> None:
+        try:
+            from fleetheal.logparse import APPLICATION, load_parser
+
+            parser = load_parser(log=APPLICATION)
+        except Exception as exc:  # the rules cannot load: the job runs on, unwatched
+            _say(f"job output not watched: cannot load the log rules: {exc}")
+            while True:
+                self._queue.get()
+                self._queue.task_done()
+        partial = {1: "", 2: ""}
+        cutting = {1: False, 2: False}  # the stream is inside a line longer than MAX_WATCHED_LINE
+        while True:
+            stream, chunk = self._queue.get()
+            try:
+                self._lines(parser, stream, chunk.decode("utf-8", errors="replace"), partial, cutting)
+            finally:
+                self._queue.task_done()
+
+    def _lines(
+        self, parser: LogParser, stream: int, text: str, partial: dict[int, str], cutting: dict[int, bool]
+    ) -> None:
+        """Judge the whole lines of one read of `stream` (what is left of its last line waits in `partial`)."""
+        text = partial[stream] + text
+        if cutting[stream]:
+            _, newline, text = text.partition("\n")
+            if not newline:
+                partial[stream] = ""
+                return
+            cutting[stream] = False
+        whole, newline, rest = text.rpartition("\n")
+        if len(rest) > MAX_WATCHED_LINE:
+            whole = f"{whole}\n{rest[:MAX_WATCHED_LINE]}" if newline else rest[:MAX_WATCHED_LINE]
+            rest, cutting[stream] = "", True
+        partial[stream] = rest
+        if not whole or not parser.may_match(whole):  # a flood of lines no rule wants: skipped whole
+            return
+        for line in whole.split("\n"):
+            if parser.may_match(line) and any(e.known for e in parser.parse_line(line)):
+                self._send(line)
+
+    def _send(self, line: str) -> None:
+        tokens, at = self._budget
+        now = time.monotonic()
+        tokens = min(float(LINES_PER_S), tokens + (now - at) * LINES_PER_S)
+        if tokens >= 1 and self.reporter.line(line, self.run()):
+            tokens -= 1
+            self.sent += 1
+        self._budget = (tokens, now)
+
+
+def _read(fd: int) -> bytes:
+    while True:
+        try:
+            return os.read(fd, 65536)
+        except InterruptedError:
+            continue
+        except OSError:
+            return b""
+
 
 def is_batch_script(ppid: int | None = None) -> bool:
     """True when this process is the batch step's script (its parent is slurmstepd)."""
@@ -104,7 +241,9 @@ def is_batch_script(ppid: int | None = None) -> bool:
 
 
 class Launcher:
-    def __init__(self, cmd: list[str], *, stop_timeout: float, job: str | None, nodes: int | None = None) -> None:
+    def __init__(
+        self, cmd: list[str], *, stop_timeout: float, job: str | None, nodes: int | None = None, watch: bool = True
+    ) -> None:
         self.cmd = cmd
         self.stop_timeout = stop_timeout
         self.job = job
@@ -116,6 +255,7 @@ class Launcher:
         self.handled: set[str] = set()
         self.pending_restart = False
         self.incident = ""
+        self.watch = OutputWatch(job, lambda: self.restarts) if watch and job else None
 
     # --- the job's comment ---------------------------------------------------------------------------
 
@@ -212,7 +352,11 @@ class Launcher:
                 env.pop(name, None)
         if self.incident:
             env["FLEETHEAL_INCIDENT"] = self.incident
-        return subprocess.Popen(self.cmd, env=env, start_new_session=True)
+        pipe = subprocess.PIPE if self.watch is not None else None
+        child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stdout=pipe, stderr=pipe)
+        if self.watch is not None:
+            self.watch.follow(child)
+        return child
 
     def _stop_child(self) -> None:
         child = self.child
@@ -259,12 +403,15 @@ class Launcher:
                     _say(f"restart {self.restarts}{why}: command stopped and started again in {took:.2f} s")
                 continue
             if code is not None:
+                if self.watch is not None:
+                    self.watch.drain()
                 return code if code >= 0 else 128 - code
             time.sleep(0.05)
 
 
-def launch(cmd: list[str], *, stop_timeout: float = 60.0, nodes: int | None = None) -> int:
-    launcher = Launcher(cmd, stop_timeout=stop_timeout, job=os.environ.get("SLURM_JOB_ID"), nodes=nodes)
+def launch(cmd: list[str], *, stop_timeout: float = 60.0, nodes: int | None = None, watch: bool = True) -> int:
+    job = os.environ.get("SLURM_JOB_ID")
+    launcher = Launcher(cmd, stop_timeout=stop_timeout, job=job, nodes=nodes, watch=watch)
     return launcher.run(launcher.tag_job())
 
 
@@ -283,6 +430,12 @@ def register(sub: Any) -> None:
         help="nodes the command needs; the rest of the allocation are spares, and a failed node is shrunk "
         "away from the job (no requeue) while enough remain",
     )
+    p.add_argument(
+        "--no-watch",
+        dest="watch",
+        action="store_false",
+        help="do not look at the command's output for faults (it is then passed on untouched, without pipes)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=run)
 
@@ -297,4 +450,4 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop-timeout must be > 0")
     if args.nodes is not None and args.nodes < 1:
         raise UsageError("--nodes must be >= 1")
-    return launch(cmd, stop_timeout=args.stop_timeout, nodes=args.nodes)
+    return launch(cmd, stop_timeout=args.stop_timeout, nodes=args.nodes, watch=args.watch)

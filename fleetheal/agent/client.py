@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping
 
 DEFAULT_SOCKET = "/run/fleetheal/training.sock"
+#: Longest line of the job's output one report carries; `line` cuts a longer one.
+MAX_OUTPUT_LINE = 1024
 
 
 def _env_int(env: Mapping[str, str], *names: str) -> int | None:
@@ -99,6 +101,19 @@ class TrainingReporter:
         except Exception:
             self.dropped += 1
         return False
+
+    def line(self, text: str, run: int | None = None) -> bool:
+        """Send one line of the job's own output (cut to MAX_OUTPUT_LINE characters) for the agent to classify;
+        `run`: how many times the job's command was restarted before it printed it. Not rate-limited here: the
+        caller picks the lines (`fleetheal launch` sends those its rules flag). True when sent; never raises."""
+        try:
+            doc: dict[str, object] = {"v": 1, "job": self.job, "event": "line", "line": text[:MAX_OUTPUT_LINE]}
+            if run is not None:
+                doc["run"] = int(run)
+            return self._send(doc)
+        except Exception:
+            self.dropped += 1
+            return False
 
     def end(self) -> None:
         """Tell the agent this rank finished (so silence is not a hang)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fleetheal.agent.backends import GpuSample
 from fleetheal.agent.health import ActiveFault
 from fleetheal.agent.training import Report
+from fleetheal.contracts import JOB_OUTPUT_SOURCE
 
 if TYPE_CHECKING:
     from fleetheal.agent.metrics import AgentMetrics
@@ -117,7 +118,8 @@ class HealthFile:
         """Replace the file atomically when its text changes ("" path: nothing to do)."""
         if not self.path:
             return
-        bad = [a for a in active if a.fault.action in self.drain_actions]
+        # A fault only a job's output claims never drains the node (Slurm's health check reads this file).
+        bad = [a for a in active if a.fault.action in self.drain_actions and a.source != JOB_OUTPUT_SOURCE]
         text = bad[0].fault.id if bad else "ok"
         if text == self._written:
             return

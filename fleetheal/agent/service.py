@@ -7,7 +7,8 @@ fleetheal.agent.outputs; the one-shot check (`fleetheal agent check`) in fleethe
 cycle of this loop.
 
 Every callback from a source goes through `Agent.detect`, which serialises on one lock; slow work
-(scontrol, the Kubernetes API) runs on the fast-path thread so detection never waits for it.
+(scontrol, the Kubernetes API) runs on the fast-path thread so detection never waits for it. (A little over
+500 lines: each source's entry point is a few lines here, and what they judge lives in its own module.)
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ from fleetheal.agent.fastpath import (
     SlurmDrainer,
 )
 from fleetheal.agent.health import ActiveFault, Change, Detection, HealthTracker, classify_sample, gpu_label
+from fleetheal.agent.joboutput import JobOutputJudge
 from fleetheal.agent.outputs import Exporter, HealthFile
 from fleetheal.agent.simulated import SimulatedGpuBackend
 from fleetheal.agent.training import SOURCE as TRAINING
 from fleetheal.agent.training import ReportRefused, TrainingMonitor, parse_report, slurm_job_id
-from fleetheal.contracts import NODE_WIDE_GPU, drain_reason
+from fleetheal.contracts import JOB_OUTPUT_SOURCE, NODE_WIDE_GPU, drain_reason
+from fleetheal.logparse import APPLICATION as APPLICATION_RULES
 from fleetheal.logparse import KERNEL as KERNEL_RULES
 from fleetheal.logparse import load_parser
 from fleetheal.taxonomy import Taxonomy, load
@@ -152,6 +155,8 @@ class Agent:
         self._unknown_logged: tuple[float, int] = (0.0, 0)  # (window start, lines logged in it)
         self.tracker = HealthTracker(self.tx, cfg.health)
         self.training = TrainingMonitor(cfg.training)
+        application = load_parser(cfg.kernel_log.rules_file or None, self.tx, log=APPLICATION_RULES)
+        self.job_output = JobOutputJudge(self.tx, application, dedup_s=cfg.health.dedup_s)
         self.job_owners = job_owners if job_owners is not None else make_job_owners(cfg)
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
@@ -169,7 +174,7 @@ class Agent:
         m = self.metrics
         m.info.info({"node": self.node, "backend": self.src, "mode": self.cfg.mode, "version": __version__})
         m.gpu_expected.labels(self.node).set(cfg.backend.expected_gpus)
-        for source in (self.src, KERNEL_LOG, TRAINING, "slurm", "kubernetes"):
+        for source in (self.src, KERNEL_LOG, TRAINING, JOB_OUTPUT_SOURCE, "slurm", "kubernetes"):
             m.read_errors.labels(source)  # export zeros, so a rate() sees the first error
         m.health.labels(self.node, NODE_WIDE_GPU).set(0)
 
@@ -319,6 +324,9 @@ class Agent:
             if report.gpu is not None and self._bus_to_gpu and report.gpu not in self._bus_to_gpu.values():
                 raise ReportRefused(f"gpu {report.gpu} is not a GPU of {self.node}")
             now = self.clock()
+            if report.line is not None:
+                self.job_line(report.job, report.line, report.run, now)
+                return
             with self.lock:  # the polling thread reads the same jobs and series
                 detections = self.training.ingest(report, now)
                 rank = self.training.jobs.get(report.job, {}).get(report.rank)
@@ -327,6 +335,21 @@ class Agent:
             self.read_error(TRAINING, f"training report refused (uid {uid}): {exc}")
             return
         for det in detections:
+            self.detect(det)
+
+    def job_line(self, job: str, line: str, run: int | None, now: float) -> None:
+        """A line of job `job`'s own output, from a sender allowed to speak for the job: a job-scoped fault at
+        most (`fleetheal.agent.joboutput`), never one that moves this node."""
+        job = slurm_job_id(job)
+        if not job:  # a fault for no named job would reach every job of the node
+            self.read_error(JOB_OUTPUT_SOURCE, "job output line refused: it names no Slurm job")
+            return
+        with self.lock:
+            dropped = self.job_output.dropped
+            det = self.job_output.judge(job, line, now, step=self.training.last_step(job), run=run)
+        if self.job_output.dropped != dropped:
+            self.metrics.read_errors.labels(JOB_OUTPUT_SOURCE).inc()
+        if det is not None:
             self.detect(det)
 
     def _event_loop(self) -> None:
@@ -455,6 +478,8 @@ class Agent:
 
     def _queue_actions(self, af: ActiveFault, now: float) -> None:
         fp = self.cfg.fastpath
+        if af.source == JOB_OUTPUT_SOURCE:  # a job's words never move its node (joboutput maps them already)
+            return
         action = af.fault.action
         if action in fp.drain_actions and self.drainer is not None:
             self.actions.put(_Action(af.fault.id, af.gpu, "drain", time.monotonic(), now))

@@ -9,6 +9,11 @@ or the strings "nan"/"inf"/"-inf") and `gpu` (the physical GPU index on this nod
 report with `"event": "end"` says the rank finished and forgets it. Anything else is malformed and
 counted, never fatal.
 
+A line of the job's own output (`fleetheal launch` sends the lines its rules flag) is a report with
+`"event": "line"`, the text in `line` (at most MAX_OUTPUT_LINE characters) and the launcher's restart count
+in `run` (optional); `rank` and `step` may be left out. The agent classifies the text itself
+(`fleetheal.agent.joboutput`): the sender's judgement is never taken.
+
 Judgements, per job and rank: NaN/Inf loss (`nan-loss`), a loss far above its running mean
 (`loss-spike`), a rank whose step time is far above its peers' median (`straggler`), and a hang: no step
 progress on every rank for `hang_timeout_s` (`job-hang`). In a collective hang every rank stops, but the
@@ -25,6 +30,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from fleetheal.agent.client import MAX_OUTPUT_LINE
 from fleetheal.agent.health import Detection, gpu_label
 
 SOURCE = "training"
@@ -61,6 +67,10 @@ class Report:
     loss: float | None = None
     gpu: int | None = None
     end: bool = False
+    #: A line of the job's own output (`"event": "line"`), None for a progress report.
+    line: str | None = None
+    #: The launcher's restart count when it sent `line` (None: unknown).
+    run: int | None = None
 
 
 def parse_report(data: bytes) -> Report:
@@ -97,9 +107,16 @@ def parse_report(data: bytes) -> Report:
             raise MalformedReport(f"{name} must be a number, got {value!r}")
         return float(value)
 
-    rank = integer("rank", True, MAX_RANK)
-    step = integer("step", True, MAX_STEP)
-    assert rank is not None and step is not None
+    if doc.get("event") == "line":
+        line = doc.get("line")
+        if not isinstance(line, str) or len(line) > MAX_OUTPUT_LINE:
+            raise MalformedReport(f"line must be a string of at most {MAX_OUTPUT_LINE} characters")
+        rank, step = integer("rank", False, MAX_RANK) or 0, integer("step", False, MAX_STEP) or 0
+        return Report(job, rank, step, line=line, run=integer("run", False, MAX_STEP))
+    required_rank = integer("rank", True, MAX_RANK)
+    required_step = integer("step", True, MAX_STEP)
+    assert required_rank is not None and required_step is not None
+    rank, step = required_rank, required_step
     step_time = number("step_time")
     if step_time is not None and not (math.isfinite(step_time) and step_time >= 0):
         raise MalformedReport(f"step_time must be a finite number >= 0, got {step_time!r}")
@@ -230,6 +247,11 @@ class TrainingMonitor:
                 )
                 r.loss_n += 1
         return out
+
+    def last_step(self, job: str) -> int | None:
+        """The furthest step any rank of `job` reported on this node, or None when none did."""
+        ranks = self.jobs.get(job)
+        return max((r.step for r in ranks.values()), default=None) if ranks else None
 
     def progress(self, job: str) -> list[RankProgress]:
         return [

@@ -99,6 +99,20 @@ def append_job_log(path: str, line: str, uid: int) -> str:
     return f"appended to {path}"
 
 
+def log_action(job: Mapping[str, Any], did: str, incident: str) -> str:
+    """Tell a job's owner, in the job's own log, what fleetheal did to the job and why: one line,
+    `fleetheal: <did> (incident <id>)`, appended once (`append_job_log`). Returns what was done; a log that
+    cannot be written is said, never an error (the action on the job is done already)."""
+    if not job.get("stdout"):
+        return "no job log to tell"
+    try:
+        return append_job_log(
+            job["stdout"], f"{contracts.DRAIN_REASON_PREFIX} {did} (incident {incident})", int(job["uid"])
+        )
+    except StepError as exc:
+        return f"log not written: {exc}"
+
+
 def tell_jobs(
     slurm: Slurm, node: str, incident: str, cause: str, *, job_id: str = "", dry_run: bool = False
 ) -> list[StepResult]:
@@ -243,13 +257,9 @@ def shrink_in_job(slurm: Slurm, job: Mapping[str, Any], node: str, incident: str
     slurm.scontrol("update", f"jobid={jid}", f"comment={comment}")
     slurm.scancel_signal(launch.RESTART_SIGNAL.name.removeprefix("SIG"), [jid])
     slurm.scontrol("update", f"jobid={jid}", "nodelist=" + ",".join(rest))
-    return StepResult(
-        "slurm_requeue",
-        "done",
-        f"relocated job {jid} inside its allocation: {node} shrunk away, restarted on {','.join(rest)} "
-        f"({needed} needed; fleetheal launch)",
-        changed=True,
-    )
+    did = f"relocated job {jid} inside its allocation: {node} shrunk away, restarted on {','.join(rest)}"
+    told = log_action(job, f"{did}, after {fault_id} on {node}", incident)
+    return StepResult("slurm_requeue", "done", f"{did} ({needed} needed; fleetheal launch); {told}", changed=True)
 
 
 def requeue_now(
@@ -290,7 +300,9 @@ def requeue_now(
         where = " on " + ",".join(job["nodes"]) if same_nodes else ""
         # fleetheal.remediator.engine.REQUEUED reads the job id back from this text: keep them in step.
         detail = f"sent {s.grace_signal} to job {job['job_id']}, requeued it{where} with priority {plan.priority}"
-        results.append(StepResult("slurm_requeue", "done", detail, changed=True))
+        moved = "restarts on the same nodes" if same_nodes else f"restarts on other nodes than {node}"
+        told = log_action(job, f"requeued job {job['job_id']} after {fault_id} on {node}: it {moved}", incident)
+        results.append(StepResult("slurm_requeue", "done", f"{detail}; {told}", changed=True))
     return results
 
 
@@ -307,10 +319,9 @@ def restart_in_job(slurm: Slurm, job: dict[str, Any], node: str, incident: str, 
     )
     slurm.scontrol("update", f"jobid={jid}", f"comment={comment}")
     slurm.scancel_signal(launch.RESTART_SIGNAL.name.removeprefix("SIG"), [jid])
-    where = ",".join(job["nodes"])
-    return StepResult(
-        "slurm_requeue", "done", f"restarted job {jid} in its allocation on {where} (fleetheal launch)", changed=True
-    )
+    did = f"restarted job {jid} in its allocation on {','.join(job['nodes'])}"
+    told = log_action(job, f"{did}, after {fault_id} on {node}", incident)
+    return StepResult("slurm_requeue", "done", f"{did} (fleetheal launch); {told}", changed=True)
 
 
 def requeue_would(slurm: Slurm, plan: RequeuePlan, *, same_nodes: bool = False) -> list[StepResult]:

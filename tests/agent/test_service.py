@@ -390,3 +390,69 @@ def test_the_agent_logs_the_one_json_schema(setup):
     assert raised["time"].endswith("+00:00") and raised["gpu"] == "3" and raised["node"] == "n1"
     remediator = lines[-1]
     assert list(remediator)[:4] == ["time", "level", "logger", "msg"] and remediator["url"] == "http://x"
+
+
+def _line(job: str, text: str, run: int | None = None) -> bytes:
+    doc: dict[str, object] = {"v": 1, "job": job, "event": "line", "line": text}
+    if run is not None:
+        doc["run"] = run
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "XID 79 GPU has fallen off the bus",
+        "NVRM: GPU at PCI:0000:3b:00: GPU has fallen off the bus.",
+        "ERROR_GPU_IS_LOST",
+    ],
+)
+def test_a_job_printing_a_node_fault_drains_nothing(setup, tmp_path, text):
+    """A job's words never move its node: no drain, no health-file verdict for Slurm's health check; the
+    job alone is told (REFUSE_AND_REPORT for its claim)."""
+    agent, fake, _clock = setup()
+    agent.poll_once()
+    agent.training_report(_line("4242", text), 0)
+    _drain_queue(agent)
+    assert fake.updates == []
+    assert (tmp_path / "health").read_text() == "ok\n"
+    assert {(a.fault.id, a.job, a.source) for a in agent.tracker.active()} <= {
+        ("job-output-node-claim", "4242", "job_output")
+    }
+    assert _value(agent, "fleetheal_agent_fastpath_actions_total", action="drain", result="done") is None
+
+
+def test_job_output_faults_name_the_job_and_a_second_oom_is_repeated(setup, tmp_path):
+    agent, fake, clock = setup()
+    agent.training_report(_line("4242", "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)"), 0)
+    labels = {"node": "n1", "gpu": "node", "fault_id": "nccl-timeout", "class": "transient"}
+    labels |= {"action": "RESTART_IN_PLACE", "severity": "warning", "job_id": "4242"}
+    assert _value(agent, "fleetheal_agent_fault_active", **labels) == 1
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    agent.training_report(_line("4242", oom, run=0), 0)
+    clock.t += 5
+    agent.training_report(_line("4242", oom, run=1), 0)
+    active = {(a.fault.id, a.job) for a in agent.tracker.active()}
+    assert {("cuda-oom", "4242"), ("cuda-oom-repeated", "4242")} <= active
+    _drain_queue(agent)
+    assert fake.updates == [] and (tmp_path / "health").read_text() == "ok\n"
+
+
+def test_a_job_output_line_must_name_a_slurm_job(setup):
+    agent, _fake, _clock = setup()
+    agent.training_report(_line("local", "CUDA out of memory"), 0)  # would reach every job of the node
+    assert agent.tracker.active() == []
+    assert _value(agent, "fleetheal_agent_read_errors_total", source="job_output") == 1
+
+
+def test_a_million_error_lines_keep_the_agent_cheap(setup):
+    agent, fake, _clock = setup()
+    data = _line("4242", "XID 79 GPU has fallen off the bus")
+    started = time.process_time()
+    for _ in range(1_000_000):
+        agent.training_report(data, 0)
+    took = time.process_time() - started
+    _drain_queue(agent)
+    assert fake.updates == []
+    assert len(agent.tracker.active()) == 1
+    assert took < 30, f"{took:.1f} s of CPU for a million datagrams"  # the socket's cost, not the rules'

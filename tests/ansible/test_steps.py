@@ -277,6 +277,12 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     results = steps.requeue_jobs(slurm, "n2", "inc-1", "xid-79")
     assert [r.step for r in results] == ["slurm_signal", "slurm_requeue"], results
     assert "n2 shrunk away, restarted on n1,n3" in results[-1].detail, results
+    out = log / f"{job}.out"
+    told = [t for t in out.read_text().splitlines() if t.startswith("fleetheal:")]
+    assert told == [
+        f"fleetheal: relocated job {job} inside its allocation: n2 shrunk away, restarted on n1,n3, after xid-79 on n2 "
+        "(incident inc-1)"
+    ], told
 
     lines = log / f"{job}.launch"
     assert wait_until(lambda: "start 1 inc-1 n[1,3] 2" in lines.read_text(), 120), lines.read_text()
@@ -293,6 +299,11 @@ def test_a_job_with_a_spare_node_is_relocated_inside_its_allocation(cluster: Slu
     assert not steps.can_shrink(job_now, "n3") and not steps.can_shrink(job_now, "n1")
     requeued = steps.requeue_jobs(slurm, "n1", "inc-2", "xid-79")
     assert "requeued it" in requeued[-1].detail, requeued
+    assert f"appended to {out}" in requeued[-1].detail, requeued
+    assert (
+        f"fleetheal: requeued job {job} after xid-79 on n1: it restarts on other nodes than n1 (incident inc-2)"
+        in out.read_text().splitlines()
+    )
     assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 120)
 
 

@@ -1,0 +1,125 @@
+"""Faults from a job's own output: what a line the job printed may cause. Pure logic, no I/O, no clock.
+
+A job's stdout and stderr are text its owner controls, so a line is judged by what it may cause, not only
+by what it says:
+
+- it is classified with the application rules (`fleetheal/log-rules.yaml`, `log: application` or `any`),
+  the agent's own copy of them: what the sender thought of the line counts for nothing;
+- a fault whose action moves no node (restart in place, refuse and report, observe: an NCCL timeout, a CUDA
+  out-of-memory, an illegal address, a configuration error) is raised for that job alone (`Detection.job`),
+  on the node-wide label: the remediator acts on that job and nothing else;
+- a fault that would move the node (a destructive or fast-path action: an Xid line, "GPU has fallen off the
+  bus", an uncorrectable ECC error the job printed) becomes `contracts.JOB_OUTPUT_NODE_CLAIM`: the job is
+  told, the node stays. The node is isolated only when its own signals (NVML, the kernel log, DCGM) raise
+  the fault themselves, which they do without the job's help;
+- a CUDA out-of-memory at the step of the job's previous one is `cuda-oom-repeated` (it will not fit as
+  configured: not restarted again). The step is the furthest one the job's ranks reported on this node
+  (None when they report none: no progress seen, the same step); the ranks of one run print their OOM
+  together, so a second OOM counts only from a new run of the launcher (`run`), or, when the run is
+  unknown, `dedup_s` after the first;
+- a job sends at most `lines_per_s` lines a second (a burst of `lines_per_s`); the rest are dropped unread,
+  so a job printing a million error lines costs the agent nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetheal.agent.health import Detection
+from fleetheal.contracts import JOB_OUTPUT_NODE_CLAIM, JOB_OUTPUT_SOURCE, NODE_WIDE_GPU
+from fleetheal.logparse import LogParser
+from fleetheal.taxonomy import Taxonomy
+
+OOM, OOM_REPEATED = "cuda-oom", "cuda-oom-repeated"
+
+
+@dataclass(slots=True)
+class _Oom:
+    step: int | None
+    run: int | None
+    at: float
+
+
+@dataclass(slots=True)
+class _Budget:
+    tokens: float
+    at: float
+
+
+@dataclass
+class JobOutputJudge:
+    """Turns the lines jobs printed into job-scoped detections. Callers serialise access."""
+
+    taxonomy: Taxonomy
+    parser: LogParser
+    #: Two OOMs of one job less than this apart, with no run count, are one (its ranks print it together).
+    dedup_s: float = 30.0
+    #: Lines a second each job may have judged (its burst too); the rest are dropped and counted.
+    lines_per_s: float = 50.0
+    #: Jobs remembered at once (OOM history and rate budgets); the oldest are forgotten beyond it.
+    max_jobs: int = 256
+    dropped: int = 0
+    _ooms: dict[str, _Oom] = field(default_factory=dict)
+    _budgets: dict[str, _Budget] = field(default_factory=dict)
+
+    def moves_node(self, fault_id: str) -> bool:
+        """True when the fault's action takes the node out (destructive) or the agent's fast path acts on it."""
+        action = self.taxonomy.actions[self.taxonomy.get(fault_id).action]
+        return action.destructive or action.fastpath
+
+    def _admit(self, job: str, now: float) -> bool:
+        budget = self._budgets.get(job)
+        if budget is None:
+            _forget_oldest(self._budgets, self.max_jobs)
+            budget = self._budgets[job] = _Budget(self.lines_per_s, now)
+        budget.tokens = min(self.lines_per_s, budget.tokens + (now - budget.at) * self.lines_per_s)
+        budget.at = now
+        if budget.tokens < 1:
+            self.dropped += 1
+            return False
+        budget.tokens -= 1
+        return True
+
+    def judge(
+        self, job: str, line: str, now: float, *, step: int | None = None, run: int | None = None
+    ) -> Detection | None:
+        """The detection a line of Slurm job `job`'s output causes, or None (no fault, or over the rate)."""
+        if not self._admit(job, now):
+            return None
+        events = [e for e in self.parser.parse_line(line) if e.known]
+        if not events:
+            return None
+        event = events[0]
+        fault_id = event.fault.id
+        detail = f"job {job} printed: {event.detail or line[-200:]}"
+        if self.moves_node(fault_id):
+            detail = f"job {job}'s output alone claims {fault_id}; the node's own signals decide ({detail})"
+            fault_id = JOB_OUTPUT_NODE_CLAIM
+        elif fault_id == OOM:
+            fault_id = self._oom(job, step, run, now)
+        return Detection(fault_id, NODE_WIDE_GPU, JOB_OUTPUT_SOURCE, detail, job=job)
+
+    def _oom(self, job: str, step: int | None, run: int | None, now: float) -> str:
+        before = self._ooms.get(job)
+        if before is None:
+            _forget_oldest(self._ooms, self.max_jobs)
+        else:
+            self._ooms.pop(job)
+        self._ooms[job] = _Oom(step, run, now)
+        if before is None or before.step != step:
+            return OOM
+        known_runs = run is not None and before.run is not None
+        again = run != before.run if known_runs else now - before.at >= self.dedup_s
+        if not again:  # the same OOM, printed by another rank: the first's verdict stands
+            self._ooms[job] = before
+        return OOM_REPEATED if again else OOM
+
+    def forget(self, job: str) -> None:
+        """Drop what is known of `job` (it ended)."""
+        self._ooms.pop(job, None)
+        self._budgets.pop(job, None)
+
+
+def _forget_oldest(table: dict[str, _Oom] | dict[str, _Budget], most: int) -> None:
+    while len(table) >= most:
+        table.pop(next(iter(table)))

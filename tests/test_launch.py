@@ -1,0 +1,91 @@
+"""`fleetheal launch` watching its command's output: copied through unchanged, fault lines sent to the agent."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NCCL = "[rank0]:[E ProcessGroupNCCL.cpp:616] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)"
+
+
+def launch(tmp_path: Path, script: str, *flags: str, sock: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "SLURM_JOB_ID": "4242",
+        "FLEETHEAL_TRAINING_SOCKET": str(sock or tmp_path / "absent.sock"),
+    }
+    argv = [sys.executable, "-m", "fleetheal", "launch", *flags, "--", "sh", "-c", script]
+    return subprocess.run(argv, env=env, capture_output=True, timeout=300, check=False)
+
+
+@pytest.fixture
+def agent_socket(tmp_path: Path):
+    path = tmp_path / "training.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(0.2)
+    yield path, sock
+    sock.close()
+
+
+def received(sock: socket.socket) -> list[dict]:
+    out = []
+    while True:
+        try:
+            out.append(json.loads(sock.recv(8192)))
+        except TimeoutError:
+            return out
+
+
+def test_the_output_is_copied_unchanged_and_fault_lines_reach_the_agent(tmp_path, agent_socket):
+    path, sock = agent_socket
+    long_line = "x" * 200_000 + " CUDA out of memory"  # cut at MAX_WATCHED_LINE: never judged whole, never held
+    script = (
+        f"echo 'step 1 loss 2.3'; echo '{NCCL}' >&2; head -c 200000 /dev/zero | tr '\\0' x; echo ' CUDA out of memory'; "
+        "printf 'no newline at the end'; exit 3"
+    )
+    run = launch(tmp_path, script, sock=path)
+    assert run.returncode == 3
+    assert run.stdout == f"step 1 loss 2.3\n{long_line}\nno newline at the end".encode()
+    assert run.stderr.decode().endswith(NCCL + "\n")
+    reports = received(sock)
+    assert reports == [{"v": 1, "job": "4242", "event": "line", "line": NCCL[:1024], "run": 0}], reports
+
+
+def test_without_an_agent_the_job_runs_on(tmp_path):
+    run = launch(tmp_path, f"echo '{NCCL}'; echo done")
+    assert run.returncode == 0 and run.stdout == f"{NCCL}\ndone\n".encode()
+
+
+def test_a_flood_of_output_is_neither_changed_nor_held(tmp_path, agent_socket):
+    """Two million lines, a quarter of them error lines: every byte reaches the job's stdout in order, and
+    only a few lines a second reach the agent."""
+    path, sock = agent_socket
+    script = "seq 1 2000000 | awk '{ if ($1 % 4 == 0) print \"RuntimeError: Socket Timeout \" $1; else print $1 }'"
+    direct = subprocess.run(["sh", "-c", script], capture_output=True, timeout=300, check=True)
+    started = time.monotonic()
+    run = launch(tmp_path, script, sock=path)
+    took = time.monotonic() - started
+    assert run.returncode == 0
+    assert hashlib.sha256(run.stdout).digest() == hashlib.sha256(direct.stdout).digest()
+    assert len(received(sock)) <= 10 * (took + 1)
+    assert took < 120
+
+
+def test_no_watch_uses_no_pipes(tmp_path, agent_socket):
+    path, sock = agent_socket
+    run = launch(
+        tmp_path, f"echo '{NCCL}'; test -p /dev/stdout && echo piped || echo not-piped", "--no-watch", sock=path
+    )
+    assert run.stdout.decode().splitlines()[-1] == "piped"  # capture_output's own pipe: passed on, not ours
+    assert received(sock) == []
