@@ -17,20 +17,26 @@ The protocol, all through Slurm (the remediator never reaches the node):
    place". It does so only when it is the batch script itself (its parent is `slurmstepd`: `exec` it),
    because the order is a signal to the batch step (`scancel --batch`), and a shell that is sent SIGUSR2
    dies of it, job and all. Otherwise it says why and just runs CMD (the remediator then requeues).
-2. The remediator writes `incident=<id>` into the comment, then sends SIGUSR2 (`scancel --batch`).
+2. The remediator writes `incident=<id> restart=<id>` into the comment, then sends SIGUSR2 (`scancel
+   --batch`). `restart=` is the order; a comment naming an incident without it (a refusal: "not requeued")
+   orders nothing.
 3. The wrapper restarts CMD once per incident id it has not restarted for (a SIGUSR2 without one, sent
    by the job's owner, restarts too), and exports FLEETHEAL_LAUNCH_RESTARTS and FLEETHEAL_INCIDENT.
+4. When CMD fails after printing a line the rules flag (an out-of-memory, an NCCL timeout: `OutputWatch`),
+   fleetheal is deciding: the wrapper waits up to ORDER_WAIT_S for its order before it exits with CMD's
+   status, and stops waiting at once when the comment names a new incident without an order (refused).
 
-Spare nodes: with `--nodes N` the command needs N nodes and the rest of the allocation are spares (the
-sbatch script asked for more, the command runs `srun -N N ...`); the wrapper adds `fleetheal-nodes=N` to
-the comment. When a node of such a job fails (and it is not the batch host, where the wrapper itself runs),
-the remediator relocates the job inside its allocation: it writes `shrink=NODE` with the incident, sends
-the restart order, and takes NODE out of the allocation (`scontrol update jobid=J nodelist=REST`). The
-wrapper stops CMD, waits until NODE has left the allocation, and starts CMD again with the allocation's
-SLURM_JOB_NODELIST, SLURM_NODELIST, SLURM_JOB_NUM_NODES and SLURM_NNODES (SLURM_JOB_CPUS_PER_NODE and
-SLURM_TASKS_PER_NODE, which no longer hold, are removed). No requeue, no scheduler, no credential wait.
-Shrinking kills the job step's tasks on NODE, and CMD may end of that before the order arrives: when CMD
-fails, the wrapper first reads the comment, and an incident it has not handled is an order.
+Spare nodes: with `--nodes N` the command needs N nodes and the rest of the allocation are spares (the sbatch
+script asked for more, the command runs `srun -N "$FLEETHEAL_LAUNCH_NODES" ...`, which the wrapper exports);
+the wrapper adds `fleetheal-nodes=N` to the comment. When a node of such a job fails (and it is not the batch
+host, where the wrapper itself runs), the remediator relocates the job inside its allocation: it writes
+`shrink=NODE` with the incident, sends the restart order, and takes NODE out of the allocation (`scontrol
+update jobid=J nodelist=REST`). The wrapper stops CMD, waits until NODE has left the allocation, and starts
+CMD again with the allocation's SLURM_JOB_NODELIST, SLURM_NODELIST, SLURM_JOB_NUM_NODES and SLURM_NNODES
+(SLURM_JOB_CPUS_PER_NODE and SLURM_TASKS_PER_NODE, which no longer hold, are removed). No requeue, no
+scheduler, no credential wait. Shrinking kills the job step's tasks on NODE, and CMD may end of that before
+the order arrives: when CMD fails, the wrapper first reads the comment, and an order it has not handled is
+carried out.
 
 Every other signal (Slurm's SIGTERM, fleetheal's grace signal SIGUSR1, SIGINT, SIGHUP) is passed on to
 CMD's process group. The wrapper exits with CMD's status when CMD ends by itself.
@@ -74,11 +80,18 @@ RESTART_SIGNAL = signal.SIGUSR2
 #: Comment words: the nodes the command needs (the rest are spares), the node an order shrinks away.
 NODES_WORD = "fleetheal-nodes="
 SHRINK_WORD = "shrink="
+#: Exported to the command with --nodes: how many nodes to run on (`srun -N "$FLEETHEAL_LAUNCH_NODES" ...`).
+NODES_ENV = "FLEETHEAL_LAUNCH_NODES"
 #: Restarts inside the allocation so far (Slurm's restart count sees only requeues); the remediator's.
 RESTARTS_WORD = "fleetheal-restarts="
 #: How long the wrapper waits for the remediator to take a node out of the allocation.
 SHRINK_WAIT_S = 120.0
+_ORDER = re.compile(r"(?:^|\s)restart=(\S+)")
 _INCIDENT = re.compile(r"(?:^|\s)incident=(\S+)")
+#: The restart order word the remediator writes with the incident (`restart=<incident>`).
+ORDER_WORD = "restart="
+#: How long the wrapper waits for fleetheal's order after CMD failed having printed a flagged line.
+ORDER_WAIT_S = 30.0
 _RESIZED_ENV = ("SLURM_JOB_CPUS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGCONT)
 
@@ -253,6 +266,8 @@ class Launcher:
         self.child: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.handled: set[str] = set()
+        self._sent_at_start = 0
+        self._told_at_start = ""
         self.pending_restart = False
         self.incident = ""
         self.watch = OutputWatch(job, lambda: self.restarts) if watch and job else None
@@ -274,14 +289,15 @@ class Launcher:
             _say(f"cannot read job {self.job}'s comment (squeue failed): no restart in place")
             return False
         words = comment.split()
-        match = _INCIDENT.search(comment)
-        if match:
-            self.handled.add(match.group(1))  # an incident of an earlier run of this job, handled by it
+        for known in (_ORDER.search(comment), _INCIDENT.search(comment)):
+            if known:
+                self.handled.add(known.group(1))  # an incident of an earlier run of this job, handled by it
         wanted = [TAG]
         if self.nodes is not None:
             allocated = int(os.environ.get("SLURM_JOB_NUM_NODES") or 0)
             if allocated and self.nodes > allocated:
                 _say(f"--nodes {self.nodes} is more than the job's {allocated} nodes: no spare nodes")
+                self.nodes = None
             else:
                 wanted.append(f"{NODES_WORD}{self.nodes}")
         if any(w not in words for w in wanted):
@@ -302,11 +318,13 @@ class Launcher:
         if child is not None and child.poll() is None:
             os.killpg(child.pid, signum)
 
-    def _wanted(self, *, quiet: bool = False) -> bool:
+    def _wanted(self, *, quiet: bool = False, comment: str | None = None) -> bool:
         """Restart for an incident not handled yet, or for a SIGUSR2 with no incident (the owner's).
-        `quiet`: asked because the command failed, not because of an order: no incident, no restart."""
-        comment = job_comment(_SLURM, self.job) if self.job else ""
-        match = _INCIDENT.search(comment or "")
+        `quiet`: asked because the command failed, not because of an order: no incident, no restart.
+        `comment`: the job's comment as just read (default: read it now)."""
+        if comment is None:
+            comment = job_comment(_SLURM, self.job) if self.job else ""
+        match = _ORDER.search(comment or "")
         if match is None:
             self.incident = ""
             self.shrink = ""
@@ -346,6 +364,8 @@ class Launcher:
 
     def _start(self) -> subprocess.Popen[bytes]:
         env = dict(os.environ, FLEETHEAL_LAUNCH_RESTARTS=str(self.restarts))
+        if self.nodes is not None:
+            env[NODES_ENV] = str(self.nodes)  # the nodes the command is to use; the rest are spares
         if self.allocation:
             env.update(self.allocation)
             for name in _RESIZED_ENV:
@@ -353,6 +373,11 @@ class Launcher:
         if self.incident:
             env["FLEETHEAL_INCIDENT"] = self.incident
         pipe = subprocess.PIPE if self.watch is not None else None
+        if self.watch is not None and self.job:
+            # What this run's failure is measured against: flagged lines sent, the incident its comment names.
+            self._sent_at_start = self.watch.sent
+            told = _INCIDENT.search(job_comment(_SLURM, self.job) or "")
+            self._told_at_start = told.group(1) if told else ""
         child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stdout=pipe, stderr=pipe)
         if self.watch is not None:
             self.watch.follow(child)
@@ -391,22 +416,53 @@ class Launcher:
             if self.pending_restart or failed_by_order:
                 self.pending_restart = False
                 if failed_by_order or self._wanted():
-                    t0 = time.monotonic()
-                    self._stop_child()
-                    self._wait_shrink()
-                    self.restarts += 1
-                    why = f" for incident {self.incident}" if self.incident else ""
-                    if self.shrink:
-                        why += f", {self.shrink} shrunk away (now {self.allocation.get('SLURM_JOB_NODELIST', '?')})"
-                    self.child = self._start()
-                    took = time.monotonic() - t0
-                    _say(f"restart {self.restarts}{why}: command stopped and started again in {took:.2f} s")
+                    self._restart()
                 continue
             if code is not None:
                 if self.watch is not None:
                     self.watch.drain()
+                if restartable and code != 0 and self._await_order():
+                    self._restart()
+                    continue
                 return code if code >= 0 else 128 - code
             time.sleep(0.05)
+
+    def _restart(self) -> None:
+        """Carry out the order `_wanted` accepted: stop CMD, wait for the shrink it names, start CMD again."""
+        t0 = time.monotonic()
+        self._stop_child()
+        self._wait_shrink()
+        self.restarts += 1
+        why = f" for incident {self.incident}" if self.incident else ""
+        if self.shrink:
+            why += f", {self.shrink} shrunk away (now {self.allocation.get('SLURM_JOB_NODELIST', '?')})"
+        self.child = self._start()
+        took = time.monotonic() - t0
+        _say(f"restart {self.restarts}{why}: command stopped and started again in {took:.2f} s")
+
+    def _await_order(self) -> bool:
+        """CMD failed. When it printed a line the rules flag in this run, fleetheal is deciding what to do:
+        wait up to ORDER_WAIT_S for its order (True: an order came, `_wanted` took it), or for its refusal
+        (a new incident in the comment without an order), and give up after that."""
+        if self.watch is None or self.watch.sent == self._sent_at_start or not self.job:
+            return False
+        _say(f"command failed after printing a fault line: waiting up to {ORDER_WAIT_S:g} s for fleetheal's order")
+        deadline = time.monotonic() + ORDER_WAIT_S
+        while time.monotonic() < deadline:
+            comment = job_comment(_SLURM, self.job) or ""  # one read: an order is written in one update
+            if self.pending_restart:  # the order's signal (or the owner's SIGUSR2)
+                self.pending_restart = False
+                if self._wanted(comment=comment):
+                    return True
+            elif self._wanted(quiet=True, comment=comment):  # the order, before its signal
+                return True
+            told = _INCIDENT.search(comment)
+            if told and told.group(1) not in self.handled and told.group(1) != self._told_at_start:
+                _say(f"fleetheal does not restart it (incident {told.group(1)}, see the job's comment)")
+                return False
+            time.sleep(0.2)
+        _say(f"no order from fleetheal within {ORDER_WAIT_S:g} s")
+        return False
 
 
 def launch(cmd: list[str], *, stop_timeout: float = 60.0, nodes: int | None = None, watch: bool = True) -> int:

@@ -114,8 +114,8 @@ def profile_from_results(results: Sequence[dict[str, Any]], *, origin: str, when
     """fleetheal's profile from bench_lab's figures (the `results` of benchmarks/run.py).
 
     From "Xid 79 -> Slurm node drained" (median): detect_hw_s, with isolate_s 0 (the agent's drain is the
-    isolation). From "Xid 79 -> job RUNNING again on a spare node" (median, and its per-phase medians when
-    recorded): requeue_s = requeue - drained, promote_s = RUNNING again - requeue (without a requeue phase,
+    isolation). From "Xid 79 -> training running again on healthy nodes (hot spare)" (median, and its per-phase
+    medians when recorded): requeue_s = requeue - drained, promote_s = RUNNING again - requeue (without a requeue phase,
     requeue_s = RUNNING again - drained and promote_s 0). From "NCCL timeout -> training running again in
     place" (median), when present: in_place_s. Everything else is `FLEETHEAL_ASSUMED`.
     """

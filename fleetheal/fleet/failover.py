@@ -20,7 +20,7 @@ import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from fleetheal.contracts import CHECKPOINT_WORD
+from fleetheal.contracts import CHECKPOINT_WORD, DRAIN_REASON_PREFIX
 from fleetheal.fleet.config import FleetConfig
 from fleetheal.slurm import nodes
 from fleetheal.slurm.jobs import COPIES_ARGS, ClusterJob, cluster_jobs_args, copies, parse_cluster_jobs
@@ -120,10 +120,12 @@ def move(
         if live.get(source) != "PENDING":
             _run(env, *sc, "requeue", job_id, check=False)  # a running job is stopped; its checkpoint remains
         # Only a pending job changes clusters: one still completing on a node that does not answer stays so
-        # until Slurm declares the node down (SlurmdTimeout). Slurm 22.05 keeps a held federated job it
-        # requeued in REQUEUE_FED; released, it turns PENDING, and held again it may change clusters (26.05
-        # leaves it PENDING at once).
-        if _wait_state(job_id, source, ("PENDING", "REQUEUE_FED"), env, deadline - time.monotonic()) != "PENDING":
+        # until Slurm declares the node down (SlurmdTimeout, 120 s deployed), unless fleetheal sets it DOWN
+        # first, once Slurm itself says the node does not respond (`_wait_released`). Slurm 22.05 keeps a
+        # held federated job it requeued in REQUEUE_FED; released, it turns PENDING, and held again it may
+        # change clusters (26.05 leaves it PENDING at once).
+        requeued = _wait_released(job_id, source, env, deadline - time.monotonic())
+        if requeued != "PENDING":
             _run(env, *sc, "release", job_id)
             _wait_state(job_id, source, ("PENDING",), env, deadline - time.monotonic())
             _run(env, *sc, "hold", job_id)
@@ -135,6 +137,8 @@ def move(
         _run(env, *sc, "release", job_id, check=False)  # not moved: it stays here, free to run when it can
         raise
     _run(env, *sc, "release", job_id)
+    if live.get(source) != "PENDING":
+        _start_now(job_id, tgt, env, deadline)
     _wait_state(job_id, tgt, ("RUNNING",), env, max(1.0, deadline - time.monotonic()))
     d = Decision(job_id, "moved", source, tgt, f"{source} cannot heal it; {tgt} reads checkpoint store {store}")
     log.warning("failover: %s", d)
@@ -159,6 +163,63 @@ def _wait_state(
         )
     except WaitTimeout as e:
         raise FailoverError(f"{e}: copies {where(job_id, env)}") from e
+
+
+def _wait_released(job_id: str, source: str, env: Mapping[str, str] | None, timeout: float) -> str:
+    """Wait until the requeued job's copy on `source` is PENDING or REQUEUE_FED; that state. While it is still
+    completing, its nodes that Slurm reports not responding (its own ping failed: the alert is corroborated)
+    are set DOWN with an owned reason, which releases the job at once instead of after SlurmdTimeout. A node
+    whose reason fleetheal does not own (an administrator's) is left alone."""
+
+    def released() -> str | None:
+        state = where(job_id, env).get(source)
+        if state in ("PENDING", "REQUEUE_FED"):
+            return state
+        if state == "COMPLETING":
+            _down_lost(job_id, source, env)
+        return None
+
+    try:
+        return wait_until(released, max(0.0, timeout), f"job {job_id} to leave its nodes on {source}", interval=0.5)
+    except WaitTimeout as e:
+        raise FailoverError(f"{e}: copies {where(job_id, env)}") from e
+
+
+def _start_now(job_id: str, target: str, env: Mapping[str, str] | None, deadline: float) -> None:
+    """Lift the begin-time hold that `move`'s own requeue put on the job, on `target`. Slurm holds a requeued
+    job for cred_expire + 1 s (61 s deployed) so that it never starts where its previous run's credential is
+    revoked; the hold travels with the job (measured on 26.05: PENDING `Reason=BeginTime` on the target until
+    60 s after the move), but the target's nodes never ran it. The job was running a moment ago, so its begin
+    time is the requeue's, never one its owner asked for."""
+    while time.monotonic() < deadline:
+        state = where(job_id, env).get(target)
+        if state == "RUNNING":
+            return
+        if state == "PENDING":
+            _run(env, "scontrol", "-M", target, "update", f"jobid={job_id}", "StartTime=now", check=False)
+            reason = _run(env, "squeue", "-M", target, "-h", "-j", job_id, "-o", "%r", check=False).split()
+            if reason and reason[-1] != "BeginTime":
+                return
+        time.sleep(0.2)
+
+
+def _down_lost(job_id: str, cluster: str, env: Mapping[str, str] | None) -> list[str]:
+    """Set DOWN the nodes of `job_id` on `cluster` that Slurm says do not respond; the nodes set."""
+    listed = _run(env, "squeue", "-M", cluster, "-h", "-j", job_id, "-o", "%N", check=False).split()
+    hostlist = [w for w in listed if w not in ("CLUSTER:", cluster)]
+    if not hostlist:
+        return []
+    found = nodes.read(_run(env, "sinfo", "-M", cluster, *nodes.NODES_ARGS, "-n", hostlist[-1], check=False))
+    lost = [
+        n.name
+        for n in found.values()
+        if "NOT_RESPONDING" in n.flags and n.state != "DOWN" and (not n.reason or n.reason_owned())
+    ]
+    if lost:
+        reason = f"{DRAIN_REASON_PREFIX}lost: not responding, job {job_id} moves to a sibling cluster"
+        _run(env, "scontrol", "-M", cluster, "update", f"nodename={','.join(lost)}", "state=down", f"reason={reason}")
+        log.warning("failover: set %s DOWN (not responding) so that job %s leaves them", ",".join(lost), job_id)
+    return lost
 
 
 def checkpoint_store(comment: str, default: str = "") -> str:

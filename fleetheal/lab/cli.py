@@ -179,7 +179,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     lab = _lab(args)
-    job, run_dir = lab.submit_training(args.name, args.nodes)
+    job, run_dir = lab.submit_training(name=args.name, nodes=args.nodes)
     print(f"submitted job {job}; log {run_dir / 'train.log'}")
     return 0
 

@@ -1,11 +1,14 @@
 """`fleetheal lab demo`: the self-healing loop, live, on the local lab (and the scenarios the lab's
 integration tests run).
 
-Five scenarios around one 2-node training job, and a sixth on a Slurm federation:
+Six scenarios around one training job (2 nodes and a hot spare in its allocation, run by `fleetheal
+launch --nodes 2`), and a seventh on a Slurm federation, all on the Slurm configuration the stack deploys
+(its timers included; `fleetheal.lab.slurmconf` lists what the lab's differs in):
 
 1. Xid 79 (a GPU falls off the bus; hardware): the agent drains its node and taints its Node, the alert
-   reaches the remediator, the isolate-and-relocate playbook gives the job its grace signal, requeues
-   it, cordons and drains the Kubernetes node and promotes a warm-standby node; the job runs again on
+   reaches the remediator, the isolate-and-relocate playbook gives the job its grace signal, shrinks the
+   node out of the job's allocation (the spare takes over: no requeue, no credential hold), cordons and
+   drains the Kubernetes node and promotes a warm-standby node into the pool; the training starts again on
    healthy nodes and resumes from its checkpoint.
 2. The loop closes for that node: it awaits repair (a repair request is written), the lab "repairs" it
    (clears the injected fault) and reports it with `fleetheal nodes repaired`; the remediator revalidates
@@ -13,11 +16,16 @@ Five scenarios around one 2-node training job, and a sixth on a Slurm federation
    standby pool; its lifecycle timeline is printed.
 3. Xid 31 (an MMU fault: the job's own bug): no drain, no requeue; the cause goes to the job's comment
    and log.
-4. NCCL timeout (transient): the job is restarted in place, on the same nodes, from its checkpoint.
+4. NCCL timeout printed by the job (its rank 0 prints PyTorch's watchdog line and hangs; nothing is
+   injected on a node): restarted in place, on the same nodes, from its checkpoint.
 5. A lemon: three GPU faults on one idle node within the window quarantine it, with an RMA report.
-6. A leaf switch lost: cluster a of a two-cluster federation (its own slurmdbd, MariaDB and controllers)
+6. CUDA out of memory printed by the job, at the same step in two runs: restarted in place once, then
+   refused as the job's own (`cuda-oom-repeated`), the cause in its log; the job ends, its nodes untouched.
+7. A leaf switch lost: cluster a of a two-cluster federation (its own slurmdbd, MariaDB and controllers)
    loses both nodes at once; its remediator, with no standby node and a budget of one node, isolates one,
-   and moves the job to cluster b, which reads its checkpoint store; the job resumes there, in the same log.
+   and moves the job to cluster b, which reads its checkpoint store; once Slurm's own ping says the nodes
+   do not respond the remediator sets them DOWN (not waiting SlurmdTimeout) and lifts the requeue's
+   begin-time hold on b; the job resumes there, in the same log.
 
 Each scenario is watched from the outside (Slurm, the Kubernetes API, the job's own events, the
 remediator's incidents): every milestone is printed when it is first seen, with its time since the
@@ -44,6 +52,7 @@ from fleetheal.lab.scenarios import (
     scenario_leaf_switch,
     scenario_lemon,
     scenario_nccl,
+    scenario_oom,
     scenario_repair,
     scenario_xid31,
     scenario_xid79,
@@ -96,9 +105,10 @@ def print_status(lab: Lab, out: Callable[[str], None] = print) -> None:
 
 def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Outcome], Watcher]:
     """Submit the training job and run the three scenarios on it; returns what each did."""
-    job, run_dir = lab.submit_training(step_time=STEP_TIME, checkpoint_every=CHECKPOINT_EVERY)
+    job, run_dir = lab.submit_training(step_time=STEP_TIME, checkpoint_every=CHECKPOINT_EVERY, spares=1)
     w = Watcher(lab, job, run_dir, out)
-    out(f"\n== training job {job}: 2 nodes, checkpoint every {CHECKPOINT_EVERY:g}s, log {run_dir / 'train.log'}")
+    out(f"\n== training job {job}: 2 nodes and a hot spare in its allocation (fleetheal launch --nodes 2), "
+        f"checkpoint every {CHECKPOINT_EVERY:g}s, log {run_dir / 'train.log'}")  # fmt: skip
     w.wait_running()
     out(f"  running on {w.job_info()['NodeList']}")
     w.wait_steps(60)
@@ -113,8 +123,9 @@ def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Ou
         ("1. Xid 79 on a GPU of the job: hardware -> isolate, relocate, replace", scenario_xid79),
         ("2. The loop closes for that node: repair reported -> revalidation -> standby pool", repair),
         ("3. Xid 31: the job's own bug -> no relocation, the user is told why", scenario_xid31),
-        ("4. NCCL timeout: transient -> restart in place", scenario_nccl),
+        ("4. NCCL timeout printed by the job: transient -> restart in place", scenario_nccl),
         ("5. A lemon: three faults in the window -> quarantine and an RMA report", scenario_lemon),
+        ("6. CUDA out of memory printed by the job, twice at one step -> restart, then refuse and tell", scenario_oom),
     ):
         out(f"\n== {title}")
         w.wait_running()
@@ -131,14 +142,14 @@ def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Ou
             value = ettr(read_events(run_dir), time.time())
             o.details["ettr"] = value
             out(f"  effective training time ratio of the run so far: {value:.2f}" if value is not None else "")
-    out("\n== 6. A leaf switch lost in cluster a of a federation -> the job moves to cluster b (3rd stage)")
+    out("\n== 7. A leaf switch lost in cluster a of a federation -> the job moves to cluster b (3rd stage)")
     outcomes.append(scenario_leaf_switch(lab, out))
     return outcomes, w
 
 
 def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> None:
     out("\n== summary")
-    out(f"  {'FAULT':13} {'NODE':5} {'ACTION':21} {'INCIDENT':11} {'RUNNING AGAIN':14} {'RESULT':7} NOTE")
+    out(f"  {'FAULT':17} {'NODE':5} {'ACTION':21} {'INCIDENT':11} {'RUNNING AGAIN':14} {'RESULT':7} NOTE")
     for o in outcomes:
         again = o.milestones.get("running")
         note = ""
@@ -147,8 +158,10 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
             note = f"moved to {moved}, standby {o.details.get('promoted', '-')} promoted"
         elif o.fault == "xid-31":
             note = "not drained, not requeued, cause in the job log"
+        elif o.fault == "cuda-oom-repeated":
+            note = "both raised from the lines the job printed; restarted once, then refused, cause in the job log"
         elif o.fault == "nccl-timeout":
-            note = "same nodes" if o.details.get("same_nodes") else "moved"
+            note = ("same nodes" if o.details.get("same_nodes") else "moved") + ", raised from the line the job printed"
         elif o.fault == "repair":
             loop = o.details.get("loop_s")
             note = (
@@ -164,14 +177,16 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
             note = f"moved to cluster b {at:.1f}s after the fault, resumed from its checkpoint" if at else ""
         again_text = f"{again:.1f}s" if again is not None else "-"
         result = "ok" if o.ok else "FAILED"
-        out(f"  {o.fault:13} {o.node:5} {o.action:21} {o.details.get('incident', '-'):11} "
+        out(f"  {o.fault:17} {o.node:5} {o.action:21} {o.details.get('incident', '-'):11} "
             f"{again_text:14} {result:7} {note or o.error}")  # fmt: skip
     for c in continuity(w.run_dir):
         out(f"  restart {c['restart']}: last step {c['last_step']}, resumed from {c['resumed_from']} "
             f"({c['lost']} steps lost), incident {c['incident']}")  # fmt: skip
-    value = ettr(read_events(w.run_dir), time.time())
+    oom = [o for o in outcomes if o.fault == "cuda-oom-repeated"]
+    value = oom[0].details.get("ettr_before") if oom else ettr(read_events(w.run_dir), time.time())
     if value is not None:
-        out(f"  ETTR of the whole run: {value:.2f}")
+        until = " until the job's own out-of-memory ended it" if oom else ""
+        out(f"  ETTR of the run{until}: {value:.2f}")
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -194,7 +209,8 @@ def run_demo(lab_dir: str | None = None, keep: bool = False) -> int:
         summary(outcomes, w, out)
         out(f"\n== the job's log (one file across restarts): {w.run_dir / 'train.log'}")
         for line in (w.run_dir / "train.log").read_text(errors="replace").splitlines():
-            if "===" in line or "SIGUSR1" in line or "not requeued" in line:
+            # The training's own lines, and what fleetheal did to the job: one line per action, in its log.
+            if "===" in line or "SIGUSR1" in line or line.startswith(("fleetheal:", "fleetheal launch:")):
                 out("  " + line)
         with contextlib.suppress(Exception):
             lab.slurm().run("scancel", w.job, check=False)

@@ -100,6 +100,7 @@ class Federation(Supervisor):
         gpu_types: GRES type per cluster (`gpu:<type>:<n>`); a cluster missing here has untyped GPUs.
         name: the federation's name (`sacctmgr show federation`).
         extra_conf: slurm.conf lines added to every cluster (after the federation's own).
+        fast_timers: the short timers of tests (`SlurmCluster`); False: the deployed ones (the demo's).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class Federation(Supervisor):
         name: str = "fed",
         cpus_per_node: int = 8,
         extra_conf: Sequence[str] = (),
+        fast_timers: bool = True,
     ) -> None:
         names = list(clusters)
         if len(names) < 2:
@@ -135,6 +137,7 @@ class Federation(Supervisor):
         self.gpu_types = {n: types[n] for n in names if n in types}
         self.cpus_per_node = cpus_per_node
         self.extra_conf = list(extra_conf)
+        self.fast_timers = fast_timers
         self.holder_pid: int | None = None
         self._holder: subprocess.Popen[bytes] | None = None
         self.clusters: dict[str, SlurmCluster] = {}
@@ -355,6 +358,7 @@ while :; do wait; sleep 1; done
             cluster_name=name,
             gpu_type=self.gpu_types.get(name),
             munge_key=self._munge_key(),
+            fast_timers=self.fast_timers,
         )
 
     def _accounts(self) -> None:

@@ -278,7 +278,7 @@ class Lab:
 
     def _up_slurm(self, names: list[str], gpus: int) -> None:
         t0 = time.monotonic()
-        cluster = SlurmCluster(self.dir / "slurm", nodes=len(names), gpus_per_node=gpus).start()
+        cluster = SlurmCluster(self.dir / "slurm", nodes=len(names), gpus_per_node=gpus, fast_timers=False).start()
         if self.standby_nodes:
             cluster.scontrol(
                 "update", f"nodename={','.join(self.standby_nodes)}", "state=drain", f"reason={STANDBY_REASON}"
@@ -539,13 +539,17 @@ class Lab:
 
     def submit_training(
         self,
+        *,
         name: str = "train",
         nodes: int = 2,
         steps: int = 100_000,
         step_time: float = 0.1,
         checkpoint_every: float = 3.0,
+        spares: int = 0,
     ) -> tuple[str, Path]:
-        """Submit the lab's training job; returns (job id, run dir). Its log is `<run dir>/train.log`."""
+        """Submit the lab's training job on `nodes` nodes, with `spares` hot spares in its allocation (a node
+        lost is replaced by one of them without a requeue); returns (job id, run dir). Its log is
+        `<run dir>/train.log`."""
         from fleetheal.lab.train import batch_script
 
         run_dir = self.dir / "jobs" / name
@@ -558,10 +562,11 @@ class Lab:
             checkpoint_every=checkpoint_every,
             socket_template=str(self.dir / "nodes" / "{node}" / "training.sock"),
             pythonpath=str(CHECKOUT),
+            nodes=nodes if spares else None,
         )
         gpus = self.meta["gpus"]
         job = self.slurm().sbatch(
-            script, f"--nodes={nodes}", f"--gres=gpu:{gpus}", "--requeue", "--open-mode=append",
+            script, f"--nodes={nodes + spares}", f"--gres=gpu:{gpus}", "--requeue", "--open-mode=append",
             f"--output={run_dir / 'train.log'}", f"--job-name={name}", "--exclusive",
         )  # fmt: skip
         return job, run_dir

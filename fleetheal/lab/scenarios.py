@@ -11,13 +11,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fleetheal.contracts import CHECKPOINT_WORD, LABEL_POOL, TAINT_UNHEALTHY, owns_reason
+from fleetheal.agent.joboutput import OOM_REPEATED
+from fleetheal.contracts import CHECKPOINT_WORD, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_UNHEALTHY, owns_reason
+from fleetheal.fleet import failover as failmod
 from fleetheal.lab import LabError
 from fleetheal.lab.federation import Federation, SlurmError
 from fleetheal.lab.fedremediator import ClusterRemediator
 from fleetheal.lab.lab import Lab
-from fleetheal.lab.train import read_checkpoint, read_events
-from fleetheal.lab.watcher import Outcome, Watcher, continuity, expand_nodelist, follow, run_starts
+from fleetheal.lab.train import MISBEHAVE, ettr, read_checkpoint, read_events
+from fleetheal.lab.watcher import (
+    Outcome,
+    Watcher,
+    continuity,
+    expand_nodelist,
+    follow,
+    last_progress_step,
+    run_starts,
+)
 from fleetheal.tools import CHECKOUT
 from fleetheal.wait import WaitTimeout, wait_until
 
@@ -49,7 +59,9 @@ def incident_for(
 
 def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     nodes = w.job_nodes()
-    node = nodes[-1]
+    # A node the training runs on: not the batch host (the launcher's, nodes[0]) nor the hot spare (the last);
+    # `srun --relative=1` puts the worker on the second node of the allocation.
+    node = nodes[1]
     before = w.job_info()
     restarts0 = int(before.get("Restarts", "0"))
     starts0 = len(run_starts(w.run_dir))
@@ -81,10 +93,15 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         sig = [e for e in read_events(w.run_dir) if e.get("event") == "signal" and float(e["time"]) > t_inject]
         return f"job {w.job} got {sig[0]['signal']}, checkpointed at step {sig[0]['step']}" if sig else None
 
-    def requeued() -> str | None:
+    def relocated() -> str | None:
         info = w.job_info()
         if int(info.get("Restarts", "0")) > restarts0:
+            o.details["relocation"] = "requeue"
             return f"job {w.job} requeued (restart count {info['Restarts']}), {info.get('JobState')}"
+        if info.get("JobState") == "RUNNING" and node not in expand_nodelist(info.get("NodeList", "")):
+            # `fleetheal launch --nodes 2`: the spare takes over inside the allocation, no requeue.
+            o.details["relocation"] = "in-allocation"
+            return f"job {w.job} shrunk off {node} inside its allocation, now {info['NodeList']} (no requeue)"
         return None
 
     def cordoned() -> str | None:
@@ -107,9 +124,11 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
 
     def running_again() -> str | None:
         info = w.job_info()
-        if info.get("JobState") == "RUNNING" and int(info.get("Restarts", "0")) > restarts0:
+        if info.get("JobState") != "RUNNING" or "relocated" not in o.milestones:
+            return None
+        if int(info.get("Restarts", "0")) > restarts0 or len(run_starts(w.run_dir)) > starts0:
             o.details["new_nodes"] = expand_nodelist(info["NodeList"])
-            return f"job {w.job} RUNNING on {info['NodeList']}"
+            return f"job {w.job} RUNNING on {info['NodeList']}, training started again"
         return None
 
     def resumed() -> str | None:
@@ -135,7 +154,7 @@ def scenario_xid79(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         ("tainted", "Kubernetes node tainted", tainted),
         ("incident", "incident", incident),
         ("grace", "grace signal", grace),
-        ("requeued", "requeued", requeued),
+        ("relocated", "relocated", relocated),
         ("cordoned", "Kubernetes node cordoned and drained", cordoned),
         ("promoted", "standby promoted", promoted),
         ("running", "job running again", running_again),
@@ -197,6 +216,13 @@ def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     o = Outcome("NCCL timeout (transient)", "nccl-timeout", node, None, "RESTART_IN_PLACE")
     t_inject = time.time()
 
+    def cause() -> str:
+        # Nothing is injected on the node: the job itself prints PyTorch's watchdog line and hangs;
+        # `fleetheal launch` (on the batch host, `node`) passes the line to the node's agent.
+        (w.run_dir / MISBEHAVE).write_text("nccl-timeout\n")
+        o.details["cause"] = "printed by the job"
+        return f"the job's rank 0 on {node} prints PyTorch's NCCL watchdog timeout line and hangs in the collective"
+
     def incident() -> str | None:
         inc = incident_for(lab, node, "nccl-timeout", t_inject)
         if inc is None:
@@ -239,11 +265,92 @@ def scenario_nccl(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
         ("running", "restarted in place", running_again),
         ("resumed", "resumed", resumed),
     ]
-    w.run(o, checks, finished, timeout=240)
+    w.run(o, checks, finished, timeout=240, cause=cause)
     o.details["same_nodes"] = sorted(o.details.get("new_nodes", [])) == sorted(nodes)
     o.details["node_drained"] = lab.slurm().node(node).drained
     o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []
     o.ok = bool(o.incidents) and o.incidents[0].get("state") == "done" and o.details["same_nodes"]
+    return o
+
+
+def scenario_oom(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
+    """The job is configured too big: every run that reaches one step prints PyTorch's out-of-memory error and
+    exits. The first is restarted in place (it may be a one-off spike); the second, at the same step, is the
+    job's own fault: refused, the user told in the job's log, the node untouched. Nothing is injected on a
+    node: both faults come from the lines the job printed, through `fleetheal launch` and the node's agent."""
+    nodes = w.job_nodes()
+    node = nodes[0]  # the batch host, where `fleetheal launch` runs
+    starts0 = len(run_starts(w.run_dir))
+    at = last_progress_step(w.run_dir) + 30
+    o = Outcome("CUDA out of memory twice at one step", "cuda-oom-repeated", node, None, "REFUSE_AND_REPORT")
+    t_inject = time.time()
+    # What the platform's recoveries cost the run, before the job's own fault ends it.
+    o.details["ettr_before"] = ettr(read_events(w.run_dir), t_inject)
+    log = w.run_dir / "train.log"
+
+    def cause() -> str:
+        (w.run_dir / MISBEHAVE).write_text(f"cuda-oom {at}\n")
+        return f"the job is configured too big: every run that reaches step {at} prints PyTorch's OutOfMemoryError"
+
+    def first() -> str | None:
+        inc = incident_for(lab, node, "cuda-oom", t_inject)
+        if inc is None:
+            return None
+        o.details["first_incident"] = inc["id"]
+        return f"{inc['id']} cuda-oom, raised from the line the job printed -> {inc.get('action')}"
+
+    def restarted() -> str | None:
+        st = run_starts(w.run_dir)
+        if len(st) > starts0:
+            o.details["resumed_from"] = int(st[-1]["resumed_from"])
+            return (
+                f"restarted in place from checkpoint step {st[-1]['resumed_from']} (incident {st[-1].get('incident')})"
+            )
+        return None
+
+    def second() -> str | None:
+        inc = incident_for(lab, node, OOM_REPEATED, t_inject)
+        if inc is None:
+            return None
+        o.details["incident"] = inc["id"]
+        return f"{inc['id']} {OOM_REPEATED}: the same step ran out of memory again -> {inc.get('action')}"
+
+    def told() -> str | None:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if OOM_REPEATED in ln and "fleetheal" in ln]
+        if lines:
+            o.details["cause"] = lines[-1]
+            return f"cause written to the job log: {lines[-1]}"
+        return None
+
+    def ended() -> str | None:
+        info = w.job_info()
+        state = info.get("JobState")
+        if state in (None, "RUNNING", "PENDING", "CONFIGURING"):
+            return None
+        o.details["job_state"] = state
+        return f"job {w.job} {state}, not restarted again"
+
+    def finished() -> bool:
+        inc = incident_for(lab, node, OOM_REPEATED, t_inject)
+        return bool(inc and inc.get("state") in ("done", "failed")) and "ended" in o.milestones
+
+    checks = [
+        ("first", "first out-of-memory", first),
+        ("running", "restarted in place", restarted),
+        ("incident", "second out-of-memory at the same step", second),
+        ("told", "user told", told),
+        ("ended", "job ended", ended),
+    ]
+    w.run(o, checks, finished, timeout=240, cause=cause)
+    o.details["node_drained"] = lab.slurm().node(node).drained
+    ids = [o.details[k] for k in ("first_incident", "incident") if k in o.details]
+    o.incidents = [lab.incident(i) for i in ids]
+    o.ok = (
+        len(o.incidents) == 2
+        and all(i.get("state") == "done" for i in o.incidents)
+        and not o.details["node_drained"]
+        and "told" in o.milestones
+    )
     return o
 
 
@@ -297,7 +404,12 @@ def scenario_lemon(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     """Three GPU faults on one node within the lemon window: quarantined, with an RMA report."""
     busy = set(w.job_nodes())
     states = lab.node_states()
-    node = next(n for n in lab.nodes if n not in busy and states[n] == "active")
+    free = [n for n in lab.nodes if n not in busy and states[n] == "active"]
+    # In a failure domain the demo has not isolated a node in yet: an isolation counts against its domain's
+    # budget until its alert resolves (the agent holds an Xid for health.event_hold_s, 10 minutes).
+    domain = {n: (k["metadata"].get("labels") or {}).get(LABEL_FAILURE_DOMAIN) for n, k in lab.k8s_nodes().items()}
+    spent = {domain.get(str(i.get("node"))) for i in lab.incidents() if i.get("action") == "ISOLATE_AND_RELOCATE"}
+    node = next((n for n in free if domain.get(n) not in spent), free[0])
     o = Outcome("a lemon node: three faults", "lemon", node, None, "quarantine")
     t0 = time.time()
     for fault, gpu in (("xid-79", 0), ("xid-48", 1), ("xid-95", 2)):
@@ -327,7 +439,7 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
     store; the job resumes on b from its checkpoint, in the same log."""
     o = Outcome("leaf switch", "leaf-switch", "a1,a2", None, "FAILOVER (3rd stage)")
     t_up = time.monotonic()
-    fed = Federation(lab.dir / "federation", ("a", "b"), 2, 8, {"a": "h100", "b": "h100"})
+    fed = Federation(lab.dir / "federation", ("a", "b"), 2, 8, {"a": "h100", "b": "h100"}, fast_timers=False)
     rem: ClusterRemediator | None = None
     frozen: list[int] = []
     job = ""
@@ -369,14 +481,19 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
             return f"{got[0]['id']} ({got[0]['node']}): {got[0]['hold_reason']}" if got else None
 
         def down() -> str | None:
-            states = {n: x for n, x in a.nodes().items() if n in ("a1", "a2")}
-            return "a1 and a2 do not respond" if all(not x.responding for x in states.values()) else None
+            # Not waiting for SlurmdTimeout (120 s): once Slurm's own ping finds the job's node silent, the
+            # failover sets it DOWN, which releases the job.
+            lost = {n: x for n, x in a.nodes().items() if x.state == "DOWN" and x.reason.startswith("fleetheal:lost")}
+            if not lost:
+                return None
+            o.details["down"] = {n: x.reason for n, x in lost.items()}
+            return f"{', '.join(sorted(lost))} set DOWN by the remediator: '{next(iter(lost.values())).reason}'"
 
         def moved() -> str | None:
             return event(f"job {job} moved")
 
         def on_b() -> str | None:
-            return f"job {job} RUNNING on b" if fed.active().get(job) == ["b"] else None
+            return f"job {job} RUNNING on b" if failmod.where(job, fed.env).get("b") == "RUNNING" else None
 
         def resumed() -> str | None:
             st = [e for e in read_events(store) if e.get("event") == "start" and str(e.get("host", "")).startswith("b")]
@@ -387,12 +504,12 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
             ("held", "the other node held (budget spent)", held),
             ("no_standby", "no standby node in a", lambda: event("standby_promote skipped")),
             ("requeued", "job requeued", lambda: event("slurm_requeue done")),
-            ("down", "Slurm declares the nodes lost (SlurmdTimeout)", down),
+            ("down", "Slurm's ping finds them silent: DOWN", down),
             ("moved", "moved to cluster b", moved),
             ("running", "running again", on_b),
             ("resumed", "resumed on b", resumed),
         ]
-        follow(o, t0, checks, done=lambda: all(key in o.milestones for key, _, _ in checks), timeout=180, out=out)
+        follow(o, t0, checks, done=lambda: all(key in o.milestones for key, _, _ in checks), timeout=300, out=out)
         o.details["incident"] = (moved() or "-").split()[0]
         lines = (store / "train.log").read_text(errors="replace").splitlines()
         o.details["log"] = [line for line in lines if "starts on" in line or "resumed from" in line]

@@ -9,9 +9,10 @@ find the cluster through `SLURM_CONF`, which `env` (and every helper here) sets.
 Each node has `gpus_per_node` fake GPUs declared as GRES: character devices with `/dev/null`'s
 numbers and `AutoDetect=off`, so `--gres=gpu:N` schedules and sets `CUDA_VISIBLE_DEVICES`.
 slurm.conf is the deployed stack's configuration with the lab's differences
-(`fleetheal.lab.slurmconf.LAB_DIFFERENCES`), among them its short timers (`cred_expire=5`, `sched_interval=2`,
-`batch_sched_delay=0`, `SlurmdTimeout=10`, `MessageTimeout=5`); `extra_conf` appends lines such as
-`HealthCheckProgram=...` (a later key overrides an earlier one in slurm.conf).
+(`fleetheal.lab.slurmconf.LAB_DIFFERENCES`). Its timers are the deployed ones with `fast_timers=False` (the
+lab, the demo, the benchmarks) and the short ones of tests of one mechanism otherwise
+(`slurmconf.FAST_TIMERS`: `cred_expire=5`, `sched_interval=2`, `SlurmdTimeout=10`, ...); `extra_conf`
+appends lines such as `HealthCheckProgram=...` (a later key overrides an earlier one in slurm.conf).
 
 All daemons run in one PID namespace (`unshare --pid --fork --mount-proc --kill-child`), whose
 holder process is detached from the caller: killing that one PID takes every daemon down, and a
@@ -179,6 +180,8 @@ class SlurmCluster(Supervisor):
         slurm_user: the account slurmctld runs as (SlurmUser): root, or an existing user such as `slurm`,
             as Slinky's images run it (then only root and that user may drain nodes); it gets slurmctld's
             state, log and pid directories.
+        fast_timers: the short timers of tests (`slurmconf.FAST_TIMERS`), so a test of one requeue or one
+            lost node takes seconds; False: the deployed stack's timers, as the lab and benchmarks run.
     """
 
     def __init__(
@@ -196,6 +199,7 @@ class SlurmCluster(Supervisor):
         gpu_type: str | None = None,
         munge_key: bytes | None = None,
         slurm_user: str = "root",
+        fast_timers: bool = True,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -214,6 +218,7 @@ class SlurmCluster(Supervisor):
         self.gpu_type = gpu_type
         self.munge_key = munge_key
         self.slurm_user = slurm_user
+        self.fast_timers = fast_timers
         self._holder: subprocess.Popen[bytes] | None = None
         self.holder_pid: int | None = None
 
@@ -292,6 +297,7 @@ class SlurmCluster(Supervisor):
                 partition=self.partition,
                 plugin_dir=self.release.plugin_dir,
                 extra=self.extra_conf,
+                fast_timers=self.fast_timers,
             )
         )
         (d / "etc" / "gres.conf").write_text(gres_conf(d, self.node_names, self.gpus_per_node, self.gpu_type))

@@ -3,9 +3,10 @@ gres.conf; the cluster writes them at every start.
 
 slurm.conf is the configuration a deployed stack runs (`fleetheal.slurm.conf.deployed`: the slurm-operator's
 settings and the stack's extraConf, from the same code the Pulumi components render) with `LAB_DIFFERENCES`
-applied: what a laptop cannot have (loopback addresses, a state directory, munge, no cgroups), and the lab's
-fast timers, kept until the demo is measured on the production ones. tests/infra/test_slurm_conf.py holds
-the lab's file to exactly these differences.
+applied: what a laptop cannot have (loopback addresses, a state directory, munge, no cgroups). The timers are
+the deployed ones. tests/infra/test_slurm_conf.py holds the lab's file to exactly these differences.
+Tests of one mechanism may ask for `FAST_TIMERS` instead (`SlurmCluster(timers=...)`); the lab, the demo and
+the benchmarks never do.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ class LabDifference:
     value: str | None = None
 
 
-_NOT_YET = "not switched yet: the demo and benchmarks are measured with the lab's value; switching is this one edit"
 _NO_CGROUPS = "no delegated cgroup file system in the lab's container"
 _LAPTOP = "one machine: every daemon on loopback, every file under the cluster's state directory"
 
@@ -59,9 +59,7 @@ LAB_DIFFERENCES: Mapping[str, LabDifference] = {
     "MaxNodeCount": LabDifference("no dynamic nodes: the lab's nodes are all in slurm.conf"),
     "AuthType": LabDifference("munge: Slurm 22.05, which the lab also runs, has no auth/slurm", "auth/munge"),
     "CredType": LabDifference("munge, as AuthType", "cred/munge"),
-    "AuthInfo": LabDifference(
-        "the lab's munge socket, and cred_expire=5 (" + _NOT_YET + "; deployed: conf.CRED_EXPIRE_S)", LOCAL
-    ),
+    "AuthInfo": LabDifference("the lab's munge socket (munge, as AuthType); the deployed cred_expire", LOCAL),
     "AuthAltTypes": LabDifference("no JWT key in the lab; tests of slurmrestd and the operator add it"),
     "AuthAltParameters": LabDifference("no JWT key in the lab, as AuthAltTypes"),
     "CommunicationParameters": LabDifference("block_null_hash is unknown to Slurm 22.05, which the lab also runs"),
@@ -90,7 +88,8 @@ LAB_DIFFERENCES: Mapping[str, LabDifference] = {
     "Prolog": LabDifference("the lab's agents learn their jobs through the fast path's squeue, not a prolog"),
     "Epilog": LabDifference("as Prolog"),
     "HealthCheckProgram": LabDifference(
-        "no hooks mount on the lab's nodes: the agent's fast path and the remediator drain; " + _NOT_YET
+        "no hooks mount on the lab's nodes (they share one file system): the agent's fast path and the "
+        "remediator drain, as they do first on a deployed node"
     ),
     "HealthCheckInterval": LabDifference("no HealthCheckProgram, as above"),
     "HealthCheckNodeState": LabDifference("no HealthCheckProgram, as above"),
@@ -101,19 +100,20 @@ LAB_DIFFERENCES: Mapping[str, LabDifference] = {
     "PartitionName": LabDifference(
         "one partition holding every node; the deployed large/small partitions name Slinky NodeSets", LOCAL
     ),
-    # -- the lab's fast timers: kept while the demo is measured with them ---------------------------------------
-    "KillWait": LabDifference("the lab's jobs checkpoint and exit on SIGTERM at once; " + _NOT_YET, "10"),
-    "SlurmdTimeout": LabDifference(
-        "the leaf-switch scenario waits for Slurm to declare frozen nodes lost; " + _NOT_YET, "10"
-    ),
-    "MessageTimeout": LabDifference("frozen slurmd answer nothing; an RPC to one gives up sooner; " + _NOT_YET, "5"),
-    "SchedulerParameters": LabDifference(
-        "a requeued job starts within 2 s of its hold; " + _NOT_YET, "sched_interval=2,batch_sched_delay=0"
-    ),
 }
 
-#: The lab's cred_expire (seconds): a requeued job is held cred_expire + 1 = 6 s.
-LAB_CRED_EXPIRE_S = 5
+#: Short Slurm timers for the tests of one mechanism on real Slurm (`SlurmCluster(timers=FAST_TIMERS)`), so a
+#: test of a requeue or of a lost node takes seconds, not the deployed minute. Never the lab's, the demo's or
+#: the benchmarks': those run the deployed timers (`fleetheal.slurm.conf`), and their figures are what a
+#: deployed cluster does. cred_expire=5 is the least Slurm accepts ("AuthInfo=cred_expire=4 invalid").
+FAST_TIMERS: Mapping[str, str] = {
+    "KillWait": "10",
+    "SlurmdTimeout": "10",
+    "MessageTimeout": "5",
+    "SchedulerParameters": "sched_interval=2,batch_sched_delay=0",
+}
+#: cred_expire of FAST_TIMERS (seconds): a requeued job is held cred_expire + 1 = 6 s.
+FAST_CRED_EXPIRE_S = 5
 
 
 def lab_settings(local: Mapping[str, str]) -> dict[str, str]:
@@ -147,10 +147,12 @@ def slurm_conf(
     partition: str,
     plugin_dir: Path,
     extra: Sequence[str],
+    fast_timers: bool = False,
 ) -> str:
-    """slurm.conf: `lab_settings` with every file under `state_dir`, one partition holding every node; `extra`
-    lines last (a later key overrides an earlier one)."""
+    """slurm.conf: `lab_settings` with every file under `state_dir`, one partition holding every node
+    (`fast_timers`: with FAST_TIMERS, for tests); `extra` lines last (a later key overrides an earlier one)."""
     d = state_dir
+    cred_expire = FAST_CRED_EXPIRE_S if fast_timers else conf.CRED_EXPIRE_S
     typed = f"{gpu_type}:" if gpu_type else ""
     gres = f" Gres=gpu:{typed}{gpus_per_node}" if gpus_per_node else ""
     settings = lab_settings(
@@ -166,12 +168,15 @@ def slurm_conf(
             "SlurmctldLogFile": str(d / "log" / "slurmctld.log"),
             "SlurmdLogFile": str(d / "log" / "slurmd-%n.log"),
             "PluginDir": str(plugin_dir),
-            "AuthInfo": f"socket={munge_socket},cred_expire={LAB_CRED_EXPIRE_S}",
+            "AuthInfo": f"socket={munge_socket},cred_expire={cred_expire}",
         }
     )
+    if fast_timers:
+        settings.update(FAST_TIMERS)
     lines = [
         "# Written by fleetheal.lab.slurm.SlurmCluster; regenerated at every start.",
-        "# The deployed stack's settings with the lab's differences (fleetheal.lab.slurmconf.LAB_DIFFERENCES).",
+        "# The deployed stack's settings with the lab's differences (fleetheal.lab.slurmconf.LAB_DIFFERENCES)"
+        + (", and the short timers of tests (FAST_TIMERS)." if fast_timers else "."),
         *(f"{key}={value}" for key, value in settings.items()),
         *extra,
     ]

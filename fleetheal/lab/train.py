@@ -39,6 +39,21 @@ from typing import Any
 CHECKPOINT = "checkpoint.json"
 PROGRESS = "progress.json"
 EVENTS = "events.jsonl"
+#: A file in the run directory that makes the running job fail as a real one would, in its own output
+#: (`misbehave`): the lab's way to raise a fault from what the job prints, not from an injection on a node.
+MISBEHAVE = "misbehave"
+#: What PyTorch prints when an allocation fails (torch 2.x `torch.OutOfMemoryError`); the rank then exits.
+OOM_LINE = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
+    "79.10 GiB of which 3.12 GiB is free. Of the allocated memory 71.33 GiB is allocated by PyTorch."
+)
+#: What PyTorch's NCCL watchdog prints when a collective times out (torch 2.x, ProcessGroupNCCL.cpp); the job
+#: then hangs in the collective until it is signalled.
+NCCL_WATCHDOG_LINE = (
+    "[rank0]:[E{stamp} ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum={seq}, OpType=ALLREDUCE, NumelIn=262144, NumelOut=262144, Timeout(ms)=600000) ran for "
+    "600009 milliseconds before timing out."
+)
 _INCIDENT = re.compile(r"incident=([A-Za-z0-9_.:-]+)")
 
 
@@ -145,6 +160,8 @@ class Coordinator:
         self.nodes = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURMD_NODENAME", "local"))
         self.signal: int | None = None
         self.step = 0
+        #: The step at which this job runs out of GPU memory, every run (`misbehave` "cuda-oom STEP").
+        self.oom_at: int | None = None
         self.workers: subprocess.Popen[bytes] | None = None
 
     def log(self, text: str) -> None:
@@ -168,12 +185,45 @@ class Coordinator:
         _write_json(self.run_dir / CHECKPOINT, doc)
         self.event("checkpoint", step=self.step, why=why)
 
+    def misbehave(self, path: Path) -> None:
+        """Fail as `path` says. `nccl-timeout` (once: the file is removed) prints PyTorch's NCCL watchdog line
+        to stderr and hangs until a signal comes, as a rank stuck in a collective does. `cuda-oom STEP` (the
+        file stays: a job configured too big) makes every run that reaches STEP print PyTorch's out-of-memory
+        error and exit 1."""
+        what = path.read_text().strip()
+        if what.startswith("cuda-oom "):
+            self.oom_at = int(what.split()[1])
+            path.rename(path.with_name(MISBEHAVE + ".oom"))
+            return
+        path.unlink(missing_ok=True)
+        if what != "nccl-timeout":
+            self.log(f"misbehave: unknown {what!r}, ignored")
+            return
+        stamp = time.strftime("%m%d %H:%M:%S", time.localtime()) + ".000000"
+        print(NCCL_WATCHDOG_LINE.format(stamp=stamp, seq=self.step), file=sys.stderr, flush=True)
+        self.event("misbehave", what=what, step=self.step)
+        while self.signal is None:
+            time.sleep(0.05)
+
+    def out_of_memory(self, reporter: Any) -> int:
+        """Step `oom_at` does not fit: report the step (unthrottled: the agent judges a second OOM by the step
+        it was at), print PyTorch's error and exit 1, as an uncaught OutOfMemoryError does."""
+        self.step += 1
+        if reporter is not None:
+            reporter.min_interval_s = 0.0
+            reporter.report(self.step)
+        self.event("misbehave", what="cuda-oom", step=self.step)
+        print(OOM_LINE, file=sys.stderr, flush=True)
+        self.stop_workers()
+        return 1
+
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is None:
             self.signal = signum
 
     def start_workers(self) -> None:
-        nnodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
+        # `fleetheal launch --nodes N` says how many nodes to use; the rest of the allocation are spares.
+        nnodes = int(os.environ.get("FLEETHEAL_LAUNCH_NODES") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
         if nnodes < 2 or "SLURM_JOB_ID" not in os.environ:
             return
         cmd = [
@@ -226,9 +276,18 @@ class Coordinator:
         reporter = _reporter(0, _socket_for(self.socket_template))
         last_ckpt = last_progress = time.monotonic()
         last_log = 0.0
+        misbehave = self.run_dir / MISBEHAVE
+        oom = misbehave.with_name(MISBEHAVE + ".oom")
+        if oom.exists():
+            self.oom_at = int(oom.read_text().split()[1])
         while self.step < self.steps and self.signal is None:
             t0 = time.monotonic()
             time.sleep(self.step_time)
+            if misbehave.exists():
+                self.misbehave(misbehave)
+                continue
+            if self.oom_at is not None and self.step + 1 >= self.oom_at:
+                return self.out_of_memory(reporter)
             self.step += 1
             loss = loss_at(self.step)
             _write_json(self.run_dir / PROGRESS, {"step": self.step, "time": time.time(), "job": self.job})
@@ -318,16 +377,22 @@ def batch_script(
     socket_template: str | None = None,
     grace_wait: float = 60.0,
     pythonpath: str | None = None,
+    nodes: int | None = None,
 ) -> str:
-    """The sbatch script that runs the job (the researcher's `train.sh`)."""
+    """The sbatch script that runs the job (the researcher's `train.sh`); with `nodes`, the training uses
+    that many nodes of its allocation and the rest are hot spares (`fleetheal launch --nodes`)."""
     extra = f" --socket-template {socket_template}" if socket_template else ""
+    spares = f" --nodes {nodes}" if nodes is not None else ""
     env = f"export PYTHONPATH={pythonpath}\n" if pythonpath else ""
+    # `fleetheal launch` sends the lines it flags to this node's agent (deployed: its default socket).
+    if socket_template:
+        env += f"export FLEETHEAL_TRAINING_SOCKET={socket_template.replace('{node}', '$SLURMD_NODENAME')}\n"
     return (
         "#!/bin/bash\n"
         "# fleetheal lab training job: rank 0 here, one rank per other node through srun; fleetheal launch\n"
         "# restarts it inside the allocation when the remediator orders a restart in place.\n"
         f"{env}"
-        f"exec {python} -m fleetheal launch -- {python} -m fleetheal.lab.train coordinator "
+        f"exec {python} -m fleetheal launch{spares} -- {python} -m fleetheal.lab.train coordinator "
         f"--run-dir {run_dir} --steps {steps} "
         f"--step-time {step_time} --checkpoint-every {checkpoint_every} --grace-wait {grace_wait}{extra}\n"
     )

@@ -94,12 +94,17 @@ class Watcher:
         checks: list[tuple[str, str, Callable[[], str | None]]],
         done: Callable[[], bool],
         timeout: float,
+        cause: Callable[[], str] | None = None,
     ) -> None:
-        """Inject the fault, then poll `checks` (key, label, probe -> detail or None) until `done()`."""
+        """Inject the fault (or `cause()` it, which says how), then poll `checks` (key, label, probe -> detail
+        or None) until `done()`."""
         t0 = outcome.details["injected_at"] = time.time()
-        ident = self.lab.inject(outcome.node, outcome.fault, outcome.gpu)
-        where = f"GPU {outcome.gpu}" if outcome.gpu is not None else "node-wide"
-        self.out(f"  +  0.0s  injected {outcome.fault} on {outcome.node} {where} ({ident})")
+        if cause is not None:
+            self.out(f"  +  0.0s  {cause()}")
+        else:
+            ident = self.lab.inject(outcome.node, outcome.fault, outcome.gpu)
+            where = f"GPU {outcome.gpu}" if outcome.gpu is not None else "node-wide"
+            self.out(f"  +  0.0s  injected {outcome.fault} on {outcome.node} {where} ({ident})")
 
         def note(now: float) -> None:
             info = self.job_info()

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 #: nodes: set it from the p99 launch time of the largest job (prolog + `srun` fan-out) times two.
 CRED_EXPIRE_S = 60
 #: Seconds slurmctld waits for a silent slurmd before it declares the node DOWN and requeues its jobs.
-#: Slurm's default is 300 s. fleetheal's remediator sets a node it knows is lost DOWN itself (NVML, kernel
-#: log, DCGM and the switch agree), so this is only the backstop for nodes nothing reports on. 120 s
-#: rides out a slurmd pod restart in a NodeSet rolling update and a controller's GC or network pause,
-#: which at 2,000 nodes would otherwise requeue the largest jobs for nothing.
+#: Slurm's default is 300 s. fleetheal's failover does not wait for it: once an alert says a node is lost and
+#: Slurm's own ping (every SlurmdTimeout/3) finds it silent, it sets the node DOWN itself
+#: (`fleetheal.fleet.failover`), so this is the backstop for nodes nothing reports on. 120 s rides out a
+#: slurmd pod restart in a NodeSet rolling update and a controller's GC or network pause, which at 2,000
+#: nodes would otherwise requeue the largest jobs for nothing.
 SLURMD_TIMEOUT_S = 120
 #: Seconds a Slurm RPC waits for its answer (Slurm's default, stated so it is a decision): the cost of each
 #: dead peer in an RPC fan-out; slurmd and slurmctld retry within it.
@@ -152,7 +153,7 @@ def stack_settings(grace_seconds: int, health_check_program: str) -> tuple[Setti
         Setting(
             "SlurmdTimeout",
             str(SLURMD_TIMEOUT_S),
-            "backstop for lost nodes no signal reports; the remediator sets known-lost nodes DOWN itself",
+            "backstop for lost nodes no alert reports; the failover sets a silent node DOWN itself",
             f"a silent node's jobs are requeued after {SLURMD_TIMEOUT_S} s (Slurm's default: 300 s)",
         ),
         Setting(

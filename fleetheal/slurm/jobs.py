@@ -13,6 +13,8 @@
   22.05's `squeue --json` ignores `--jobs` and would return every job of the cluster (measured). `fleetheal
   launch` reads its own job this way.
 - `scontrol show job -o` lines are read by `fields.parse_kv_line`.
+- A job's output file, opened as its owner could (`open_job_file`): the remediator appends its one line per
+  action to it, the agent follows it for faults the job printed.
 
 Standard library only.
 """
@@ -20,7 +22,9 @@ Standard library only.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +124,10 @@ def _summary(job: dict[str, Any]) -> dict[str, Any]:
         "restart_cnt": number(job.get("restart_cnt")),
         "comment": str(job.get("comment") or ""),
         "stdout": _stdout_path(job),
+        # Its own file only when the job named one (--error); else stderr goes to stdout's.
+        "stderr": _stdout_path({**job, "standard_output": job.get("standard_error")})
+        if job.get("standard_error")
+        else "",
         "uid": -1 if uid is None else int(uid),
     }
 
@@ -284,3 +292,24 @@ def job_allocation(runner: Runner, job: str) -> tuple[str, str] | None:
     """(node count, node list) of a job's allocation, or None when squeue fails or prints no such pair."""
     count, _, nodelist = (one_job(runner, job, "%D %N") or "").partition(" ")
     return (count, nodelist) if count.isdigit() and nodelist else None
+
+
+class JobFileRefused(OSError):
+    """A job's output file that is not what Slurm would have made for the job's user."""
+
+
+def open_job_file(path: str, uid: int, *, write: bool = False) -> int:
+    """A descriptor of job output file `path`, opened as the job's owner could reach it, or JobFileRefused /
+    OSError saying why not. The file must be a regular file owned by the job's `uid` with one link, and it is
+    opened without following a symlink, without blocking (a FIFO) and without becoming a terminal: a job
+    cannot point its log at a file of someone else's (the remediator's database, a system file, a device),
+    to have it written by the remediator or read by the agent. `write`: for appending (O_APPEND)."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):  # not even opened: opening a device can act on it
+        raise JobFileRefused(f"{path} is not a regular file")
+    mode = (os.O_RDWR | os.O_APPEND) if write else os.O_RDONLY
+    fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
+        os.close(fd)
+        raise JobFileRefused(f"{path} is not a regular file of the job's user (uid {uid}) with one link")
+    return fd

@@ -6,7 +6,6 @@ inside the allocation of a job run by `fleetheal launch`), promote a standby nod
 from __future__ import annotations
 
 import os
-import stat
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -16,7 +15,7 @@ from typing import Any
 from fleetheal import contracts, launch
 from fleetheal.slurm import nodes
 from fleetheal.slurm.client import Client
-from fleetheal.slurm.jobs import slurm_max_priority, target_jobs
+from fleetheal.slurm.jobs import JobFileRefused, open_job_file, slurm_max_priority, target_jobs
 from fleetheal.slurm.runner import Runner
 from fleetheal.steps.result import StepError, StepResult
 from fleetheal.steps.settings import Settings
@@ -77,23 +76,17 @@ def signal_jobs(slurm: Slurm, job_ids: Sequence[str], signal: str, *, dry_run: b
 
 def append_job_log(path: str, line: str, uid: int) -> str:
     """Append `line` to a job's output file once (O_APPEND: the running job keeps writing to the same file),
-    as its owner could: the file must be a regular file owned by the job's `uid`, opened without following
-    a symlink, so a job cannot point its log at a file of someone else's (the remediator's database, a
-    system file). Returns what was done, or raises StepError saying why not."""
+    as its owner could (`fleetheal.slurm.jobs.open_job_file`: a regular file of the job's `uid`, no link
+    followed). Returns what was done, or raises StepError saying why not."""
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):  # not even opened: opening a device can act on it
-            raise StepError(f"not writing to {path}: it is not a regular file")
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_job_file(path, uid, write=True)
+    except JobFileRefused as exc:
+        raise StepError(f"not writing to the job log: {exc}") from None
     except OSError as exc:
         raise StepError(f"cannot open the job log {path}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "r+b") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
-            raise StepError(
-                f"not writing to {path}: it is not a regular file of the job's user (uid {uid}) with one link"
-            )
         data = line.encode() + b"\n"
-        if st.st_size <= 4 << 20 and data in (b"\n" + fh.read()):
+        if os.fstat(fd).st_size <= 4 << 20 and data in (b"\n" + fh.read()):
             return f"{path} already tells it"
         fh.write(data)
     return f"appended to {path}"
@@ -252,7 +245,8 @@ def shrink_in_job(slurm: Slurm, job: Mapping[str, Any], node: str, incident: str
     needed = launch.needed_nodes(job["comment"])
     comment = (
         f"{contracts.DRAIN_REASON_PREFIX} shrunk away from {node} after {fault_id}"
-        f"{_launch_words(job, restarted=True)} {launch.SHRINK_WORD}{node} incident={incident}"
+        f"{_launch_words(job, restarted=True)} {launch.SHRINK_WORD}{node} incident={incident} "
+        f"{launch.ORDER_WORD}{incident}"
     )
     slurm.scontrol("update", f"jobid={jid}", f"comment={comment}")
     slurm.scancel_signal(launch.RESTART_SIGNAL.name.removeprefix("SIG"), [jid])
@@ -315,7 +309,7 @@ def restart_in_job(slurm: Slurm, job: dict[str, Any], node: str, incident: str, 
     jid = job["job_id"]
     comment = (
         f"{contracts.DRAIN_REASON_PREFIX} restarted in job after {fault_id} on {node}"
-        f"{_launch_words(job, restarted=True)} incident={incident}"
+        f"{_launch_words(job, restarted=True)} incident={incident} {launch.ORDER_WORD}{incident}"
     )
     slurm.scontrol("update", f"jobid={jid}", f"comment={comment}")
     slurm.scancel_signal(launch.RESTART_SIGNAL.name.removeprefix("SIG"), [jid])

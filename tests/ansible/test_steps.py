@@ -245,6 +245,57 @@ def test_fleetheal_launch_under_a_shell_leaves_the_job_to_a_requeue(cluster: Slu
     assert wait_until(lambda: job_json(cluster, job)["restart_cnt"] == 1, 120)
 
 
+#: A command that runs out of GPU memory at once, every run: it prints PyTorch's error and exits 1.
+OOM_SCRIPT = """#!/bin/sh
+export PYTHONPATH={repo}
+export FLEETHEAL_TRAINING_SOCKET={sock}
+exec {python} -m fleetheal launch --stop-timeout 5 -- sh -c '
+echo "start $FLEETHEAL_LAUNCH_RESTARTS $FLEETHEAL_INCIDENT" >> {log}/$SLURM_JOB_ID.launch
+echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2
+exit 1'
+"""
+
+
+def test_a_command_that_failed_printing_a_fault_waits_for_the_order_and_a_refusal_ends_it(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """The command dies of an out-of-memory it printed: the launcher does not end the job at once but waits
+    for fleetheal's decision. A restart order (restart=<incident>) starts it again in the allocation; a
+    refusal (a comment naming a new incident without an order) ends the wait and the job, long before
+    ORDER_WAIT_S."""
+    import socket
+
+    from fleetheal import launch
+
+    slurm = steps.Slurm(settings(cluster))
+    log = tmp_path / "launch"
+    log.mkdir()
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent.bind(str(tmp_path / "a.sock"))
+    try:
+        script = OOM_SCRIPT.format(repo=Path(__file__).resolve().parents[2], python=sys.executable, log=log,
+                                   sock=tmp_path / "a.sock")  # fmt: skip
+        job = cluster.sbatch(script, "--nodes=1", f"--output={log}/out.txt")
+        node = running(cluster, job)["nodes"][0]
+        agent.settimeout(60)
+        assert b"OutOfMemoryError" in agent.recv(8192)  # the line reached "the agent": the launcher waits
+        lines = log / f"{job}.launch"
+        results = steps.requeue_jobs(slurm, node, "inc-1", "cuda-oom", same_nodes=True)
+        assert "in its allocation" in results[-1].detail, results
+        assert f"{launch.ORDER_WORD}inc-1" in job_json(cluster, job)["comment"].split()
+        assert wait_until(lambda: "start 1 inc-1" in lines.read_text(), 60), lines.read_text()
+        assert job_json(cluster, job)["state"] == "RUNNING"  # failed again, waiting again
+        told = steps.tell_jobs(slurm, node, "inc-2", "fleetheal: not restarted: cuda-oom-repeated incident=inc-2")
+        assert [r.outcome for r in told] == ["done"], told
+        assert wait_until(lambda: cluster.job(job)["JobState"] not in ("RUNNING", "COMPLETING"), 60)
+        assert (cluster.job(job)["JobState"], cluster.job(job)["Restarts"]) == ("FAILED", "0"), cluster.job(job)
+        # The refusal, not the end of ORDER_WAIT_S, ended it.
+        assert "fleetheal does not restart it (incident inc-2" in (log / "out.txt").read_text()
+        assert [t for t in lines.read_text().splitlines() if t.startswith("start")] == ["start 0 ", "start 1 inc-1"]
+    finally:
+        agent.close()
+
+
 #: A job holding a spare node: the command needs 2 of its 3 nodes and runs a real job step on them, which
 #: keeps running through the grace signal as a training that checkpoints does.
 SPARE_SCRIPT = """#!/bin/sh

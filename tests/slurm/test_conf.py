@@ -29,7 +29,7 @@ def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
 
 
 def test_a_requeued_job_starts_again_no_sooner_than_cred_expire_plus_one(cluster: SlurmCluster) -> None:
-    cred_expire = slurmconf.LAB_CRED_EXPIRE_S  # 5: the least Slurm accepts
+    cred_expire = slurmconf.FAST_CRED_EXPIRE_S  # 5: the least Slurm accepts (the tests' timers)
     assert f"cred_expire={cred_expire}" in cluster.scontrol("show", "config")
     job = cluster.sbatch("#!/bin/sh\nexec sleep 300\n", "--requeue", "--output=/dev/null")
     cluster.wait_for("the job to run", lambda: cluster.job(job)["JobState"] == "RUNNING", 30)
