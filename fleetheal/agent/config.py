@@ -92,6 +92,19 @@ class TrainingConfig(MonitorConfig):
 
 
 @dataclass(frozen=True)
+class JobFilesConfig:
+    """The output files of this node's batch jobs that `fleetheal launch` does not watch
+    (`fleetheal.agent.jobfiles`). The agent must see the node's processes and the jobs' files at the paths
+    Slurm names: on the host, or in a pod with the host's PID namespace and the same mounts."""
+
+    enabled: bool = True
+    #: Seconds between reads of the files (and looks at the process table for new batch steps).
+    interval_s: float = 1.0
+    #: Bytes read per file and interval at most; a job that printed more is skipped ahead (counted).
+    max_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
 class SlurmConfig:
     enabled: bool = True
     scontrol: str = "scontrol"
@@ -141,6 +154,7 @@ class AgentConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     kernel_log: KernelLogConfig = field(default_factory=KernelLogConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    job_files: JobFilesConfig = field(default_factory=JobFilesConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     thresholds: Thresholds = field(default_factory=Thresholds)
     fastpath: FastPathConfig = field(default_factory=FastPathConfig)
@@ -173,6 +187,8 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         "thresholds.power_cap_ratio": cfg.thresholds.power_cap_ratio,
         "fastpath.slurm.timeout_s": cfg.fastpath.slurm.timeout_s,
         "kernel_log.max_backlog_bytes": cfg.kernel_log.max_backlog_bytes,
+        "job_files.interval_s": cfg.job_files.interval_s,
+        "job_files.max_bytes": cfg.job_files.max_bytes,
         "fastpath.kubernetes.timeout_s": cfg.fastpath.kubernetes.timeout_s,
     }
     if cfg.kernel_log.rules_file:

@@ -56,9 +56,11 @@ from fleetheal.contracts import JOB_OUTPUT_SOURCE, NODE_WIDE_GPU, drain_reason
 from fleetheal.logparse import APPLICATION as APPLICATION_RULES
 from fleetheal.logparse import KERNEL as KERNEL_RULES
 from fleetheal.logparse import load_parser
+from fleetheal.slurm.runner import Runner
 from fleetheal.taxonomy import Taxonomy, load
 
 if TYPE_CHECKING:
+    from fleetheal.agent.jobfiles import JobOutputFollower
     from fleetheal.agent.metrics import AgentMetrics
 
 KERNEL_LOG = "kernel_log"
@@ -100,6 +102,13 @@ def make_job_owners(cfg: AgentConfig) -> JobOwners:
     return JobOwners(
         cfg.node, squeue, trusted_uids=cfg.training.trusted_uids, slurm_conf=s.slurm_conf, timeout_s=s.timeout_s
     )
+
+
+def _slurm_runner(cfg: AgentConfig) -> Runner:
+    """Slurm's clients as the fast path runs them (its scontrol's directory, SLURM_CONF, timeout)."""
+    s = cfg.fastpath.slurm
+    env = dict(os.environ, SLURM_CONF=s.slurm_conf) if s.slurm_conf else None
+    return Runner(bin_dir=os.path.dirname(s.scontrol) if os.sep in s.scontrol else "", env=env, timeout_s=s.timeout_s)
 
 
 def make_tainter(cfg: AgentConfig) -> KubeNodeTainter | None:
@@ -170,6 +179,8 @@ class Agent:
         self.exporter = Exporter(self.metrics, self.node)
         self.health_file = HealthFile(cfg.health_file, cfg.fastpath.drain_actions)
         self._threads: list[threading.Thread] = []
+        #: The follower of this node's job output files, once its thread runs (`cfg.job_files`).
+        self.job_files: JobOutputFollower | None = None
         self.src = self.backend.name
         m = self.metrics
         m.info.info({"node": self.node, "backend": self.src, "mode": self.cfg.mode, "version": __version__})
@@ -238,9 +249,34 @@ class Agent:
                 self.read_error(TRAINING, f"cannot listen on {cfg.training.socket}: {exc}")
             else:
                 self._spawn("training", lambda: server.run(self.stop_event))
+        if cfg.job_files.enabled and cfg.fastpath.slurm.enabled:
+            self._spawn("job-files", self._job_files_loop)
         with self.lock:
             self.health_file.write(self.tracker.active())
         _log(logging.INFO, "agent started", node=self.node, mode=cfg.mode, backend=self.src)
+
+    def _job_files_loop(self) -> None:
+        from fleetheal.agent.jobfiles import JobOutputFollower
+
+        follower = self.job_files = JobOutputFollower(
+            self.node,
+            self.job_lines,
+            lambda why: self.read_error(JOB_OUTPUT_SOURCE, why),
+            runner=_slurm_runner(self.cfg),
+            max_bytes=self.cfg.job_files.max_bytes,
+        )
+        while not self.stop_event.is_set():
+            follower.poll()
+            self.stop_event.wait(self.cfg.job_files.interval_s)
+
+    def job_lines(self, job: str, text: str) -> None:
+        """Whole lines job `job` wrote to its output file: each one a rule may match is judged as a line
+        `fleetheal launch` sends (`job_line`), with no run count."""
+        from fleetheal.agent.jobfiles import judged_lines
+
+        now = self.clock()
+        for line in judged_lines(text, self.job_output.parser.may_match):
+            self.job_line(job, line, None, now)
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         def guarded() -> None:

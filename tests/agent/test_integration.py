@@ -317,3 +317,97 @@ def test_only_a_jobs_owner_or_root_may_report_for_it():
     finally:
         cluster.stop(graceful=False)
         shutil.rmtree(root, ignore_errors=True)
+
+
+#: A batch job run without `fleetheal launch` that prints, as a real one would: an NCCL watchdog timeout on
+#: stderr (merged into its output file), then the kernel's words for a lost GPU (which job output never
+#: speaks for) and a claim of a node fault (an uncorrectable ECC error).
+PRINTING_JOB = """#!/bin/sh
+echo "step 1 loss 2.31"
+echo "[rank0]:[E1206 10:00:00.000000 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation \
+timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600009 \
+milliseconds before timing out." >&2
+touch {marks}/nccl
+while [ ! -e {marks}/go ]; do sleep 0.1; done
+echo "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."
+echo "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+exec sleep 300
+"""
+
+
+def test_the_agent_follows_the_output_file_of_a_job_run_without_fleetheal_launch(cluster, agent):
+    """Job-scoped faults from a job's own output file: the NCCL timeout it printed is raised for that job
+    alone; the ECC error it printed claims a fault of the node, which stays undrained (job-output-node-claim);
+    the kernel's Xid line it printed is no fault at all."""
+    port, tmp = agent["port"], agent["tmp"]
+    marks = tmp / "marks"
+    marks.mkdir()
+    out = tmp / "job.out"
+    job = cluster.sbatch(PRINTING_JOB.format(marks=marks), "-w", "n1", f"--output={out}")
+    cluster.wait_for("the job to print", lambda: (marks / "nccl").exists(), timeout=60)
+    cluster.wait_for(
+        "nccl-timeout raised for the job",
+        lambda: _series(_metrics(port), "fleetheal_agent_fault_active", fault_id="nccl-timeout", job_id=job) == 1,
+        timeout=60,
+    )
+    (marks / "go").touch()
+    cluster.wait_for(
+        "the node claim raised for the job",
+        lambda: (
+            _series(_metrics(port), "fleetheal_agent_fault_active", fault_id="job-output-node-claim", job_id=job) == 1
+        ),
+        timeout=60,
+    )
+    assert not cluster.node("n1").drained  # a job's words never move its node
+    assert (tmp / "health").read_text().strip() == "ok"
+    assert _series(_metrics(port), "fleetheal_agent_fault_active", fault_id="xid-79") is None
+    cluster.run("scancel", job)
+
+
+def test_a_job_output_file_swapped_for_a_link_is_not_followed(cluster, tmp_path):
+    """The job replaces its output file with a symlink to a file it wants read (here a secret of root's with
+    an NCCL line in it): the follower refuses the link, says so, and never reads the file behind it."""
+    from fleetheal.agent.jobfiles import JobOutputFollower
+    from fleetheal.slurm.runner import Runner
+
+    secret = tmp_path / "secret"
+    secret.write_text("[rank0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1) ran for 1\n")
+    out = tmp_path / "job.out"
+    script = f"#!/bin/sh\nrm -f {out}\nln -s {secret} {out}\nexec sleep 300\n"
+    job = cluster.sbatch(script, "-w", "n1", f"--output={out}")
+    cluster.wait_for("the link", lambda: out.is_symlink(), timeout=60)
+    lines: list[tuple[str, str]] = []
+    errors: list[str] = []
+    follower = JobOutputFollower("n1", lambda j, t: lines.append((j, t)), errors.append, runner=Runner(env=cluster.env))
+    follower.poll()
+    follower.poll()
+    assert job in follower.jobs() and not follower.jobs()[job].skip
+    assert lines == [] and follower.refused == 1, (lines, errors)
+    assert len(errors) == 1 and "not following" in errors[0] and "not a regular file" in errors[0], errors
+    cluster.run("scancel", job)
+
+
+def test_a_flood_of_output_is_read_a_bounded_amount_a_poll(cluster, tmp_path):
+    """A job that prints 30 MB of error lines between two polls: the follower reads at most max_bytes of it,
+    its newest, and counts the rest as skipped; the fault line printed after the flood is still judged."""
+    from fleetheal.agent.jobfiles import JobOutputFollower
+    from fleetheal.slurm.runner import Runner
+
+    out = tmp_path / "job.out"
+    done = tmp_path / "done"
+    script = (
+        f"#!/bin/sh\nyes 'error: something failed' | head -c 30000000\n"
+        f"echo 'torch.OutOfMemoryError: CUDA out of memory.'\ntouch {done}\nexec sleep 300\n"
+    )
+    read: list[str] = []
+    follower = JobOutputFollower(
+        "n1", lambda j, t: read.append(t), lambda why: None, runner=Runner(env=cluster.env), max_bytes=1 << 20
+    )
+    follower.poll()  # the job starts after the follower: its file is read from its start
+    job = cluster.sbatch(script, "-w", "n1", f"--output={out}")
+    cluster.wait_for("the flood", lambda: done.exists(), timeout=60)
+    follower.poll()
+    assert follower.skipped_bytes >= 30_000_000 - (1 << 20), follower.skipped_bytes
+    text = "\n".join(read)
+    assert len(text) <= 1 << 20 and text.endswith("torch.OutOfMemoryError: CUDA out of memory.")
+    cluster.run("scancel", job)

@@ -1,0 +1,213 @@
+"""Faults from the output files of the jobs on this node that `fleetheal launch` does not watch.
+
+A job started without the launcher prints to the files Slurm opened for it: slurmstepd writes the batch
+step's stdout and stderr on the job's batch host. The agent of that node follows them:
+
+- **Which jobs**: the batch steps running on this machine, found in the process table (a `slurmstepd:
+  [JOB.batch]` process; no request to slurmctld per poll). For each new one, Slurm says once where its
+  output goes, whose job it is and which node is its batch host (`scontrol show job`), and whether
+  `fleetheal launch` runs it (its comment word: then the launcher sends its lines itself, and the files are
+  left alone). A job whose batch host is another node is left to that node's agent.
+- **How a file is opened**: as the job's owner could reach it (`fleetheal.slurm.jobs.open_job_file`): a
+  regular file of the job's uid with one link, no symlink followed, no FIFO blocking, no device opened. A
+  user who swaps their output file for a link to another file (a key, the remediator's database) has it
+  refused and counted, and learns nothing of that file.
+- **What is read**: what the job wrote since the last poll; for a job that started after the follower, from
+  the file's start; for one that ran before it (the agent restarted), from where the file stood then, so that
+  nothing it printed before is judged twice. At most `max_bytes` a poll per file: a job printing faster is
+  skipped ahead to its newest output (the skipped bytes are counted), so
+  a job printing a million lines a second costs this thread one bounded read a poll, and the job is never
+  slowed (nothing is held open between polls; slurmstepd's writes never wait on the agent).
+- **What a line may cause**: the same as a line `fleetheal launch` sends (`fleetheal.agent.joboutput`): a
+  job-scoped fault at most, never one that moves the node; the judge's per-job rate limit applies.
+
+Lines are judged whole; a line longer than `MAX_LINE` is cut. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleetheal.slurm.fields import parse_kv_line
+from fleetheal.slurm.jobs import job_comment, open_job_file
+from fleetheal.slurm.runner import Runner
+
+#: Longest line judged whole.
+MAX_LINE = 4096
+#: The word `fleetheal launch` adds to its job's comment (fleetheal.launch.TAG; the launcher is not
+#: imported here: it is a command, not a library of the agent).
+LAUNCH_TAG = "fleetheal-launch"
+#: Seconds after a job is first seen untagged when its comment is read once more (the launcher tags its job
+#: within a second of starting).
+LAUNCH_RECHECK_S = 5.0
+_BATCH = b"slurmstepd: ["
+
+
+def batch_steps(proc: Path = Path("/proc")) -> set[str]:
+    """Job ids of the batch steps running on this machine (`slurmstepd: [JOB.batch]` processes)."""
+    found: set[str] = set()
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "cmdline"), "rb") as fh:
+                head = fh.read(128)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        if head.startswith(_BATCH):
+            step = head[len(_BATCH) :].split(b"]", 1)[0].decode(errors="replace")
+            job, _, kind = step.partition(".")
+            if kind == "batch" and job.isdigit():
+                found.add(job)
+    return found
+
+
+@dataclass
+class JobFiles:
+    """One job's output files, as Slurm named them; `skip`: not followed here (and why)."""
+
+    uid: int
+    paths: tuple[str, ...]
+    skip: str = ""
+    #: When to read the job's comment once more (0: never): `fleetheal launch` tags its job a moment after
+    #: the batch step starts, which a follower may see first.
+    recheck_at: float = 0.0
+
+
+@dataclass
+class _Tail:
+    dev: int = -1
+    ino: int = -1
+    offset: int = 0
+    partial: str = ""
+    cutting: bool = False
+
+
+@dataclass
+class JobOutputFollower:
+    """Follows the output files of this node's batch jobs; `poll()` once per interval, from one thread."""
+
+    node: str
+    #: Called with (job id, text): whole lines, a chunk at a time, for the judge.
+    on_lines: Callable[[str, str], None]
+    #: Called with why a job or a file could not be followed (counted as a read error by the agent).
+    on_error: Callable[[str], None]
+    runner: Runner = field(default_factory=lambda: Runner(timeout_s=10))
+    #: Bytes read per file and poll at most; a job that wrote more is skipped ahead.
+    max_bytes: int = 1 << 20
+    #: Where the process table is (tests point it elsewhere).
+    proc: Path = Path("/proc")
+    skipped_bytes: int = 0
+    refused: int = 0
+    _jobs: dict[str, JobFiles] = field(default_factory=dict)
+    _tails: dict[tuple[str, str], _Tail] = field(default_factory=dict)
+    #: Jobs that ran when the follower started (None before its first poll): read from their files' end.
+    _before: set[str] | None = None
+
+    def poll(self) -> None:
+        running = batch_steps(self.proc)
+        if self._before is None:
+            self._before = set(running)
+        for gone in set(self._jobs) - running:
+            del self._jobs[gone]
+        for key in [k for k in self._tails if k[0] not in running]:
+            del self._tails[key]
+        for job in sorted(running):
+            files = self._jobs.get(job) or self._ask(job)
+            if files is None:
+                continue  # Slurm did not answer: asked again at the next poll
+            self._jobs[job] = files
+            if files.recheck_at and time.monotonic() >= files.recheck_at:
+                files.recheck_at = 0.0
+                if LAUNCH_TAG in (job_comment(self.runner, job) or "").split():
+                    files.skip = "fleetheal launch watches its output"
+            if files.skip:
+                continue
+            for path in files.paths:
+                self._read(job, path, files.uid)
+
+    def jobs(self) -> dict[str, JobFiles]:
+        """What is known of the jobs followed or skipped now."""
+        return dict(self._jobs)
+
+    def _ask(self, job: str) -> JobFiles | None:
+        """Slurm's word on a new job: its owner, its files, its batch host, whether the launcher runs it;
+        None when Slurm did not answer."""
+        got = self.runner.read("scontrol", "show", "job", "-o", job)
+        if "Invalid job id" in got.error:  # another cluster's job on a shared machine (the lab), or ended
+            return JobFiles(-1, (), skip="Slurm does not know it")
+        if got.error or not got.out.strip():
+            self.on_error(f"job {job}: scontrol show job failed: {got.error[:200]}")
+            return None
+        f = parse_kv_line(got.out.strip().splitlines()[0])
+        if f.get("BatchHost") != self.node:
+            return JobFiles(-1, (), skip=f"its batch host is {f.get('BatchHost') or 'unknown'}")
+        uid = f.get("UserId", "").rpartition("(")[2].rstrip(")")
+        if not uid.isdigit():
+            return JobFiles(-1, (), skip=f"no user id in {f.get('UserId')!r}")
+        comment = job_comment(self.runner, job) or ""
+        if LAUNCH_TAG in comment.split():
+            return JobFiles(int(uid), (), skip="fleetheal launch watches its output")
+        paths = tuple(dict.fromkeys(p for p in (f.get("StdOut", ""), f.get("StdErr", "")) if p.startswith("/")))
+        return JobFiles(int(uid), paths, recheck_at=time.monotonic() + LAUNCH_RECHECK_S)
+
+    def _read(self, job: str, path: str, uid: int) -> None:
+        key = (job, path)
+        tail = self._tails.get(key)
+        try:
+            fd = open_job_file(path, uid)
+        except FileNotFoundError:
+            return  # not created yet, or removed: looked for again at the next poll
+        except OSError as exc:
+            if tail is None or tail.ino != -2:  # said once per file, not every poll
+                self.refused += 1
+                self.on_error(f"job {job}: not following {path}: {exc}")
+                self._tails[key] = _Tail(ino=-2)
+            return
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if tail is None or tail.ino == -2:
+                # A file first seen: from its start, unless its job ran before the follower did.
+                start = st.st_size if self._before and job in self._before else 0
+                tail = self._tails[key] = _Tail(st.st_dev, st.st_ino, start)
+            elif (st.st_dev, st.st_ino) != (tail.dev, tail.ino) or st.st_size < tail.offset:
+                tail.dev, tail.ino, tail.offset, tail.partial = st.st_dev, st.st_ino, 0, ""  # replaced or truncated
+            behind = st.st_size - tail.offset
+            if behind > self.max_bytes:
+                self.skipped_bytes += behind - self.max_bytes
+                tail.offset, tail.partial, tail.cutting = st.st_size - self.max_bytes, "", True
+            if behind <= 0:
+                return
+            fh.seek(tail.offset)
+            data = fh.read(self.max_bytes)
+        tail.offset += len(data)
+        self._lines(job, tail, data.decode("utf-8", errors="replace"))
+
+    def _lines(self, job: str, tail: _Tail, text: str) -> None:
+        text = tail.partial + text
+        if tail.cutting:  # inside a line that was cut, or skipped into: from the next one on
+            _, newline, text = text.partition("\n")
+            if not newline:
+                tail.partial = ""
+                return
+            tail.cutting = False
+        whole, newline, rest = text.rpartition("\n")
+        if len(rest) > MAX_LINE:
+            whole = f"{whole}\n{rest[:MAX_LINE]}" if newline else rest[:MAX_LINE]
+            rest, tail.cutting = "", True
+        tail.partial = rest
+        if whole:
+            self.on_lines(job, whole)
+
+
+def judged_lines(text: str, may_match: Callable[[str], bool]) -> Iterable[str]:
+    """The lines of `text` a rule may match (a chunk no rule wants is skipped whole), each cut to MAX_LINE."""
+    if not may_match(text):
+        return
+    for line in text.split("\n"):
+        if line and may_match(line):
+            yield line[:MAX_LINE]
