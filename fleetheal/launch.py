@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import queue
 import re
@@ -124,11 +125,25 @@ _SLURM = Runner(timeout_s=10)
 
 #: Longest line of CMD's output that is judged whole; the rest of a longer one is not looked at.
 MAX_WATCHED_LINE = 4096
-#: Reads of CMD's output waiting to be judged (64 KiB each at most); a job printing faster than the rules
+#: Reads of CMD's output waiting to be judged (READ_BYTES each at most); a job printing faster than the rules
 #: run has its surplus skipped, never held.
 WATCH_QUEUE = 64
 #: Flagged lines sent to the agent per second at most (the agent applies its own limit too).
 LINES_PER_S = 10
+#: Lines a second that the rules' regular expressions may judge (lines with a rule's keyword); past it the
+#: rest of a read is skipped (counted): a job printing a million error lines a second costs the launcher
+#: this much work, and the copy thread, which shares the interpreter with the judge, is never starved.
+JUDGED_PER_S = 2000
+#: Bytes of output a second that are decoded and searched for the rules' keywords at most; past it, reads are
+#: skipped for judging (counted) until the budget refills: the judge's work has a ceiling whatever the job
+#: prints. A crash's last lines come after the flood stops, when the budget is there again.
+JUDGED_BYTES_PER_S = 1 << 20
+#: The pipes' capacity: a copy thread kept from running for a moment (the judge holds the interpreter) does
+#: not block a fast-printing job (Linux's default is 64 KiB; unprivileged processes may ask for 1 MiB).
+PIPE_BYTES = 1 << 20
+#: Bytes one read of the command's output takes at most, and how long the copy waits after a short read.
+READ_BYTES = 256 << 10
+COALESCE_S = 0.005
 
 
 class OutputWatch:
@@ -146,6 +161,9 @@ class OutputWatch:
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(WATCH_QUEUE)
         self._pumps: list[threading.Thread] = []
         self._budget = (float(LINES_PER_S), time.monotonic())
+        self._judged = (float(JUDGED_PER_S), time.monotonic())
+        #: Lines with a rule's keyword not judged: over JUDGED_PER_S.
+        self.skipped_lines = 0
         threading.Thread(target=self._judge, name="fleetheal-launch-judge", daemon=True).start()
 
     def follow(self, child: subprocess.Popen[bytes]) -> None:
@@ -153,6 +171,8 @@ class OutputWatch:
         self._pumps = [p for p in self._pumps if p.is_alive()]
         for out, fd in ((child.stdout, 1), (child.stderr, 2)):
             if out is not None:
+                with contextlib.suppress(OSError, AttributeError):  # a smaller pipe still works
+                    fcntl.fcntl(out.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
                 pump = threading.Thread(target=self._pump, args=(out, fd), daemon=True)
                 pump.start()
                 self._pumps.append(pump)
@@ -181,6 +201,10 @@ class OutputWatch:
                 self._queue.put_nowait((dst, chunk))
             except queue.Full:
                 self.skipped += len(chunk)
+            if len(chunk) < READ_BYTES // 4:
+                # A job printing steadily: let a few milliseconds of its output gather in the pipe (which holds
+                # PIPE_BYTES), so that it is copied in a few large reads a second, not thousands of small ones.
+                time.sleep(COALESCE_S)
         with contextlib.suppress(OSError):
             out.close()  # through its file object, which would otherwise close the number again, reused by then
 
@@ -196,9 +220,18 @@ class OutputWatch:
                 self._queue.task_done()
         partial = {1: "", 2: ""}
         cutting = {1: False, 2: False}  # the stream is inside a line longer than MAX_WATCHED_LINE
+        allowance, at = float(JUDGED_BYTES_PER_S), time.monotonic()
         while True:
             stream, chunk = self._queue.get()
             try:
+                now = time.monotonic()
+                allowance = min(float(JUDGED_BYTES_PER_S), allowance + (now - at) * JUDGED_BYTES_PER_S)
+                at = now
+                if allowance < len(chunk):  # over the ceiling: not looked at; the stream resumes at a new line
+                    self.skipped += len(chunk)
+                    partial[stream], cutting[stream] = "", True
+                    continue
+                allowance -= len(chunk)
                 self._lines(parser, stream, chunk.decode("utf-8", errors="replace"), partial, cutting)
             finally:
                 self._queue.task_done()
@@ -221,9 +254,24 @@ class OutputWatch:
         partial[stream] = rest
         if not whole or not parser.may_match(whole):  # a flood of lines no rule wants: skipped whole
             return
-        for line in whole.split("\n"):
-            if parser.may_match(line) and any(e.known for e in parser.parse_line(line)):
+        lines = whole.split("\n")
+        for i, line in enumerate(lines):
+            if not parser.may_match(line):
+                continue
+            if not self._judge_budget():
+                self.skipped_lines += len(lines) - i
+                return
+            if any(e.known for e in parser.parse_line(line)):
                 self._send(line)
+
+    def _judge_budget(self) -> bool:
+        """One more line may be judged now (JUDGED_PER_S a second, a second's burst)."""
+        tokens, at = self._judged
+        now = time.monotonic()
+        tokens = min(float(JUDGED_PER_S), tokens + (now - at) * JUDGED_PER_S)
+        ok = tokens >= 1
+        self._judged = (tokens - 1 if ok else tokens, now)
+        return ok
 
     def _send(self, line: str) -> None:
         tokens, at = self._budget
@@ -238,7 +286,7 @@ class OutputWatch:
 def _read(fd: int) -> bytes:
     while True:
         try:
-            return os.read(fd, 65536)
+            return os.read(fd, READ_BYTES)
         except InterruptedError:
             continue
         except OSError:

@@ -128,7 +128,7 @@ class JobOutputFollower:
             if files.skip:
                 continue
             for path in files.paths:
-                self._read(job, path, files.uid)
+                self.read_file(job, path, files.uid)
 
     def jobs(self) -> dict[str, JobFiles]:
         """What is known of the jobs followed or skipped now."""
@@ -155,7 +155,8 @@ class JobOutputFollower:
         paths = tuple(dict.fromkeys(p for p in (f.get("StdOut", ""), f.get("StdErr", "")) if p.startswith("/")))
         return JobFiles(int(uid), paths, recheck_at=time.monotonic() + LAUNCH_RECHECK_S)
 
-    def _read(self, job: str, path: str, uid: int) -> None:
+    def read_file(self, job: str, path: str, uid: int) -> None:
+        """Read what job `job` wrote to `path` since the last time, and pass its whole lines on."""
         key = (job, path)
         tail = self._tails.get(key)
         try:
