@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from fleetheal.contracts import CHECKPOINT_WORD, DRAIN_REASON_PREFIX
 from fleetheal.fleet.config import FleetConfig
 from fleetheal.slurm import nodes
+from fleetheal.slurm.fields import number, parse_kv_line
 from fleetheal.slurm.jobs import COPIES_ARGS, ClusterJob, cluster_jobs_args, copies, parse_cluster_jobs
 from fleetheal.slurm.runner import Runner
 from fleetheal.wait import WaitTimeout, wait_until
@@ -137,8 +138,7 @@ def move(
         _run(env, *sc, "release", job_id, check=False)  # not moved: it stays here, free to run when it can
         raise
     _run(env, *sc, "release", job_id)
-    if live.get(source) != "PENDING":
-        _start_now(job_id, tgt, env, deadline)
+    _start_now(job_id, tgt, env, deadline)
     _wait_state(job_id, tgt, ("RUNNING",), env, max(1.0, deadline - time.monotonic()))
     d = Decision(job_id, "moved", source, tgt, f"{source} cannot heal it; {tgt} reads checkpoint store {store}")
     log.warning("failover: %s", d)
@@ -186,21 +186,33 @@ def _wait_released(job_id: str, source: str, env: Mapping[str, str] | None, time
 
 
 def _start_now(job_id: str, target: str, env: Mapping[str, str] | None, deadline: float) -> None:
-    """Lift the begin-time hold that `move`'s own requeue put on the job, on `target`. Slurm holds a requeued
-    job for cred_expire + 1 s (61 s deployed) so that it never starts where its previous run's credential is
-    revoked; the hold travels with the job (measured on 26.05: PENDING `Reason=BeginTime` on the target until
-    60 s after the move), but the target's nodes never ran it. The job was running a moment ago, so its begin
-    time is the requeue's, never one its owner asked for."""
+    """Lift the begin-time hold a requeue put on the job, on `target`. Slurm holds a requeued job for
+    cred_expire + 1 s (61 s deployed) so that it never starts where its previous run's credential is revoked;
+    the hold travels with the job (measured on 26.05: PENDING `Reason=BeginTime` on the target until 60 s
+    after the move), but the target's nodes never ran it. Only a job that ran before (`Restarts` > 0: the
+    requeue was this move's own, or Slurm's when the job's node went DOWN) is started: a begin time that a
+    job which never ran was submitted with (`sbatch --begin`) is its owner's, and kept."""
     while time.monotonic() < deadline:
         state = where(job_id, env).get(target)
         if state == "RUNNING":
             return
         if state == "PENDING":
-            _run(env, "scontrol", "-M", target, "update", f"jobid={job_id}", "StartTime=now", check=False)
-            reason = _run(env, "squeue", "-M", target, "-h", "-j", job_id, "-o", "%r", check=False).split()
-            if reason and reason[-1] != "BeginTime":
-                return
+            shown = _run(env, "scontrol", "-M", target, "show", "job", "-o", job_id, check=False).strip()
+            fields = parse_kv_line(shown.splitlines()[-1]) if shown else {}
+            eligible = _local_time(fields.get("EligibleTime", ""))
+            if eligible is not None:  # the target has looked at the job (before: "Unknown")
+                if eligible <= time.time() or number(fields.get("Restarts")) < 1:
+                    return  # no hold, or its owner's
+                _run(env, "scontrol", "-M", target, "update", f"jobid={job_id}", "StartTime=now", check=False)
         time.sleep(0.2)
+
+
+def _local_time(value: str) -> float | None:
+    """Seconds since the epoch of a time Slurm prints (local time, to the second), or None ("Unknown")."""
+    try:
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
 
 
 def _down_lost(job_id: str, cluster: str, env: Mapping[str, str] | None) -> list[str]:
