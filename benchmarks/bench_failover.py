@@ -127,8 +127,8 @@ def run() -> list[dict[str, Any]]:
         _figure(
             "cross-cluster failover, end to end: until Slurm's ping finds the job's node silent",
             detect,
-            "slurmctld pings every node about every SlurmdTimeout/3; the move sets a silent node DOWN at once "
-            "instead of waiting SlurmdTimeout (120 s deployed), which releases the job",
+            "until slurmctld's ping flags the node NOT_RESPONDING; the move sets it DOWN at once instead of "
+            "waiting SlurmdTimeout (120 s deployed), which releases the job",
             goal=None,
         ),
         _figure(

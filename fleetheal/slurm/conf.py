@@ -30,7 +30,8 @@ from dataclasses import dataclass
 CRED_EXPIRE_S = 60
 #: Seconds slurmctld waits for a silent slurmd before it declares the node DOWN and requeues its jobs.
 #: Slurm's default is 300 s. fleetheal's failover does not wait for it: once an alert says a node is lost and
-#: Slurm's own ping (every SlurmdTimeout/3) finds it silent, it sets the node DOWN itself
+#: Slurm's own ping has flagged it NOT_RESPONDING (a median of 71 s after the loss with 120 s, measured by
+#: benchmarks/bench_failover.py; the ping comes less often the longer this is), it sets the node DOWN itself
 #: (`fleetheal.fleet.failover`), so this is the backstop for nodes nothing reports on. 120 s rides out a
 #: slurmd pod restart in a NodeSet rolling update and a controller's GC or network pause, which at 2,000
 #: nodes would otherwise requeue the largest jobs for nothing.
