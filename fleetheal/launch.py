@@ -255,7 +255,8 @@ class OutputWatch:
         if not whole or not parser.may_match(whole):  # a flood of lines no rule wants: skipped whole
             return
         lines = whole.split("\n")
-        for i, line in enumerate(lines):
+        for i, whole_line in enumerate(lines):
+            line = whole_line[:MAX_WATCHED_LINE]  # a longer line is judged by its start only, whatever the reads
             if not parser.may_match(line):
                 continue
             if not self._judge_budget():

@@ -209,6 +209,7 @@ def judged_lines(text: str, may_match: Callable[[str], bool]) -> Iterable[str]:
     """The lines of `text` a rule may match (a chunk no rule wants is skipped whole), each cut to MAX_LINE."""
     if not may_match(text):
         return
-    for line in text.split("\n"):
+    for whole in text.split("\n"):
+        line = whole[:MAX_LINE]  # a longer line is judged by its start only
         if line and may_match(line):
-            yield line[:MAX_LINE]
+            yield line
