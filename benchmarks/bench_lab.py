@@ -683,7 +683,11 @@ def _xid_figures(
         f"(n {len(peer.running)})"
     )
     platform = [v - GRACE_S for v in running]
-    app = [r["resumed"] - r["running"] for r in rounds if "resumed" in r and "running" in r]
+    # Only a requeued job has a moment between RUNNING and its training's start: inside the allocation the
+    # training's start is what says it runs again.
+    app = [
+        r["resumed"] - r["running"] for r in rounds if "resumed" in r and "running" in r and r.get("path") == "requeue"
+    ]
     peer_fail = _failed(peer.failures)
     down = statistics.median(peer.down) if peer.down else None
     main = _figure(
@@ -704,7 +708,8 @@ def _xid_figures(
         _figure("  of which platform overhead (less the 3 s grace period)", platform, "-",
                 "RUNNING again minus the lab's fleetheal_grace_seconds", key="xid79_platform"),
         _figure("  then application restart (RUNNING -> training started)", app, "-",
-                "the lab's toy job; a large job's launch + NCCL init + checkpoint load is far longer",
+                "requeued rounds only (inside the allocation, the training's start is the figure above); the lab's "
+                "toy job; a large job's launch + NCCL init + checkpoint load is far longer",
                 key="xid79_app_restart"),
         _figure(
             f"  peer: stock Slurm HealthCheckProgram ({PEER_HC_INTERVAL_S} s) + --requeue, fault -> RUNNING again",
