@@ -110,20 +110,13 @@ def _launcher_figures(tmp: Path) -> list[dict[str, Any]]:
     for _ in range(max(3, ROUNDS // 4)):
         _, _, share = _run([*launch, *_printer(script, PACED_S, RATE)], tmp / "paced.out")
         shares.append(100 * share)
-    ratio = statistics.median(watched) / statistics.median(bare)
     return [
-        {
-            "name": "fleetheal launch: CPU while its command prints 100,000 lines/s",
-            "unit": "% of a core",
-            "median": statistics.median(shares),
-            "p99": max(shares),
-            "n": len(shares),
-            "goal": "< 2",
-            "peer": None,
-            "ratio_to_peer": None,
-            "notes": f"the launcher process (copy through + judge), user + system CPU from /proc over the last "
+        _cpu_figure(
+            "fleetheal launch: CPU while its command prints 100,000 lines/s",
+            shares,
+            f"the launcher process (copy through + judge), user + system CPU from /proc over the last "
             f"{PACED_S - WARM_S:g} s of {PACED_S:g} s runs (its start, Python and the rules, excluded)",
-        },
+        ),
         {
             "name": "a job's own throughput under fleetheal launch (flat out)",
             "unit": "lines/s",
@@ -132,10 +125,25 @@ def _launcher_figures(tmp: Path) -> list[dict[str, Any]]:
             "n": len(watched),
             "goal": "unchanged within noise",
             "peer": statistics.median(bare),
-            "ratio_to_peer": ratio,
+            "ratio_to_peer": statistics.median(watched) / statistics.median(bare),
             "notes": f"peer: the same command bare, alternating; its output to a file; {PRINT_S:g} s runs",
         },
     ]
+
+
+def _cpu_figure(name: str, shares: list[float], notes: str) -> dict[str, Any]:
+    """A CPU-share figure (% of one core per run), against the 2% goal."""
+    return {
+        "name": name,
+        "unit": "% of a core",
+        "median": statistics.median(shares),
+        "p99": max(shares),
+        "n": len(shares),
+        "goal": "< 2",
+        "peer": None,
+        "ratio_to_peer": None,
+        "notes": notes,
+    }
 
 
 def _follower_figure(tmp: Path) -> dict[str, Any]:
@@ -166,18 +174,12 @@ def _follower_figure(tmp: Path) -> dict[str, Any]:
     finally:
         writer.kill()
         writer.wait()
-    return {
-        "name": "agent file follower: CPU while a job prints 100,000 lines/s",
-        "unit": "% of a core",
-        "median": statistics.median(shares),
-        "p99": max(shares),
-        "n": len(shares),
-        "goal": "< 2",
-        "peer": None,
-        "ratio_to_peer": None,
-        "notes": f"one poll a second (read up to job_files.max_bytes, split, rule prefilter); "
+    return _cpu_figure(
+        "agent file follower: CPU while a job prints 100,000 lines/s",
+        shares,
+        f"one poll a second (read up to job_files.max_bytes, split, rule prefilter); "
         f"skipped ahead {follower.skipped_bytes / 1e6:.1f} MB; fault lines judged {sum(seen)}",
-    }
+    )
 
 
 def run() -> list[dict[str, Any]]:

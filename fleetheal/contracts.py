@@ -73,6 +73,9 @@ FLEET_BUDGET_SHARE = 0.05
 #: --checkpoint-store NAME`); cross-cluster failover moves a job only to a cluster that reads that store.
 #: Every comment fleetheal rewrites keeps it.
 CHECKPOINT_WORD = "fleetheal-checkpoint="
+#: The word `fleetheal launch` adds to its job's comment: the job restarts in place, and the launcher watches
+#: its output (so the agent does not follow its files).
+LAUNCH_TAG = "fleetheal-launch"
 POOL_REASONS = (DRAIN_REASON_PREFIX + "standby", DRAIN_REASON_PREFIX + "quarantine")
 
 

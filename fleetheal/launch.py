@@ -69,13 +69,14 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
+from fleetheal.contracts import LAUNCH_TAG
 from fleetheal.slurm.jobs import job_allocation, job_comment, one_job
 from fleetheal.slurm.runner import Runner
 
 if TYPE_CHECKING:
     from fleetheal.logparse import LogParser
 
-TAG = "fleetheal-launch"
+TAG = LAUNCH_TAG
 #: The restart order; one fixed signal, so the remediator and every job agree on it.
 RESTART_SIGNAL = signal.SIGUSR2
 #: Comment words: the nodes the command needs (the rest are spares), the node an order shrinks away.
@@ -160,8 +161,8 @@ class OutputWatch:
         self.sent = 0
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(WATCH_QUEUE)
         self._pumps: list[threading.Thread] = []
-        self._budget = (float(LINES_PER_S), time.monotonic())
-        self._judged = (float(JUDGED_PER_S), time.monotonic())
+        self._sends = _Rate(LINES_PER_S)
+        self._judged = _Rate(JUDGED_PER_S)
         #: Lines with a rule's keyword not judged: over JUDGED_PER_S.
         self.skipped_lines = 0
         threading.Thread(target=self._judge, name="fleetheal-launch-judge", daemon=True).start()
@@ -220,18 +221,14 @@ class OutputWatch:
                 self._queue.task_done()
         partial = {1: "", 2: ""}
         cutting = {1: False, 2: False}  # the stream is inside a line longer than MAX_WATCHED_LINE
-        allowance, at = float(JUDGED_BYTES_PER_S), time.monotonic()
+        read = _Rate(JUDGED_BYTES_PER_S)
         while True:
             stream, chunk = self._queue.get()
             try:
-                now = time.monotonic()
-                allowance = min(float(JUDGED_BYTES_PER_S), allowance + (now - at) * JUDGED_BYTES_PER_S)
-                at = now
-                if allowance < len(chunk):  # over the ceiling: not looked at; the stream resumes at a new line
+                if not read.take(len(chunk)):  # over the ceiling: not looked at; the stream resumes at a new line
                     self.skipped += len(chunk)
                     partial[stream], cutting[stream] = "", True
                     continue
-                allowance -= len(chunk)
                 self._lines(parser, stream, chunk.decode("utf-8", errors="replace"), partial, cutting)
             finally:
                 self._queue.task_done()
@@ -259,29 +256,38 @@ class OutputWatch:
             line = whole_line[:MAX_WATCHED_LINE]  # a longer line is judged by its start only, whatever the reads
             if not parser.may_match(line):
                 continue
-            if not self._judge_budget():
+            if not self._judged.take():
                 self.skipped_lines += len(lines) - i
                 return
             if any(e.known for e in parser.parse_line(line)):
                 self._send(line)
 
-    def _judge_budget(self) -> bool:
-        """One more line may be judged now (JUDGED_PER_S a second, a second's burst)."""
-        tokens, at = self._judged
-        now = time.monotonic()
-        tokens = min(float(JUDGED_PER_S), tokens + (now - at) * JUDGED_PER_S)
-        ok = tokens >= 1
-        self._judged = (tokens - 1 if ok else tokens, now)
-        return ok
-
     def _send(self, line: str) -> None:
-        tokens, at = self._budget
-        now = time.monotonic()
-        tokens = min(float(LINES_PER_S), tokens + (now - at) * LINES_PER_S)
-        if tokens >= 1 and self.reporter.line(line, self.run()):
-            tokens -= 1
+        if self._sends.has() and self.reporter.line(line, self.run()):  # a line not sent costs nothing
+            self._sends.take()
             self.sent += 1
-        self._budget = (tokens, now)
+
+
+class _Rate:
+    """A token bucket: `per_s` a second, with a second's burst."""
+
+    def __init__(self, per_s: float) -> None:
+        self.per_s = float(per_s)
+        self.tokens = self.per_s
+        self.at = time.monotonic()
+
+    def has(self, n: float = 1.0) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.per_s, self.tokens + (now - self.at) * self.per_s)
+        self.at = now
+        return self.tokens >= n
+
+    def take(self, n: float = 1.0) -> bool:
+        """Spend `n` when there are that many; False (nothing spent) when not."""
+        if not self.has(n):
+            return False
+        self.tokens -= n
+        return True
 
 
 def _read(fd: int) -> bytes:

@@ -32,15 +32,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleetheal.contracts import LAUNCH_TAG
 from fleetheal.slurm.fields import parse_kv_line
 from fleetheal.slurm.jobs import job_comment, open_job_file
 from fleetheal.slurm.runner import Runner
 
 #: Longest line judged whole.
 MAX_LINE = 4096
-#: The word `fleetheal launch` adds to its job's comment (fleetheal.launch.TAG; the launcher is not
-#: imported here: it is a command, not a library of the agent).
-LAUNCH_TAG = "fleetheal-launch"
 #: Seconds after a job is first seen untagged when its comment is read once more (the launcher tags its job
 #: within a second of starting).
 LAUNCH_RECHECK_S = 5.0

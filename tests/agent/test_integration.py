@@ -411,3 +411,25 @@ def test_a_flood_of_output_is_read_a_bounded_amount_a_poll(cluster, tmp_path):
     text = "\n".join(read)
     assert len(text) <= 1 << 20 and text.endswith("torch.OutOfMemoryError: CUDA out of memory.")
     cluster.run("scancel", job)
+
+
+def test_the_output_of_a_job_run_by_fleetheal_launch_is_left_to_the_launcher(cluster, tmp_path):
+    """The launcher sends its job's flagged lines itself: the follower leaves the job's files alone, so no line
+    is judged twice (the word in the job's comment says so)."""
+    from fleetheal.agent.jobfiles import JobOutputFollower
+    from fleetheal.contracts import LAUNCH_TAG
+    from fleetheal.slurm.runner import Runner
+
+    out = tmp_path / "job.out"
+    script = (
+        "#!/bin/sh\necho '[rank0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)'\nexec sleep 300\n"
+    )
+    lines: list[str] = []
+    follower = JobOutputFollower("n1", lambda j, t: lines.append(t), lambda why: None, runner=Runner(env=cluster.env))
+    follower.poll()
+    job = cluster.sbatch(script, "-w", "n1", f"--output={out}", f"--comment={LAUNCH_TAG}")
+    cluster.wait_for("the job's line", lambda: "Watchdog" in (out.read_text() if out.exists() else ""), timeout=60)
+    follower.poll()
+    assert follower.jobs()[job].skip == "fleetheal launch watches its output"
+    assert lines == []
+    cluster.run("scancel", job)
