@@ -4,10 +4,10 @@ A job started without the launcher prints to the files Slurm opened for it: slur
 step's stdout and stderr on the job's batch host. The agent of that node follows them:
 
 - **Which jobs**: the batch steps running on this machine, found in the process table (a `slurmstepd:
-  [JOB.batch]` process; no request to slurmctld per poll). For each new one, Slurm says once where its
-  output goes, whose job it is and which node is its batch host (`scontrol show job`), and whether
-  `fleetheal launch` runs it (its comment word: then the launcher sends its lines itself, and the files are
-  left alone). A job whose batch host is another node is left to that node's agent.
+  [JOB.batch]` process; no request to slurmctld per poll), looked at every `discover_s`. For each new one,
+  Slurm says once where its output goes, whose job it is and which node is its batch host (`scontrol show
+  job`), and whether `fleetheal launch` runs it (its comment word: then the launcher sends its lines itself,
+  and the files are left alone). A job whose batch host is another node is left to that node's agent.
 - **How a file is opened**: as the job's owner could reach it (`fleetheal.slurm.jobs.open_job_file`): a
   regular file of the job's uid with one link, no symlink followed, no FIFO blocking, no device opened. A
   user who swaps their output file for a link to another file (a key, the remediator's database) has it
@@ -99,15 +99,23 @@ class JobOutputFollower:
     max_bytes: int = 1 << 20
     #: Where the process table is (tests point it elsewhere).
     proc: Path = Path("/proc")
+    #: Seconds between looks at the process table for batch steps (about 10 microseconds a process, measured:
+    #: 10 ms on a node running 1,000 processes); the files of known jobs are read at every poll. 0: every poll.
+    discover_s: float = 5.0
     skipped_bytes: int = 0
     refused: int = 0
     _jobs: dict[str, JobFiles] = field(default_factory=dict)
     _tails: dict[tuple[str, str], _Tail] = field(default_factory=dict)
     #: Jobs that ran when the follower started (None before its first poll): read from their files' end.
     _before: set[str] | None = None
+    _running: set[str] | None = None
+    _scanned: float = 0.0
 
     def poll(self) -> None:
-        running = batch_steps(self.proc)
+        now = time.monotonic()
+        if self._running is None or now - self._scanned >= self.discover_s:
+            self._running, self._scanned = batch_steps(self.proc), now
+        running = self._running
         if self._before is None:
             self._before = set(running)
         for gone in set(self._jobs) - running:

@@ -378,7 +378,9 @@ def test_a_job_output_file_swapped_for_a_link_is_not_followed(cluster, tmp_path)
     cluster.wait_for("the link", lambda: out.is_symlink(), timeout=60)
     lines: list[tuple[str, str]] = []
     errors: list[str] = []
-    follower = JobOutputFollower("n1", lambda j, t: lines.append((j, t)), errors.append, runner=Runner(env=cluster.env))
+    follower = JobOutputFollower(
+        "n1", lambda j, t: lines.append((j, t)), errors.append, runner=Runner(env=cluster.env), discover_s=0
+    )
     follower.poll()
     follower.poll()
     assert job in follower.jobs() and not follower.jobs()[job].skip
@@ -401,7 +403,12 @@ def test_a_flood_of_output_is_read_a_bounded_amount_a_poll(cluster, tmp_path):
     )
     read: list[str] = []
     follower = JobOutputFollower(
-        "n1", lambda j, t: read.append(t), lambda why: None, runner=Runner(env=cluster.env), max_bytes=1 << 20
+        "n1",
+        lambda j, t: read.append(t),
+        lambda why: None,
+        runner=Runner(env=cluster.env),
+        discover_s=0,
+        max_bytes=1 << 20,
     )
     follower.poll()  # the job starts after the follower: its file is read from its start
     job = cluster.sbatch(script, "-w", "n1", f"--output={out}")
@@ -425,7 +432,9 @@ def test_the_output_of_a_job_run_by_fleetheal_launch_is_left_to_the_launcher(clu
         "#!/bin/sh\necho '[rank0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)'\nexec sleep 300\n"
     )
     lines: list[str] = []
-    follower = JobOutputFollower("n1", lambda j, t: lines.append(t), lambda why: None, runner=Runner(env=cluster.env))
+    follower = JobOutputFollower(
+        "n1", lambda j, t: lines.append(t), lambda why: None, runner=Runner(env=cluster.env), discover_s=0
+    )
     follower.poll()
     job = cluster.sbatch(script, "-w", "n1", f"--output={out}", f"--comment={LAUNCH_TAG}")
     cluster.wait_for("the job's line", lambda: "Watchdog" in (out.read_text() if out.exists() else ""), timeout=60)
