@@ -72,6 +72,18 @@ def job_on_a(federation: Federation) -> Iterator[tuple[str, Path]]:
 
 
 @pytest.mark.federation
+def test_a_wrong_alert_sets_no_answering_node_down(federation: Federation, job_on_a: tuple[str, Path]) -> None:
+    """The move sets DOWN only the job's nodes that Slurm's own ping flagged: an alert that a healthy node is
+    lost (nothing frozen here) leaves every node of the job as it is."""
+    jid, _ = job_on_a
+    a = federation.clusters["a"]
+    before = {name: (n.state, n.reason) for name, n in a.nodes().items()}
+    assert failover._down_lost(jid, "a", federation.env) == []
+    assert {name: (n.state, n.reason) for name, n in a.nodes().items()} == before
+    assert failover.where(jid, federation.env).get("a") == "RUNNING"
+
+
+@pytest.mark.federation
 def test_job_moves_to_b_when_a_loses_its_leaf_switch(federation: Federation, job_on_a: tuple[str, Path]) -> None:
     jid, run_dir = job_on_a
     f = fleet(str(run_dir))
