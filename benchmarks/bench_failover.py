@@ -7,7 +7,8 @@ Two measurements, side by side in one run:
   switch) and the nic-down alerts reach a's remediator (`fleetheal remediator serve`, failover on, no standby,
   budget one node). It isolates one node, requeues the job, and its third stage moves the job to b. The clock
   stops when b runs it. The federation runs the deployed stack's Slurm timers (fleetheal.slurm.conf:
-  SlurmdTimeout 120 s, cred_expire 60 s). Split: until Slurm's own ping finds the job's node silent (the move
+  SlurmdTimeout 120 s, cred_expire 60 s). Split: until Slurm finds the job's node silent (it misses the health check
+  slurmctld sends every HealthCheckInterval, 10 s; the move
   then sets it DOWN, not waiting SlurmdTimeout, and lifts the requeue's begin-time hold on b), and from there to
   RUNNING on b.
 - **the move alone**: both of a's nodes are set DOWN at once and `failover.move` is called directly.
@@ -122,12 +123,14 @@ def run() -> list[dict[str, Any]]:
             "cross-cluster failover, end to end: nodes lost -> RUNNING on another cluster",
             total,
             "a's leaf switch lost (slurmd and job stopped) + alerts -> a's remediator (no standby, budget 1) "
-            "isolates, requeues, moves -> RUNNING on b; the deployed timers (SlurmdTimeout 120 s, cred_expire 60 s)",
+            "isolates, requeues, moves -> RUNNING on b; the deployed timers (SlurmdTimeout 120 s, "
+            "HealthCheckInterval 10 s, cred_expire 60 s)",
         ),
         _figure(
-            "cross-cluster failover, end to end: until Slurm's ping finds the job's node silent",
+            "cross-cluster failover, end to end: until Slurm finds the job's node silent",
             detect,
-            "until slurmctld's ping flags the node NOT_RESPONDING; the move sets it DOWN at once instead of "
+            "until slurmctld flags the node NOT_RESPONDING (a health check it missed, HealthCheckInterval 10 s); "
+            "the move sets it DOWN at once instead of "
             "waiting SlurmdTimeout (120 s deployed), which releases the job",
             goal=None,
         ),

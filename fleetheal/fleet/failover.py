@@ -167,7 +167,8 @@ def _wait_state(
 
 def _wait_released(job_id: str, source: str, env: Mapping[str, str] | None, timeout: float) -> str:
     """Wait until the requeued job's copy on `source` is PENDING or REQUEUE_FED; that state. While it is still
-    completing, its nodes that Slurm reports not responding (its own ping failed: the alert is corroborated)
+    completing, its nodes that Slurm reports not responding (they missed its health check or its ping: the
+    alert is corroborated)
     are set DOWN with an owned reason, which releases the job at once instead of after SlurmdTimeout. A node
     whose reason fleetheal does not own (an administrator's) is left alone."""
 

@@ -23,7 +23,7 @@ launch --nodes 2`), and a seventh on a Slurm federation, all on the Slurm config
    refused as the job's own (`cuda-oom-repeated`), the cause in its log; the job ends, its nodes untouched.
 7. A leaf switch lost: cluster a of a two-cluster federation (its own slurmdbd, MariaDB and controllers)
    loses both nodes at once; its remediator, with no standby node and a budget of one node, isolates one,
-   and moves the job to cluster b, which reads its checkpoint store; once Slurm's own ping says the nodes
+   and moves the job to cluster b, which reads its checkpoint store; once Slurm says the nodes
    do not respond the remediator sets them DOWN (not waiting SlurmdTimeout) and lifts the requeue's
    begin-time hold on b; the job resumes there, in the same log.
 

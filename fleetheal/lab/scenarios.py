@@ -481,7 +481,7 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
             return f"{got[0]['id']} ({got[0]['node']}): {got[0]['hold_reason']}" if got else None
 
         def down() -> str | None:
-            # Not waiting for SlurmdTimeout (120 s): once Slurm's own ping finds the job's node silent, the
+            # Not waiting for SlurmdTimeout (120 s): once Slurm finds the job's node silent (its health check), the
             # failover sets it DOWN, which releases the job.
             lost = {n: x for n, x in a.nodes().items() if x.state == "DOWN" and x.reason.startswith("fleetheal:lost")}
             if not lost:
@@ -504,7 +504,7 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
             ("held", "the other node held (budget spent)", held),
             ("no_standby", "no standby node in a", lambda: event("standby_promote skipped")),
             ("requeued", "job requeued", lambda: event("slurm_requeue done")),
-            ("down", "Slurm's ping finds them silent: DOWN", down),
+            ("down", "Slurm finds them silent: DOWN", down),
             ("moved", "moved to cluster b", moved),
             ("running", "running again", on_b),
             ("resumed", "resumed on b", resumed),

@@ -89,10 +89,10 @@ LAB_DIFFERENCES: Mapping[str, LabDifference] = {
     "Epilog": LabDifference("as Prolog"),
     "HealthCheckProgram": LabDifference(
         "no hooks mount on the lab's nodes (they share one file system): the agent's fast path and the "
-        "remediator drain, as they do first on a deployed node"
+        "remediator drain, as they do first on a deployed node. The program is a no-op, but slurmctld still "
+        "sends each node its health check at the deployed interval, which is what flags a silent node",
+        "/bin/true",
     ),
-    "HealthCheckInterval": LabDifference("no HealthCheckProgram, as above"),
-    "HealthCheckNodeState": LabDifference("no HealthCheckProgram, as above"),
     "PriorityType": LabDifference(
         "priority/basic: no slurmdbd for multifactor's fair share (the lab's federation sets multifactor)"
     ),

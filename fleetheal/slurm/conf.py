@@ -30,11 +30,10 @@ from dataclasses import dataclass
 CRED_EXPIRE_S = 60
 #: Seconds slurmctld waits for a silent slurmd before it declares the node DOWN and requeues its jobs.
 #: Slurm's default is 300 s. fleetheal's failover does not wait for it: once an alert says a node is lost and
-#: Slurm's own ping has flagged it NOT_RESPONDING (a median of 71 s after the loss with 120 s, measured by
-#: benchmarks/bench_failover.py; the ping comes less often the longer this is), it sets the node DOWN itself
-#: (`fleetheal.fleet.failover`), so this is the backstop for nodes nothing reports on. 120 s rides out a
-#: slurmd pod restart in a NodeSet rolling update and a controller's GC or network pause, which at 2,000
-#: nodes would otherwise requeue the largest jobs for nothing.
+#: Slurm itself has flagged it NOT_RESPONDING (a health-check RPC it did not answer: HEALTH_CHECK_INTERVAL_S),
+#: it sets the node DOWN itself (`fleetheal.fleet.failover`), so this is the backstop for nodes nothing reports
+#: on. 120 s rides out a slurmd pod restart in a NodeSet rolling update and a controller's GC or network pause,
+#: which at 2,000 nodes would otherwise requeue the largest jobs for nothing.
 SLURMD_TIMEOUT_S = 120
 #: Seconds a Slurm RPC waits for its answer (Slurm's default, stated so it is a decision): the cost of each
 #: dead peer in an RPC fan-out; slurmd and slurmctld retry within it.
@@ -46,9 +45,14 @@ SCHED_INTERVAL_S = 10
 #: Seconds the scheduling of a newly submitted batch job may be deferred to batch submissions (Slurm's
 #: default 3 s): a relocation submits nothing, so it costs recovery nothing; a submission storm stays cheap.
 BATCH_SCHED_DELAY_S = 3
-#: Seconds between HealthCheckProgram runs on each node: how late a fault the agent reports (its health
-#: file) drains a node without the agent's fast path; one short shell script per node each time.
-HEALTH_CHECK_INTERVAL_S = 30
+#: Seconds between HealthCheckProgram runs on each node. Two things hang on it. How late a fault the agent
+#: reports (its health file) drains a node without the agent's fast path. And how soon Slurm finds a node
+#: silent: slurmctld flags NOT_RESPONDING a node that does not answer its health-check RPC, so this, not its
+#: ping (every SlurmdTimeout/3), bounds how long the failover waits for Slurm to corroborate an alert that a
+#: node is lost. Measured on Slurm 26.05 with MessageTimeout=10 (a frozen slurmd, tests/slurm/test_conf.py):
+#: flagged after 100 s with no health check, 48 s at 30 s, 26 s at 10 s, 15 s at 5 s. Cost: one short script
+#: per node every 10 s, and nodes/10 RPCs a second from slurmctld (200/s at 2,000 nodes, spread by CYCLE).
+HEALTH_CHECK_INTERVAL_S = 10
 #: Seconds Slurm waits for a job's processes to die after SIGKILL before it drains the node ("Kill task
 #: failed"). A GPU process stuck in the driver after an Xid 79 holds its node COMPLETING, and a requeued job
 #: with it, this long; fleetheal's agent drains such a node sooner. Slurm's default is 60 s; 120 s leaves
@@ -138,8 +142,9 @@ def stack_settings(grace_seconds: int, health_check_program: str) -> tuple[Setti
         Setting(
             "HealthCheckInterval",
             str(HEALTH_CHECK_INTERVAL_S),
-            "how late a fault the agent reports drains a node without the agent's fast path",
-            "one short script per node every interval",
+            "how late a fault the agent reports drains a node without the agent's fast path; how soon Slurm "
+            "flags a silent node NOT_RESPONDING, which the failover waits for",
+            "one short script per node and nodes/interval RPCs a second from slurmctld",
         ),
         Setting("HealthCheckNodeState", "ANY,CYCLE", "every node, spread over the interval, not all at once"),
         Setting("PriorityType", "priority/multifactor", "requeued jobs get a priority boost from the remediator"),

@@ -73,8 +73,8 @@ def job_on_a(federation: Federation) -> Iterator[tuple[str, Path]]:
 
 @pytest.mark.federation
 def test_a_wrong_alert_sets_no_answering_node_down(federation: Federation, job_on_a: tuple[str, Path]) -> None:
-    """The move sets DOWN only the job's nodes that Slurm's own ping flagged: an alert that a healthy node is
-    lost (nothing frozen here) leaves every node of the job as it is."""
+    """The move sets DOWN only the job's nodes that Slurm itself flagged not responding: an alert that a healthy
+    node is lost (nothing frozen here) leaves every node of the job as it is."""
     jid, _ = job_on_a
     a = federation.clusters["a"]
     before = {name: (n.state, n.reason) for name, n in a.nodes().items()}
