@@ -76,6 +76,9 @@ CHECKPOINT_WORD = "fleetheal-checkpoint="
 #: The word `fleetheal launch` adds to its job's comment: the job restarts in place, and the launcher watches
 #: its output (so the agent does not follow its files).
 LAUNCH_TAG = "fleetheal-launch"
+#: How fleetheal's own lines in a job's log begin (the remediator's `fleetheal: <did> (incident <id>)`, the
+#: launcher's `fleetheal launch: ...`): whoever judges the log skips them, they are never the job's words.
+OWN_LOG_LINE = (DRAIN_REASON_PREFIX, "fleetheal launch:")
 POOL_REASONS = (DRAIN_REASON_PREFIX + "standby", DRAIN_REASON_PREFIX + "quarantine")
 
 

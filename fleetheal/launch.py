@@ -61,6 +61,7 @@ import os
 import queue
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -69,7 +70,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
-from fleetheal.contracts import LAUNCH_TAG
+from fleetheal.contracts import LAUNCH_TAG, OWN_LOG_LINE
 from fleetheal.slurm.jobs import job_allocation, job_comment, one_job
 from fleetheal.slurm.runner import Runner
 
@@ -135,21 +136,29 @@ LINES_PER_S = 10
 #: rest of a read is skipped (counted): a job printing a million error lines a second costs the launcher
 #: this much work, and the copy thread, which shares the interpreter with the judge, is never starved.
 JUDGED_PER_S = 2000
-#: Bytes of output a second that are decoded and searched for the rules' keywords at most; past it, reads are
-#: skipped for judging (counted) until the budget refills: the judge's work has a ceiling whatever the job
-#: prints. A crash's last lines come after the flood stops, when the budget is there again.
-JUDGED_BYTES_PER_S = 1 << 20
+#: Bytes of output a second that are decoded and searched for the rules' keywords at most (about 15 ms of CPU a
+#: MiB); past it, output is skipped for judging (counted) until the budget refills: the judge's work has a
+#: ceiling whatever the job prints. A crash's last lines come after the flood stops, when the budget is there
+#: again (and the last READ_BYTES of an output file are judged when the command ends, whatever the budget).
+JUDGED_BYTES_PER_S = 512 << 10
 #: The pipes' capacity: a copy thread kept from running for a moment (the judge holds the interpreter) does
 #: not block a fast-printing job (Linux's default is 64 KiB; unprivileged processes may ask for 1 MiB).
 PIPE_BYTES = 1 << 20
+#: Seconds between reads of an output file the command writes itself (`_Tail`).
+TAIL_S = 0.2
 #: Bytes one read of the command's output takes at most, and how long the copy waits after a short read.
 READ_BYTES = 256 << 10
 COALESCE_S = 0.005
 
 
 class OutputWatch:
-    """Copies the command's stdout and stderr through and sends the lines the application rules flag to
-    the node's agent (`fleetheal.agent.client.TrainingReporter.line`)."""
+    """Watches the command's stdout and stderr and sends the lines the application rules flag to the node's
+    agent (`fleetheal.agent.client.TrainingReporter.line`).
+
+    A stream that is a regular file (a batch job's output file) the command writes itself: the watch reads
+    the file behind it (`_Tail`), at most JUDGED_BYTES_PER_S, so the job is never slowed and its output
+    costs the launcher nothing past what is judged. Any other stream (a pipe, a terminal) is copied through
+    a pipe of the launcher's (`_pump`)."""
 
     def __init__(self, job: str, run: Any) -> None:
         from fleetheal.agent.client import TrainingReporter
@@ -163,12 +172,36 @@ class OutputWatch:
         self._pumps: list[threading.Thread] = []
         self._sends = _Rate(LINES_PER_S)
         self._judged = _Rate(JUDGED_PER_S)
+        #: Bytes a second handed to the judge; both streams share it.
+        self._budget = _Rate(JUDGED_BYTES_PER_S)
+        self._budget_lock = threading.Lock()
         #: Lines with a rule's keyword not judged: over JUDGED_PER_S.
         self.skipped_lines = 0
+        #: The streams (1, 2) the command writes itself: regular files, read back by `_Tail`s.
+        self._tails: dict[int, _Tail] = {}
+        seen: dict[tuple[int, int], _Tail] = {}
+        for fd in (1, 2):
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                tail = seen.get((st.st_dev, st.st_ino))
+                if tail is None:
+                    tail = seen[(st.st_dev, st.st_ino)] = _Tail(self, fd)
+            except OSError:  # closed, or not readable by this user: copied through
+                continue
+            self._tails[fd] = tail
         threading.Thread(target=self._judge, name="fleetheal-launch-judge", daemon=True).start()
+        for tail in seen.values():
+            threading.Thread(target=tail.run, name=f"fleetheal-launch-tail-{tail.stream}", daemon=True).start()
+
+    def streams(self) -> tuple[int | None, int | None]:
+        """The command's stdout and stderr: the launcher's own (None: inherited) where it is a file read back,
+        else a pipe to copy through."""
+        return tuple(None if fd in self._tails else subprocess.PIPE for fd in (1, 2))  # type: ignore[return-value]
 
     def follow(self, child: subprocess.Popen[bytes]) -> None:
-        """Start copying a newly started child's pipes."""
+        """Start copying a newly started child's pipes (its files are read back all along)."""
         self._pumps = [p for p in self._pumps if p.is_alive()]
         for out, fd in ((child.stdout, 1), (child.stderr, 2)):
             if out is not None:
@@ -184,6 +217,9 @@ class OutputWatch:
         deadline = time.monotonic() + timeout
         for pump in self._pumps:
             pump.join(max(0.0, deadline - time.monotonic()))
+        for tail in set(self._tails.values()):
+            with contextlib.suppress(OSError):
+                tail.poll(final=True)  # its last lines, whatever the budget: a crash's come after the flood
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
 
@@ -198,16 +234,35 @@ class OutputWatch:
                     continue
                 except OSError:
                     writable = False  # our own stdout is gone: keep reading, so the job is never blocked
-            try:
-                self._queue.put_nowait((dst, chunk))
-            except queue.Full:
+            if self._spend(len(chunk)):
+                self._put(dst, chunk)
+            else:
                 self.skipped += len(chunk)
+                self._put(dst, b"")
             if len(chunk) < READ_BYTES // 4:
                 # A job printing steadily: let a few milliseconds of its output gather in the pipe (which holds
                 # PIPE_BYTES), so that it is copied in a few large reads a second, not thousands of small ones.
                 time.sleep(COALESCE_S)
         with contextlib.suppress(OSError):
             out.close()  # through its file object, which would otherwise close the number again, reused by then
+
+    def _spend(self, n: int, force: bool = False) -> bool:
+        """Take `n` bytes from the judge's budget (True), or nothing when it is spent (False); `force`
+        takes them whatever is left."""
+        with self._budget_lock:
+            if not self._budget.has() and not force:
+                return False
+            self._budget.tokens = max(-self._budget.per_s, self._budget.tokens - n)
+            return True
+
+    def _put(self, stream: int, chunk: bytes) -> None:
+        """Hand a read to the judge; b"": output it does not see (the stream resumes at a new line)."""
+        try:
+            self._queue.put_nowait((stream, chunk))
+        except queue.Full:
+            self.skipped += len(chunk)
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait((stream, b""))
 
     def _judge(self) -> None:
         try:
@@ -220,13 +275,11 @@ class OutputWatch:
                 self._queue.get()
                 self._queue.task_done()
         partial = {1: "", 2: ""}
-        cutting = {1: False, 2: False}  # the stream is inside a line longer than MAX_WATCHED_LINE
-        read = _Rate(JUDGED_BYTES_PER_S)
+        cutting = {1: False, 2: False}  # inside a line longer than MAX_WATCHED_LINE, or after output not seen
         while True:
             stream, chunk = self._queue.get()
             try:
-                if not read.take(len(chunk)):  # over the ceiling: not looked at; the stream resumes at a new line
-                    self.skipped += len(chunk)
+                if not chunk:  # output not seen (over the budget): the stream resumes at a new line
                     partial[stream], cutting[stream] = "", True
                     continue
                 self._lines(parser, stream, chunk.decode("utf-8", errors="replace"), partial, cutting)
@@ -254,7 +307,7 @@ class OutputWatch:
         lines = whole.split("\n")
         for i, whole_line in enumerate(lines):
             line = whole_line[:MAX_WATCHED_LINE]  # a longer line is judged by its start only, whatever the reads
-            if not parser.may_match(line):
+            if line.startswith(OWN_LOG_LINE) or not parser.may_match(line):  # fleetheal's own words in the log
                 continue
             if not self._judged.take():
                 self.skipped_lines += len(lines) - i
@@ -266,6 +319,50 @@ class OutputWatch:
         if self._sends.has() and self.reporter.line(line, self.run()):  # a line not sent costs nothing
             self._sends.take()
             self.sent += 1
+
+
+class _Tail:
+    """Reads back a file the command writes (the launcher's own stdout or stderr, inherited): from where it
+    ended when the launcher started, every TAIL_S, within the watch's byte budget. Output written faster is
+    skipped (counted), never held: the command writes the file itself. Opened through /proc/self/fd, the
+    launcher's own open file, never a path."""
+
+    def __init__(self, watch: OutputWatch, stream: int) -> None:
+        self.watch = watch
+        self.stream = stream
+        self.fd = os.open(f"/proc/self/fd/{stream}", os.O_RDONLY | os.O_CLOEXEC)
+        self.pos = os.fstat(self.fd).st_size
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                self.poll()
+            time.sleep(TAIL_S)
+
+    def poll(self, final: bool = False) -> None:
+        """Hand what the file gained to the judge; `final`: the command ended, its last READ_BYTES are judged
+        whatever the budget."""
+        with self._lock:
+            size = os.fstat(self.fd).st_size
+            if size < self.pos:  # truncated: from its new end
+                self.pos = size
+                self.watch._put(self.stream, b"")
+            while self.pos < size:
+                n = min(size - self.pos, READ_BYTES)
+                if final and size - self.pos > READ_BYTES:
+                    n = 0  # the last lines first
+                elif self.watch._spend(n, force=final):
+                    chunk = os.pread(self.fd, n, self.pos)
+                    if not chunk:
+                        return
+                    self.pos += len(chunk)
+                    self.watch._put(self.stream, chunk)
+                    continue
+                skip_to = size - READ_BYTES if final else size
+                self.watch.skipped += skip_to - self.pos
+                self.pos = skip_to
+                self.watch._put(self.stream, b"")
 
 
 class _Rate:
@@ -427,13 +524,13 @@ class Launcher:
                 env.pop(name, None)
         if self.incident:
             env["FLEETHEAL_INCIDENT"] = self.incident
-        pipe = subprocess.PIPE if self.watch is not None else None
+        out, err = self.watch.streams() if self.watch is not None else (None, None)
         if self.watch is not None and self.job:
             # What this run's failure is measured against: flagged lines sent, the incident its comment names.
             self._sent_at_start = self.watch.sent
             told = _INCIDENT.search(job_comment(_SLURM, self.job) or "")
             self._told_at_start = told.group(1) if told else ""
-        child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stdout=pipe, stderr=pipe)
+        child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stdout=out, stderr=err)
         if self.watch is not None:
             self.watch.follow(child)
         return child

@@ -89,3 +89,42 @@ def test_no_watch_uses_no_pipes(tmp_path, agent_socket):
     )
     assert run.stdout.decode().splitlines()[-1] == "piped"  # capture_output's own pipe: passed on, not ours
     assert received(sock) == []
+
+
+def launch_to_file(
+    tmp_path: Path, script: str, out: Path, sock: Path, *, append: bool = False
+) -> subprocess.CompletedProcess[bytes]:
+    """The launcher with stdout and stderr on one regular file, as a batch job's output file is."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "FLEETHEAL_TRAINING_SOCKET": str(sock)}
+    argv = [sys.executable, "-m", "fleetheal", "launch", "--", "sh", "-c", script]
+    with open(out, "ab" if append else "wb") as fh:
+        return subprocess.run(argv, env=env, stdout=fh, stderr=fh, timeout=300, check=False)
+
+
+def test_a_command_writing_a_file_writes_it_itself_and_its_fault_lines_reach_the_agent(tmp_path, agent_socket):
+    """A batch job's output file: the command inherits it (no pipe, nothing copied, never slowed), the launcher
+    reads the file back; what the file held before the launcher started (an earlier run's) is not judged, nor
+    is fleetheal's own line in the log (the remediator's, which names the fault it acted on)."""
+    path, sock = agent_socket
+    out = tmp_path / "job.out"
+    out.write_text("CUDA out of memory. Tried to allocate 2.00 GiB (an earlier run's)\n")
+    own = "fleetheal: refused: CUDA out of memory. Tried to allocate 2.00 GiB, twice at step 7 (incident i-1)"
+    script = f"test -f /dev/stdout && echo writes-the-file || echo piped; echo '{own}'; echo '{NCCL}' >&2; exit 3"
+    run = launch_to_file(tmp_path, script, out, path, append=True)
+    assert run.returncode == 3
+    lines = [line for line in out.read_text().splitlines() if not line.startswith("fleetheal launch:")]
+    assert lines[1:] == ["writes-the-file", own, NCCL], lines
+    assert received(sock) == [{"v": 1, "job": "4242", "event": "line", "line": NCCL[:1024], "run": 0}]
+
+
+def test_a_flood_into_a_file_is_read_within_the_budget_and_its_last_line_judged(tmp_path, agent_socket):
+    """Half a million lines, then a fault line: the launcher reads a bounded share of the flood, and the
+    last lines, read when the command ends whatever the budget, are judged."""
+    path, sock = agent_socket
+    out = tmp_path / "job.out"
+    script = f"seq 1 500000 | sed 's/$/ loss=2.3/'; echo '{NCCL}'; exit 1"
+    run = launch_to_file(tmp_path, script, out, path)
+    assert run.returncode == 1
+    text = "".join(line for line in out.open() if not line.startswith("fleetheal launch:"))
+    assert text.count("\n") == 500_001 and text.endswith(NCCL + "\n")
+    assert NCCL[:1024] in [r["line"] for r in received(sock)]

@@ -101,7 +101,7 @@ class JobFilesConfig:
     #: Seconds between reads of the files (and looks at the process table for new batch steps).
     interval_s: float = 1.0
     #: Bytes read per file and interval at most; a job that printed more is skipped ahead (counted).
-    max_bytes: int = 1 << 20
+    max_bytes: int = 512 << 10
 
 
 @dataclass(frozen=True)

@@ -137,8 +137,9 @@ class ActiveFault:
     job: str = ""
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.gpu, self.fault.id)
+    def key(self) -> tuple[str, str, str]:
+        """One active fault per GPU, fault and job: two jobs' faults on one node are two."""
+        return (self.gpu, self.fault.id, self.job)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,14 +177,14 @@ class HealthTracker:
 
     taxonomy: Taxonomy
     config: HealthConfig = field(default_factory=HealthConfig)
-    _active: dict[tuple[str, str], ActiveFault] = field(default_factory=dict)
-    #: (source, gpu, fault id) -> streak of polls for condition faults.
-    _streaks: dict[tuple[str, str, str], _Streak] = field(default_factory=dict)
+    _active: dict[tuple[str, str, str], ActiveFault] = field(default_factory=dict)
+    #: (source, gpu, fault id, job) -> streak of polls for condition faults.
+    _streaks: dict[tuple[str, str, str, str], _Streak] = field(default_factory=dict)
 
     def event(self, det: Detection, now: float) -> list[Change]:
         """An event detection: raise at once, fold repeats inside the dedup window."""
         fault = self.taxonomy.get(det.fault_id)
-        key = (det.gpu, fault.id)
+        key = (det.gpu, fault.id, det.job)
         current = self._active.get(key)
         if current is None:
             af = ActiveFault(fault, det.gpu, det.source, det.detail, False, now, now, job=det.job)
@@ -204,19 +205,19 @@ class HealthTracker:
         toward clearing. `debounce` overrides debounce_polls (the one-shot check uses 1)."""
         need = self.config.debounce_polls if debounce is None else debounce
         changes: list[Change] = []
-        seen: set[tuple[str, str, str]] = set()
+        seen: set[tuple[str, str, str, str]] = set()
         for det in detections:
             if not det.condition:
                 changes += self.event(det, now)
                 continue
             fault = self.taxonomy.get(det.fault_id)
-            skey = (source, det.gpu, fault.id)
+            skey = (source, det.gpu, fault.id, det.job)
             seen.add(skey)
             streak = self._streaks.setdefault(skey, _Streak())
             streak.hits += 1
             streak.misses = 0
             streak.detail = det.detail
-            key = (det.gpu, fault.id)
+            key = (det.gpu, fault.id, det.job)
             current = self._active.get(key)
             if current is not None:
                 current.last_seen = now
@@ -233,7 +234,7 @@ class HealthTracker:
             streak = self._streaks[skey]
             streak.hits = 0
             streak.misses += 1
-            key = (skey[1], skey[2])
+            key = skey[1:]
             current = self._active.get(key)
             if current is None or not current.condition or current.source != source:
                 if current is None:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetheal.contracts import LAUNCH_TAG
+from fleetheal.contracts import LAUNCH_TAG, OWN_LOG_LINE
 from fleetheal.slurm.fields import parse_kv_line
 from fleetheal.slurm.jobs import job_comment, open_job_file
 from fleetheal.slurm.runner import Runner
@@ -96,7 +96,7 @@ class JobOutputFollower:
     on_error: Callable[[str], None]
     runner: Runner = field(default_factory=lambda: Runner(timeout_s=10))
     #: Bytes read per file and poll at most; a job that wrote more is skipped ahead.
-    max_bytes: int = 1 << 20
+    max_bytes: int = 512 << 10
     #: Where the process table is (tests point it elsewhere).
     proc: Path = Path("/proc")
     #: Seconds between looks at the process table for batch steps (about 10 microseconds a process, measured:
@@ -217,5 +217,5 @@ def judged_lines(text: str, may_match: Callable[[str], bool]) -> Iterable[str]:
         return
     for whole in text.split("\n"):
         line = whole[:MAX_LINE]  # a longer line is judged by its start only
-        if line and may_match(line):
+        if line and not line.startswith(OWN_LOG_LINE) and may_match(line):
             yield line

@@ -118,6 +118,18 @@ def test_events_raise_at_once_and_fold_repeats(tracker):
     assert tracker.active() == []
 
 
+def test_two_jobs_printing_one_fault_on_one_node_are_two_faults(tracker):
+    """A job-scoped fault is the job's: a second job's NCCL timeout on the same node is raised for that job,
+    not folded into the first's (whose remediation would act on the wrong job, or not at all)."""
+    first = Detection("nccl-timeout", "node", "job_output", "job 11 printed it", job="11")
+    second = Detection("nccl-timeout", "node", "job_output", "job 12 printed it", job="12")
+    assert [c.kind for c in tracker.event(first, 0.0)] == ["raised"]
+    (ch,) = tracker.event(second, 1.0)
+    assert (ch.kind, ch.fault.job) == ("raised", "12")
+    assert sorted(a.job for a in tracker.active()) == ["11", "12"]
+    assert tracker.event(first, 2.0) == []  # the first job's own repeat still folds
+
+
 def test_conditions_are_debounced_and_cleared(tracker):
     det = Detection("row-remap-pending", "1", "nvml", "pending", condition=True)
     assert tracker.poll("nvml", [det], 0.0) == []
