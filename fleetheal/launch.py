@@ -71,6 +71,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
 from fleetheal.contracts import LAUNCH_TAG, OWN_LOG_LINE
+from fleetheal.rate import TokenBucket
 from fleetheal.slurm.jobs import job_allocation, job_comment, one_job
 from fleetheal.slurm.runner import Runner
 
@@ -170,10 +171,11 @@ class OutputWatch:
         self.sent = 0
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(WATCH_QUEUE)
         self._pumps: list[threading.Thread] = []
-        self._sends = _Rate(LINES_PER_S)
-        self._judged = _Rate(JUDGED_PER_S)
+        now = time.monotonic()
+        self._sends = TokenBucket(LINES_PER_S, now)
+        self._judged = TokenBucket(JUDGED_PER_S, now)
         #: Bytes a second handed to the judge; both streams share it.
-        self._budget = _Rate(JUDGED_BYTES_PER_S)
+        self._budget = TokenBucket(JUDGED_BYTES_PER_S, now)
         self._budget_lock = threading.Lock()
         #: Lines with a rule's keyword not judged: over JUDGED_PER_S.
         self.skipped_lines = 0
@@ -249,10 +251,11 @@ class OutputWatch:
     def _spend(self, n: int, force: bool = False) -> bool:
         """Take `n` bytes from the judge's budget (True), or nothing when it is spent (False); `force`
         takes them whatever is left."""
+        now = time.monotonic()
         with self._budget_lock:
-            if not self._budget.has() and not force:
+            if not force and not self._budget.has(now):
                 return False
-            self._budget.tokens = max(-self._budget.per_s, self._budget.tokens - n)
+            self._budget.spend(now, n)
             return True
 
     def _put(self, stream: int, chunk: bytes) -> None:
@@ -309,15 +312,16 @@ class OutputWatch:
             line = whole_line[:MAX_WATCHED_LINE]  # a longer line is judged by its start only, whatever the reads
             if line.startswith(OWN_LOG_LINE) or not parser.may_match(line):  # fleetheal's own words in the log
                 continue
-            if not self._judged.take():
+            if not self._judged.take(time.monotonic()):
                 self.skipped_lines += len(lines) - i
                 return
             if any(e.known for e in parser.parse_line(line)):
                 self._send(line)
 
     def _send(self, line: str) -> None:
-        if self._sends.has() and self.reporter.line(line, self.run()):  # a line not sent costs nothing
-            self._sends.take()
+        now = time.monotonic()
+        if self._sends.has(now) and self.reporter.line(line, self.run()):  # a line not sent costs nothing
+            self._sends.take(now)
             self.sent += 1
 
 
@@ -363,28 +367,6 @@ class _Tail:
                 self.watch.skipped += skip_to - self.pos
                 self.pos = skip_to
                 self.watch._put(self.stream, b"")
-
-
-class _Rate:
-    """A token bucket: `per_s` a second, with a second's burst."""
-
-    def __init__(self, per_s: float) -> None:
-        self.per_s = float(per_s)
-        self.tokens = self.per_s
-        self.at = time.monotonic()
-
-    def has(self, n: float = 1.0) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.per_s, self.tokens + (now - self.at) * self.per_s)
-        self.at = now
-        return self.tokens >= n
-
-    def take(self, n: float = 1.0) -> bool:
-        """Spend `n` when there are that many; False (nothing spent) when not."""
-        if not self.has(n):
-            return False
-        self.tokens -= n
-        return True
 
 
 def _read(fd: int) -> bytes:

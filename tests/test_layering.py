@@ -22,6 +22,7 @@ BOTTOM_MODULES = (
     "fleetheal.settings",  # one settings file + environment overrides, for every service
     "fleetheal.logs",  # the one JSON log format
     "fleetheal.wait",  # the one poll loop
+    "fleetheal.rate",  # the one token bucket
     "fleetheal.httpjson",  # JSON over HTTP, standard library
     "fleetheal.tools",  # where `make tools` puts its programs
 )

@@ -40,6 +40,7 @@ from fleetheal.contracts import (
     budget_limit,
     owns_reason,
 )
+from fleetheal.rate import TokenBucket
 from fleetheal.slurm.nodes import Node, read, sinfo_argv
 from fleetheal.slurm.runner import Run, Runner
 
@@ -211,8 +212,7 @@ class JobOwners:
             env["SLURM_CONF"] = slurm_conf
         self._runner = Runner(env=env, timeout_s=timeout_s, run=run)
         self._cache: dict[str, tuple[float, int | None, str]] = {}  # job -> (expires, owner uid, why not)
-        self._tokens = lookups_per_s
-        self._refilled = clock()
+        self._lookups = TokenBucket(lookups_per_s, clock())
 
     def refuse(self, uid: int | None, job: str) -> str | None:
         """None when `uid` may report for `job` (a Slurm job id, or "" for none), else why not."""
@@ -236,11 +236,8 @@ class JobOwners:
             return hit[1], hit[2]
         if self.squeue is None:
             return None, "no Slurm to ask who owns the job (fastpath.slurm disabled): only trusted uids may report"
-        self._tokens = min(self.lookups_per_s, self._tokens + (now - self._refilled) * self.lookups_per_s)
-        self._refilled = now
-        if self._tokens < 1:
+        if not self._lookups.take(now):
             return None, f"job {job}: owner not checked (more than {self.lookups_per_s:g} new jobs a second)"
-        self._tokens -= 1
         owner, why = self._ask(job)
         if len(self._cache) >= self.max_entries:
             self._cache = {k: v for k, v in self._cache.items() if v[0] > now}

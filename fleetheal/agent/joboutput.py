@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from fleetheal.agent.health import Detection
 from fleetheal.contracts import JOB_OUTPUT_NODE_CLAIM, JOB_OUTPUT_SOURCE, NODE_WIDE_GPU
 from fleetheal.logparse import LogParser
+from fleetheal.rate import TokenBucket
 from fleetheal.taxonomy import Taxonomy
 
 OOM, OOM_REPEATED = "cuda-oom", "cuda-oom-repeated"
@@ -37,12 +38,6 @@ OOM, OOM_REPEATED = "cuda-oom", "cuda-oom-repeated"
 class _Oom:
     step: int | None
     run: int | None
-    at: float
-
-
-@dataclass(slots=True)
-class _Budget:
-    tokens: float
     at: float
 
 
@@ -60,7 +55,7 @@ class JobOutputJudge:
     max_jobs: int = 256
     dropped: int = 0
     _ooms: dict[str, _Oom] = field(default_factory=dict)
-    _budgets: dict[str, _Budget] = field(default_factory=dict)
+    _budgets: dict[str, TokenBucket] = field(default_factory=dict)
 
     def moves_node(self, fault_id: str) -> bool:
         """True when the fault's action takes the node out (destructive) or the agent's fast path acts on it."""
@@ -71,13 +66,10 @@ class JobOutputJudge:
         budget = self._budgets.get(job)
         if budget is None:
             _forget_oldest(self._budgets, self.max_jobs)
-            budget = self._budgets[job] = _Budget(self.lines_per_s, now)
-        budget.tokens = min(self.lines_per_s, budget.tokens + (now - budget.at) * self.lines_per_s)
-        budget.at = now
-        if budget.tokens < 1:
+            budget = self._budgets[job] = TokenBucket(self.lines_per_s, now)
+        if not budget.take(now):
             self.dropped += 1
             return False
-        budget.tokens -= 1
         return True
 
     def judge(
@@ -120,6 +112,6 @@ class JobOutputJudge:
         self._budgets.pop(job, None)
 
 
-def _forget_oldest(table: dict[str, _Oom] | dict[str, _Budget], most: int) -> None:
+def _forget_oldest(table: dict[str, _Oom] | dict[str, TokenBucket], most: int) -> None:
     while len(table) >= most:
         table.pop(next(iter(table)))
