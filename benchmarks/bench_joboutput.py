@@ -150,8 +150,8 @@ def _cpu_figure(name: str, shares: list[float], notes: str) -> dict[str, Any]:
 
 
 def _follower_figure(tmp: Path) -> dict[str, Any]:
-    from fleetheal.agent.jobfiles import JobOutputFollower, judged_lines
-    from fleetheal.logparse import APPLICATION, load_parser
+    from fleetheal.agent.jobfiles import JobOutputFollower
+    from fleetheal.logparse import APPLICATION, judged_lines, load_parser
 
     parser = load_parser(log=APPLICATION)
     out = tmp / "job.out"

@@ -41,15 +41,16 @@ carried out.
 Every other signal (Slurm's SIGTERM, fleetheal's grace signal SIGUSR1, SIGINT, SIGHUP) is passed on to
 CMD's process group. The wrapper exits with CMD's status when CMD ends by itself.
 
-The job's output is a fault source (`OutputWatch`, in a Slurm job, unless --no-watch): CMD's stdout and stderr
-go through pipes that the wrapper copies to its own, unchanged, before it looks at them; the lines that the
+The job's output is a fault source (`OutputWatch`, in a Slurm job, unless --no-watch): the lines that the
 application log rules flag (an NCCL watchdog timeout, a CUDA out-of-memory, an illegal address, a
 configuration error...) go to the node's agent over its training socket, whose kernel-attested sender uid
 proves the job is the sender's. The agent classifies them again and raises job-scoped faults only (a job's
-words never move a node: `fleetheal.agent.joboutput`). Looking never slows the job: the copy comes first,
-the lines are judged on another thread from a bounded queue that drops what it cannot hold (counted), a line
-longer than MAX_WATCHED_LINE is cut, and without an agent the job runs on. (Two pipes instead of one file:
-the order of stdout lines against stderr lines may differ from a shared file's by what one read holds.)
+words never move a node: `fleetheal.agent.joboutput`). Looking never slows the job: a batch job's output
+file CMD writes itself, and the wrapper reads it back; any other stdout or stderr (a pipe, a terminal) CMD
+writes into pipes that the wrapper copies to its own, unchanged, before it looks at them (so the order of
+stdout lines against stderr lines may differ from a shared file's by what one read holds). Lines are judged
+on another thread, within a byte and a line budget, from a bounded queue that drops what it cannot hold
+(counted); a line longer than `logparse.MAX_LINE` is judged by its start; without an agent the job runs on.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
-from fleetheal.contracts import LAUNCH_TAG, OWN_LOG_LINE
+from fleetheal.contracts import LAUNCH_TAG
 from fleetheal.rate import TokenBucket
 from fleetheal.slurm.jobs import job_allocation, job_comment, one_job
 from fleetheal.slurm.runner import Runner
@@ -126,8 +127,6 @@ def needed_nodes(comment: str) -> int | None:
 #: `squeue` and `scontrol` for the wrapper's own job.
 _SLURM = Runner(timeout_s=10)
 
-#: Longest line of CMD's output that is judged whole; the rest of a longer one is not looked at.
-MAX_WATCHED_LINE = 4096
 #: Reads of CMD's output waiting to be judged (READ_BYTES each at most); a job printing faster than the rules
 #: run has its surplus skipped, never held.
 WATCH_QUEUE = 64
@@ -269,7 +268,7 @@ class OutputWatch:
 
     def _judge(self) -> None:
         try:
-            from fleetheal.logparse import APPLICATION, load_parser
+            from fleetheal.logparse import APPLICATION, LineCutter, load_parser  # here: the command starts first
 
             parser = load_parser(log=APPLICATION)
         except Exception as exc:  # the rules cannot load: the job runs on, unwatched
@@ -277,43 +276,25 @@ class OutputWatch:
             while True:
                 self._queue.get()
                 self._queue.task_done()
-        partial = {1: "", 2: ""}
-        cutting = {1: False, 2: False}  # inside a line longer than MAX_WATCHED_LINE, or after output not seen
+        cutters = {1: LineCutter(), 2: LineCutter()}
         while True:
             stream, chunk = self._queue.get()
             try:
                 if not chunk:  # output not seen (over the budget): the stream resumes at a new line
-                    partial[stream], cutting[stream] = "", True
+                    cutters[stream].lost()
                     continue
-                self._lines(parser, stream, chunk.decode("utf-8", errors="replace"), partial, cutting)
+                self._lines(parser, cutters[stream].feed(chunk.decode("utf-8", errors="replace")))
             finally:
                 self._queue.task_done()
 
-    def _lines(
-        self, parser: LogParser, stream: int, text: str, partial: dict[int, str], cutting: dict[int, bool]
-    ) -> None:
-        """Judge the whole lines of one read of `stream` (what is left of its last line waits in `partial`)."""
-        text = partial[stream] + text
-        if cutting[stream]:
-            _, newline, text = text.partition("\n")
-            if not newline:
-                partial[stream] = ""
-                return
-            cutting[stream] = False
-        whole, newline, rest = text.rpartition("\n")
-        if len(rest) > MAX_WATCHED_LINE:
-            whole = f"{whole}\n{rest[:MAX_WATCHED_LINE]}" if newline else rest[:MAX_WATCHED_LINE]
-            rest, cutting[stream] = "", True
-        partial[stream] = rest
-        if not whole or not parser.may_match(whole):  # a flood of lines no rule wants: skipped whole
-            return
-        lines = whole.split("\n")
-        for i, whole_line in enumerate(lines):
-            line = whole_line[:MAX_WATCHED_LINE]  # a longer line is judged by its start only, whatever the reads
-            if line.startswith(OWN_LOG_LINE) or not parser.may_match(line):  # fleetheal's own words in the log
-                continue
+    def _lines(self, parser: LogParser, whole: str) -> None:
+        """Judge whole lines of the command's output, at most JUDGED_PER_S of those a rule may match."""
+        from fleetheal.logparse import judged_lines  # loaded by then (`_judge`)
+
+        candidates = list(judged_lines(whole, parser.may_match))
+        for i, line in enumerate(candidates):
             if not self._judged.take(time.monotonic()):
-                self.skipped_lines += len(lines) - i
+                self.skipped_lines += len(candidates) - i
                 return
             if any(e.known for e in parser.parse_line(line)):
                 self._send(line)
@@ -353,20 +334,23 @@ class _Tail:
                 self.pos = size
                 self.watch._put(self.stream, b"")
             while self.pos < size:
-                n = min(size - self.pos, READ_BYTES)
                 if final and size - self.pos > READ_BYTES:
-                    n = 0  # the last lines first
-                elif self.watch._spend(n, force=final):
-                    chunk = os.pread(self.fd, n, self.pos)
-                    if not chunk:
-                        return
-                    self.pos += len(chunk)
-                    self.watch._put(self.stream, chunk)
+                    self._skip(size - READ_BYTES)  # the last lines first
                     continue
-                skip_to = size - READ_BYTES if final else size
-                self.watch.skipped += skip_to - self.pos
-                self.pos = skip_to
-                self.watch._put(self.stream, b"")
+                n = min(size - self.pos, READ_BYTES)
+                if not self.watch._spend(n, force=final):
+                    self._skip(size)
+                    return
+                chunk = os.pread(self.fd, n, self.pos)
+                if not chunk:
+                    return
+                self.pos += len(chunk)
+                self.watch._put(self.stream, chunk)
+
+    def _skip(self, to: int) -> None:
+        self.watch.skipped += to - self.pos
+        self.pos = to
+        self.watch._put(self.stream, b"")
 
 
 def _read(fd: int) -> bytes:

@@ -11,7 +11,7 @@ A line that announces trouble no rule knows is reported as the `unknown` fault, 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import reduce
 from importlib import resources
@@ -22,8 +22,11 @@ from typing import Any, NamedTuple
 import ahocorasick
 import yaml
 
+from fleetheal.contracts import OWN_LOG_LINE
 from fleetheal.taxonomy import UNKNOWN_ID, Fault, Taxonomy, TaxonomyError, load
 
+#: Longest line of a job's output judged whole; a longer one is judged by its start only.
+MAX_LINE = 4096
 #: `fault:` values with a meaning of their own (besides a taxonomy id and a `from` mapping).
 NONE = "none"
 FROM_XID = "xid"
@@ -346,3 +349,46 @@ def parse_line(line: str) -> list[FaultEvent]:
     if _default is None:
         _default = LogParser()
     return _default.parse_line(line)
+
+
+@dataclass
+class LineCutter:
+    """Cuts a job's output, read a chunk at a time, into the whole lines the rules judge (`fleetheal launch` and
+    the agent's follower of job files). What is left of the last line waits for the next chunk; a line longer
+    than MAX_LINE is passed on by its start and the rest of it is dropped, whatever the chunks it comes in."""
+
+    partial: str = ""
+    #: Inside a line that was cut, or after output not seen: the next whole line starts after a newline.
+    cutting: bool = False
+
+    def lost(self) -> None:
+        """Output between the last chunk and the next was not seen (skipped): resume at a new line."""
+        self.partial, self.cutting = "", True
+
+    def feed(self, text: str) -> str:
+        """The whole lines that `text` completes, newline-separated ("" when none)."""
+        text = self.partial + text
+        if self.cutting:
+            _, newline, text = text.partition("\n")
+            if not newline:
+                self.partial = ""
+                return ""
+            self.cutting = False
+        whole, newline, rest = text.rpartition("\n")
+        if len(rest) > MAX_LINE:
+            whole = f"{whole}\n{rest[:MAX_LINE]}" if newline else rest[:MAX_LINE]
+            rest, self.cutting = "", True
+        self.partial = rest
+        return whole
+
+
+def judged_lines(text: str, may_match: Callable[[str], bool]) -> Iterator[str]:
+    """The lines of a job's output `text` that a rule may match, each cut to MAX_LINE; a chunk no rule wants
+    is skipped whole, and fleetheal's own lines in the job's log (`contracts.OWN_LOG_LINE`) are never the
+    job's words."""
+    if not text or not may_match(text):
+        return
+    for whole in text.split("\n"):
+        line = whole[:MAX_LINE]
+        if line and not line.startswith(OWN_LOG_LINE) and may_match(line):
+            yield line

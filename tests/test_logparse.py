@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetheal.logparse import LogParser, LogRulesError, compile_rules, parse_line
+from fleetheal.logparse import MAX_LINE, LineCutter, LogParser, LogRulesError, compile_rules, judged_lines, parse_line
 from fleetheal.taxonomy import load
 
 
@@ -256,3 +256,24 @@ def test_the_shipped_rules_load_and_every_rule_is_reached_by_a_corpus_line() -> 
     used = {e.rule for entry in corpus() for e in parser.parse_line(entry["line"])}
     context = {r.id for r in parser.rules if r.fault == "none"}
     assert {r.id for r in parser.rules} - used - context == set()
+
+
+def test_a_job_output_is_cut_into_whole_lines_whatever_the_chunks() -> None:
+    """What `fleetheal launch` and the agent's file follower judge: whole lines only, a long line by its start
+    (however many chunks it spans), and after output not seen, nothing until a new line starts."""
+    cut = LineCutter()
+    assert cut.feed("step 1\nstep") == "step 1"
+    assert cut.feed(" 2\nNCCL") == "step 2"
+    long = "x" * (MAX_LINE + 10)
+    assert cut.feed(" watchdog\n" + long[:3000]) == "NCCL watchdog"
+    assert cut.feed(long[3000:]) == long[:MAX_LINE]  # its start, once the start is there
+    assert cut.feed(" CUDA out of memory\nnext\n") == "next"  # the rest of the long line is dropped
+    cut.feed("half a li")
+    cut.lost()
+    assert cut.feed("ne after a gap\nwhole\n") == "whole"
+
+
+def test_fleetheals_own_lines_in_a_jobs_log_are_never_judged() -> None:
+    text = "fleetheal: refused: CUDA out of memory twice at step 7 (incident i-1)\nCUDA out of memory\n"
+    assert list(judged_lines(text, lambda t: "CUDA" in t)) == ["CUDA out of memory"]
+    assert list(judged_lines("step 1\nstep 2", lambda t: "CUDA" in t)) == []

@@ -21,24 +21,23 @@ step's stdout and stderr on the job's batch host. The agent of that node follows
 - **What a line may cause**: the same as a line `fleetheal launch` sends (`fleetheal.agent.joboutput`): a
   job-scoped fault at most, never one that moves the node; the judge's per-job rate limit applies.
 
-Lines are judged whole; a line longer than `MAX_LINE` is cut. Standard library only.
+Lines are judged whole; a line longer than `logparse.MAX_LINE` is cut (`logparse.LineCutter`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetheal.contracts import LAUNCH_TAG, OWN_LOG_LINE
+from fleetheal.contracts import LAUNCH_TAG
+from fleetheal.logparse import LineCutter
 from fleetheal.slurm.fields import parse_kv_line
 from fleetheal.slurm.jobs import job_comment, open_job_file
 from fleetheal.slurm.runner import Runner
 
-#: Longest line judged whole.
-MAX_LINE = 4096
 #: Seconds after a job is first seen untagged when its comment is read once more (the launcher tags its job
 #: within a second of starting).
 LAUNCH_RECHECK_S = 5.0
@@ -81,8 +80,7 @@ class _Tail:
     dev: int = -1
     ino: int = -1
     offset: int = 0
-    partial: str = ""
-    cutting: bool = False
+    lines: LineCutter = field(default_factory=LineCutter)
 
 
 @dataclass
@@ -181,41 +179,18 @@ class JobOutputFollower:
                 # A file first seen: from its start, unless its job ran before the follower did.
                 start = st.st_size if self._before and job in self._before else 0
                 tail = self._tails[key] = _Tail(st.st_dev, st.st_ino, start)
-            elif (st.st_dev, st.st_ino) != (tail.dev, tail.ino) or st.st_size < tail.offset:
-                tail.dev, tail.ino, tail.offset, tail.partial = st.st_dev, st.st_ino, 0, ""  # replaced or truncated
+            elif (st.st_dev, st.st_ino) != (tail.dev, tail.ino) or st.st_size < tail.offset:  # replaced or truncated
+                tail.dev, tail.ino, tail.offset, tail.lines = st.st_dev, st.st_ino, 0, LineCutter()
             behind = st.st_size - tail.offset
             if behind > self.max_bytes:
                 self.skipped_bytes += behind - self.max_bytes
-                tail.offset, tail.partial, tail.cutting = st.st_size - self.max_bytes, "", True
+                tail.offset = st.st_size - self.max_bytes
+                tail.lines.lost()
             if behind <= 0:
                 return
             fh.seek(tail.offset)
             data = fh.read(self.max_bytes)
         tail.offset += len(data)
-        self._lines(job, tail, data.decode("utf-8", errors="replace"))
-
-    def _lines(self, job: str, tail: _Tail, text: str) -> None:
-        text = tail.partial + text
-        if tail.cutting:  # inside a line that was cut, or skipped into: from the next one on
-            _, newline, text = text.partition("\n")
-            if not newline:
-                tail.partial = ""
-                return
-            tail.cutting = False
-        whole, newline, rest = text.rpartition("\n")
-        if len(rest) > MAX_LINE:
-            whole = f"{whole}\n{rest[:MAX_LINE]}" if newline else rest[:MAX_LINE]
-            rest, tail.cutting = "", True
-        tail.partial = rest
+        whole = tail.lines.feed(data.decode("utf-8", errors="replace"))
         if whole:
             self.on_lines(job, whole)
-
-
-def judged_lines(text: str, may_match: Callable[[str], bool]) -> Iterable[str]:
-    """The lines of `text` a rule may match (a chunk no rule wants is skipped whole), each cut to MAX_LINE."""
-    if not may_match(text):
-        return
-    for whole in text.split("\n"):
-        line = whole[:MAX_LINE]  # a longer line is judged by its start only
-        if line and not line.startswith(OWN_LOG_LINE) and may_match(line):
-            yield line

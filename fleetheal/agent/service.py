@@ -55,7 +55,7 @@ from fleetheal.agent.training import ReportRefused, TrainingMonitor, parse_repor
 from fleetheal.contracts import JOB_OUTPUT_SOURCE, NODE_WIDE_GPU, drain_reason
 from fleetheal.logparse import APPLICATION as APPLICATION_RULES
 from fleetheal.logparse import KERNEL as KERNEL_RULES
-from fleetheal.logparse import load_parser
+from fleetheal.logparse import judged_lines, load_parser
 from fleetheal.slurm.runner import Runner
 from fleetheal.taxonomy import Taxonomy, load
 
@@ -272,8 +272,6 @@ class Agent:
     def job_lines(self, job: str, text: str) -> None:
         """Whole lines job `job` wrote to its output file: each one a rule may match is judged as a line
         `fleetheal launch` sends (`job_line`), with no run count."""
-        from fleetheal.agent.jobfiles import judged_lines
-
         now = self.clock()
         for line in judged_lines(text, self.job_output.parser.may_match):
             self.job_line(job, line, None, now)
