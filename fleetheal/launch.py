@@ -91,10 +91,10 @@ NODES_ENV = "FLEETHEAL_LAUNCH_NODES"
 RESTARTS_WORD = "fleetheal-restarts="
 #: How long the wrapper waits for the remediator to take a node out of the allocation.
 SHRINK_WAIT_S = 120.0
-_ORDER = re.compile(r"(?:^|\s)restart=(\S+)")
-_INCIDENT = re.compile(r"(?:^|\s)incident=(\S+)")
 #: The restart order word the remediator writes with the incident (`restart=<incident>`).
 ORDER_WORD = "restart="
+_ORDER = re.compile(rf"(?:^|\s){ORDER_WORD}(\S+)")
+_INCIDENT = re.compile(r"(?:^|\s)incident=(\S+)")
 #: How long the wrapper waits for fleetheal's order after CMD failed having printed a flagged line.
 ORDER_WAIT_S = 30.0
 _RESIZED_ENV = ("SLURM_JOB_CPUS_PER_NODE", "SLURM_TASKS_PER_NODE")

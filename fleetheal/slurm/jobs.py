@@ -124,10 +124,6 @@ def _summary(job: dict[str, Any]) -> dict[str, Any]:
         "restart_cnt": number(job.get("restart_cnt")),
         "comment": str(job.get("comment") or ""),
         "stdout": _stdout_path(job),
-        # Its own file only when the job named one (--error); else stderr goes to stdout's.
-        "stderr": _stdout_path({**job, "standard_output": job.get("standard_error")})
-        if job.get("standard_error")
-        else "",
         "uid": -1 if uid is None else int(uid),
     }
 
