@@ -158,7 +158,7 @@ def _follower_figure(tmp: Path) -> dict[str, Any]:
     out.write_text("")
     seen: list[int] = []
     follower = JobOutputFollower(
-        "bench", lambda job, text: seen.append(sum(1 for _ in judged_lines(text, parser.may_match))), print
+        "bench", lambda job, text, run: seen.append(sum(1 for _ in judged_lines(text, parser.may_match))), print
     )
     script = tmp / "printer.py"
     script.write_text(PRINTER)

@@ -1,6 +1,6 @@
 """The whole loop on the lab (real Slurm, Prometheus, Alertmanager, agents, remediator, ansible-runner):
-Xid 79 and NCCL-timeout injections, alternating, on a running 2-node training job; and, in the same run,
-stock Slurm's own recovery from a failed node as the peer of the Xid 79 figure.
+Xid 79 injections and NCCL timeouts the job prints, alternating, on a running 2-node training job; and, in
+the same run, stock Slurm's own recovery from a failed node as the peer of the Xid 79 figure.
 
 Xid 79 rounds (timed from writing the fault into the node's simulated-GPU file):
 1. fault -> Slurm node DRAIN by the agent's fast path (`scontrol show node`, polled every 50 ms). Goal p99 < 2 s.
@@ -16,8 +16,9 @@ Xid 79 rounds (timed from writing the fault into the node's simulated-GPU file):
    Notes carry the per-phase medians: first response / playbook, grace signal, requeue, promotion, from
    the incident's timeline and the job's events.
 
-NCCL-timeout rounds (`nccl-timeout`, transient, RESTART_IN_PLACE; injected as `fleetheal lab demo`'s
-scenario does, on the job's first node): fault -> training running again on the same nodes, seen through
+NCCL-timeout rounds (`nccl-timeout`, transient, RESTART_IN_PLACE; raised as `make demo` raises it: the job's
+rank 0 prints PyTorch's watchdog line and hangs, `fleetheal launch` on the batch host passes the line to that
+node's agent; nothing is injected on a node): fault -> training running again on the same nodes, seen through
 the lab's public behaviour only, so the figure keeps its meaning when the job's restart mechanism changes:
 either Slurm's restart count goes up and the job is RUNNING (a requeue in place), or the job's
 `events.jsonl` has a new `start` event after the fault while the job stays RUNNING (a restart inside the
@@ -37,10 +38,12 @@ adds a median of ~150 s).
 After each Xid round a "repair technician" returns the failed node: the fault file is cleared, the
 remediator releases it (`fleetheal remediator release`), Slurm gets the standby reason back and its
 Kubernetes Node the standby label and taint. A fresh job is submitted after 3 remediations of one job
-(the remediator's per-job retry limit counts requeues and restarts in place alike). Each injection uses a
-label the agent does not hold active: the agent holds an event fault for 10 minutes
-(`health.event_hold_s`) per (GPU, fault), and one alert is one incident; Xid rounds rotate the GPU index,
-NCCL rounds use the node-wide label first (as the demo does), then GPU indices.
+(the remediator's per-job retry limit counts requeues and restarts in place alike). The agent holds an event
+fault for 10 minutes (`health.event_hold_s`) per (GPU, fault), and one alert is one incident, so each Xid
+injection uses a GPU the agent holds no Xid 79 for: the rounds rotate the GPU index, and when the worker's
+node has none left (a real node goes to repair for longer; the lab's takes seconds), a fresh job runs on
+nodes that do. A job-printed fault names the job's run (`job_run`), so NCCL rounds need no rotation: each
+restart is a new run.
 
 Rounds run until ROUNDS of each kind are done or FLEETHEAL_BENCH_LAB_S seconds (default 900) have passed;
 the peer runs PEER_ROUNDS rounds (FLEETHEAL_BENCH_LAB_PEER_ROUNDS, default 20) within PEER_BUDGET_S. The
@@ -61,7 +64,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +77,7 @@ from fleetheal.lab.lab import LAB_SITE_VARS, STANDBY_REASON, Lab
 from fleetheal.lab.labkube import PLACEHOLDER_IMAGE
 from fleetheal.lab.measure import measure
 from fleetheal.lab.slurm import SlurmCluster
-from fleetheal.lab.train import read_events
+from fleetheal.lab.train import MISBEHAVE, read_events
 from fleetheal.lab.watcher import expand_nodelist
 from fleetheal.slurm import conf
 from fleetheal.wait import WaitTimeout, wait_until
@@ -147,7 +150,7 @@ class Bench:
         self.rounds: dict[str, list[dict[str, Any]]] = {XID: [], NCCL: []}
         self.failures: dict[str, list[str]] = {XID: [], NCCL: []}
 
-    def new_job(self) -> None:
+    def new_job(self, exclude: Sequence[str] = ()) -> None:
         if self.job is not None:
             self.cluster.run("scancel", self.job, check=False)
             # What an epilog would do: tell every agent the old job's ranks ended, so their silence is
@@ -158,7 +161,7 @@ class Bench:
                     rep.end()
                     rep.close()
         # 2 nodes and a hot spare, as `make demo` runs it: an Xid 79 relocates inside the allocation.
-        self.job, self.run_dir = self.lab.submit_training(name=f"bench{len(self.runs)}", spares=1)
+        self.job, self.run_dir = self.lab.submit_training(name=f"bench{len(self.runs)}", spares=1, exclude=exclude)
         self.runs.append(self.run_dir)
         self.acted = 0
 
@@ -234,11 +237,17 @@ class Bench:
     # ---- Xid 79: isolate and relocate --------------------------------------------------------------
 
     def xid_round(self) -> None:
+        gpus: list[int | None] = list(range(int(self.lab.meta["gpus"])))
         info = self.prepare(spare=True)
         assert self.run_dir is not None
         # The worker's node (`srun --relative=1`): not the batch host, not the spare.
         node = expand_nodelist(info["NodeList"])[1]
-        free, gpu = self.free_label(node, XID, list(range(int(self.lab.meta["gpus"]))))
+        free, gpu = self.free_label(node, XID, gpus)
+        if not free:  # a fresh job on nodes whose GPUs the agent holds no Xid for (the lab repairs in seconds)
+            self.new_job(exclude=[n for n in self.lab.nodes if not self.free_label(n, XID, gpus)[0]])
+            info = self.prepare(spare=True)
+            node = expand_nodelist(info["NodeList"])[1]
+            free, gpu = self.free_label(node, XID, gpus)
         if not free:
             raise RuntimeError(f"every GPU label of {node} was used for {XID} in the last {EVENT_HOLD_S:.0f} s")
         self.labels[(node, XID, gpu)] = time.monotonic()
@@ -374,20 +383,14 @@ class Bench:
         info = self.prepare()
         assert self.run_dir is not None
         nodes = expand_nodelist(info["NodeList"])
-        labels: list[int | None] = [None, *range(int(self.lab.meta["gpus"]))]
-        free, node, gpu = False, nodes[0], None
-        for node in nodes:  # the job's first node, as the demo does, unless its labels are all held
-            free, gpu = self.free_label(node, NCCL, labels)
-            if free:
-                break
-        if not free:
-            raise RuntimeError(f"every label of {','.join(nodes)} was used for {NCCL} in the last {EVENT_HOLD_S:.0f} s")
-        self.labels[(node, NCCL, gpu)] = time.monotonic()
+        node = nodes[0]  # the batch host, where `fleetheal launch` reads rank 0's output
         restarts0 = int(info.get("Restarts", "0"))
         starts0 = len(self.starts())
         self.acted += 1
         t0 = time.time()
-        self.lab.inject(node, NCCL, gpu)
+        # As `make demo` raises it: rank 0 prints PyTorch's watchdog line and hangs; nothing is injected on
+        # the node. Each run of the job that prints it raises its own fault (the alert names the run).
+        (self.run_dir / MISBEHAVE).write_text(f"{NCCL}\n")
         r: dict[str, Any] = {}
 
         def running() -> tuple[float, str] | None:
@@ -402,14 +405,13 @@ class Bench:
             return None
 
         again = _poll(running, 120, 0.1)
-        where = f"{node} {'node-wide' if gpu is None else f'gpu {gpu}'}"
+        where = f"{node} job {self.job}"
         if again is None:
             i = self.job_info()
             self.failures[NCCL].append(
                 f"{where}: job {self.job} not running again within 120 s ({i.get('JobState')} {i.get('Reason')}; "
                 f"{self.last_incident(node)})"
             )
-            clear(self.lab.node_dir(node) / "sim-gpus.json", fault_id=NCCL)
             return
         r["running"], r["path"] = again
         r["same_nodes"] = sorted(expand_nodelist(self.job_info()["NodeList"])) == sorted(nodes)
@@ -421,7 +423,6 @@ class Bench:
                 if "equeue" in key:  # slurm_requeue: a requeue in place, or the in-job restart order
                     r.setdefault("restart_order", value)
             r["incident_done"] = float(full.get("phases", {}).get("total") or float("nan"))
-        clear(self.lab.node_dir(node) / "sim-gpus.json", fault_id=NCCL)
         self.rounds[NCCL].append(r)
 
 
@@ -474,7 +475,7 @@ class Peer:
         self.down: list[float] = []
         self.failures: list[str] = []
 
-    def new_job(self) -> None:
+    def new_job(self, exclude: Sequence[str] = ()) -> None:
         if self.job is not None:
             self.cluster.run("scancel", self.job, check=False)
         self.job = self.cluster.sbatch(
@@ -748,7 +749,8 @@ def _nccl_figures(rounds: list[dict[str, Any]], failures: list[str], err: str) -
             restart.append(r["resumed"] - r["running"])
     return [
         _figure("NCCL timeout -> training running again in place", running, "-",
-                f"{how}; {phases}{_failed(failures)}{err}", key="nccl_running_again",
+                f"printed by the job's rank 0 (nothing injected); {how}; {phases}{_failed(failures)}{err}",
+                key="nccl_running_again",
                 phases={k: v for k, v in m.items() if v is not None}, paths=paths),
         _figure("  of which platform overhead (less the 3 s grace period)", platform, "p50 < 3 s",
                 "running again (requeue: RUNNING with restart count up; in-job: the new start event) minus the lab's "

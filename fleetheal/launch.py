@@ -166,6 +166,10 @@ class OutputWatch:
         self.reporter = TrainingReporter(job=job, rank=0)
         #: The launcher's restart count, read when a line is sent.
         self.run = run
+        #: Slurm's restart count of this run of the job (unset before its first requeue): with `run`, which
+        #: run printed a line (`fleetheal.agent.training.run_label`).
+        count = os.environ.get("SLURM_RESTART_COUNT", "0")
+        self.requeues = int(count) if count.isascii() and count.isdigit() else None
         self.skipped = 0
         self.sent = 0
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(WATCH_QUEUE)
@@ -301,7 +305,8 @@ class OutputWatch:
 
     def _send(self, line: str) -> None:
         now = time.monotonic()
-        if self._sends.has(now) and self.reporter.line(line, self.run()):  # a line not sent costs nothing
+        # A line not sent costs no budget.
+        if self._sends.has(now) and self.reporter.line(line, self.run(), self.requeues):
             self._sends.take(now)
             self.sent += 1
 

@@ -22,6 +22,7 @@ def launch(tmp_path: Path, script: str, *flags: str, sock: Path | None = None) -
         **os.environ,
         "PYTHONPATH": str(REPO),
         "SLURM_JOB_ID": "4242",
+        "SLURM_RESTART_COUNT": "2",  # the job's third run: its lines say so
         "FLEETHEAL_TRAINING_SOCKET": str(sock or tmp_path / "absent.sock"),
     }
     argv = [sys.executable, "-m", "fleetheal", "launch", *flags, "--", "sh", "-c", script]
@@ -59,7 +60,7 @@ def test_the_output_is_copied_unchanged_and_fault_lines_reach_the_agent(tmp_path
     assert run.stdout == f"step 1 loss 2.3\n{long_line}\nno newline at the end".encode()
     assert run.stderr.decode().endswith(NCCL + "\n")
     reports = received(sock)
-    assert reports == [{"v": 1, "job": "4242", "event": "line", "line": NCCL[:1024], "run": 0}], reports
+    assert reports == [{"v": 1, "job": "4242", "event": "line", "line": NCCL[:1024], "run": 0, "requeues": 2}], reports
 
 
 def test_without_an_agent_the_job_runs_on(tmp_path):
@@ -114,7 +115,7 @@ def test_a_command_writing_a_file_writes_it_itself_and_its_fault_lines_reach_the
     assert run.returncode == 3
     lines = [line for line in out.read_text().splitlines() if not line.startswith("fleetheal launch:")]
     assert lines[1:] == ["writes-the-file", own, NCCL], lines
-    assert received(sock) == [{"v": 1, "job": "4242", "event": "line", "line": NCCL[:1024], "run": 0}]
+    assert received(sock) == [{"v": 1, "job": "4242", "event": "line", "line": NCCL[:1024], "run": 0, "requeues": 0}]
 
 
 def test_a_flood_into_a_file_is_read_within_the_budget_and_its_last_line_judged(tmp_path, agent_socket):

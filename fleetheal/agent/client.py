@@ -102,14 +102,17 @@ class TrainingReporter:
             self.dropped += 1
         return False
 
-    def line(self, text: str, run: int | None = None) -> bool:
+    def line(self, text: str, run: int | None = None, requeues: int | None = None) -> bool:
         """Send one line of the job's own output (cut to MAX_OUTPUT_LINE characters) for the agent to classify;
-        `run`: how many times the job's command was restarted before it printed it. Not rate-limited here: the
-        caller picks the lines (`fleetheal launch` sends those its rules flag). True when sent; never raises."""
+        `run`: how many times the job's command was restarted in its allocation before it printed it;
+        `requeues`: Slurm's restart count of the job (SLURM_RESTART_COUNT). Not rate-limited here: the caller
+        picks the lines (`fleetheal launch` sends those its rules flag). True when sent; never raises."""
         try:
             doc: dict[str, object] = {"v": 1, "job": self.job, "event": "line", "line": text[:MAX_OUTPUT_LINE]}
             if run is not None:
                 doc["run"] = int(run)
+            if requeues is not None:
+                doc["requeues"] = int(requeues)
             return self._send(doc)
         except Exception:
             self.dropped += 1

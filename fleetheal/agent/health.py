@@ -40,6 +40,9 @@ class Detection:
     #: The Slurm job whose own reports raised it ("" for a fault of the node or its GPUs): the
     #: remediator acts on that job only.
     job: str = ""
+    #: Which run of `job` said it ("" when unknown or no job; `training.run_label`): a fault of the job's next
+    #: run is a new fault, not a repeat of one already acted on.
+    run: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +138,13 @@ class ActiveFault:
     last_seen: float
     occurrences: int = 1
     job: str = ""
+    run: str = ""
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        """One active fault per GPU, fault and job: two jobs' faults on one node are two."""
-        return (self.gpu, self.fault.id, self.job)
+    def key(self) -> tuple[str, str, str, str]:
+        """One active fault per GPU, fault, job and run: two jobs' faults on one node are two, and so are the
+        faults of two runs of one job (each restart acts on its own)."""
+        return (self.gpu, self.fault.id, self.job, self.run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,17 +182,17 @@ class HealthTracker:
 
     taxonomy: Taxonomy
     config: HealthConfig = field(default_factory=HealthConfig)
-    _active: dict[tuple[str, str, str], ActiveFault] = field(default_factory=dict)
-    #: (source, gpu, fault id, job) -> streak of polls for condition faults.
-    _streaks: dict[tuple[str, str, str, str], _Streak] = field(default_factory=dict)
+    _active: dict[tuple[str, str, str, str], ActiveFault] = field(default_factory=dict)
+    #: (source, gpu, fault id, job, run) -> streak of polls for condition faults.
+    _streaks: dict[tuple[str, str, str, str, str], _Streak] = field(default_factory=dict)
 
     def event(self, det: Detection, now: float) -> list[Change]:
         """An event detection: raise at once, fold repeats inside the dedup window."""
         fault = self.taxonomy.get(det.fault_id)
-        key = (det.gpu, fault.id, det.job)
+        key = (det.gpu, fault.id, det.job, det.run)
         current = self._active.get(key)
         if current is None:
-            af = ActiveFault(fault, det.gpu, det.source, det.detail, False, now, now, job=det.job)
+            af = ActiveFault(fault, det.gpu, det.source, det.detail, False, now, now, job=det.job, run=det.run)
             self._active[key] = af
             return [Change("raised", af)]
         repeated = now - current.last_seen >= self.config.dedup_s
@@ -205,19 +210,19 @@ class HealthTracker:
         toward clearing. `debounce` overrides debounce_polls (the one-shot check uses 1)."""
         need = self.config.debounce_polls if debounce is None else debounce
         changes: list[Change] = []
-        seen: set[tuple[str, str, str, str]] = set()
+        seen: set[tuple[str, str, str, str, str]] = set()
         for det in detections:
             if not det.condition:
                 changes += self.event(det, now)
                 continue
             fault = self.taxonomy.get(det.fault_id)
-            skey = (source, det.gpu, fault.id, det.job)
+            skey = (source, det.gpu, fault.id, det.job, det.run)
             seen.add(skey)
             streak = self._streaks.setdefault(skey, _Streak())
             streak.hits += 1
             streak.misses = 0
             streak.detail = det.detail
-            key = (det.gpu, fault.id, det.job)
+            key = (det.gpu, fault.id, det.job, det.run)
             current = self._active.get(key)
             if current is not None:
                 current.last_seen = now
@@ -225,7 +230,7 @@ class HealthTracker:
                     current.condition = True
                     current.source = source
             elif streak.hits >= need:
-                af = ActiveFault(fault, det.gpu, source, det.detail, True, now, now, job=det.job)
+                af = ActiveFault(fault, det.gpu, source, det.detail, True, now, now, job=det.job, run=det.run)
                 self._active[key] = af
                 changes.append(Change("raised", af))
         for skey in list(self._streaks):

@@ -14,10 +14,14 @@ step's stdout and stderr on the job's batch host. The agent of that node follows
   refused and counted, and learns nothing of that file.
 - **What is read**: what the job wrote since the last poll; for a job that started after the follower, from
   the file's start; for one that ran before it (the agent restarted), from where the file stood then, so that
-  nothing it printed before is judged twice. At most `max_bytes` a poll per file: a job printing faster is
-  skipped ahead to its newest output (the skipped bytes are counted), so
-  a job printing a million lines a second costs this thread one bounded read a poll, and the job is never
-  slowed (nothing is held open between polls; slurmstepd's writes never wait on the agent).
+  nothing it printed before is judged twice. A requeued job that appends to its file (`--open-mode=append`)
+  is read on from where its previous run stopped, for the same reason. At most `max_bytes` a poll per file: a
+  job printing faster is skipped ahead to its newest output (the skipped bytes are counted), so a job
+  printing a million lines a second costs this thread one bounded read a poll, and the job is never slowed
+  (nothing is held open between polls; slurmstepd's writes never wait on the agent).
+- **Which run**: Slurm's restart count of the job (`Restarts`, read when its batch step appears; a new
+  batch step pid is a new run), so a fault its next run prints is a new fault (`training.run_label`), acted
+  on again.
 - **What a line may cause**: the same as a line `fleetheal launch` sends (`fleetheal.agent.joboutput`): a
   job-scoped fault at most, never one that moves the node; the judge's per-job rate limit applies.
 
@@ -32,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleetheal.agent.training import run_label
 from fleetheal.contracts import LAUNCH_TAG
 from fleetheal.logparse import LineCutter
 from fleetheal.slurm.fields import parse_kv_line
@@ -42,11 +47,16 @@ from fleetheal.slurm.runner import Runner
 #: within a second of starting).
 LAUNCH_RECHECK_S = 5.0
 _BATCH = b"slurmstepd: ["
+#: Files of ended jobs whose read offsets are kept for a requeued run (a few hundred bytes each).
+ENDED_TAILS = 256
+#: Bytes before a read offset that tell an appended file from one its next run wrote afresh.
+MARK_BYTES = 64
 
 
-def batch_steps(proc: Path = Path("/proc")) -> set[str]:
-    """Job ids of the batch steps running on this machine (`slurmstepd: [JOB.batch]` processes)."""
-    found: set[str] = set()
+def batch_steps(proc: Path = Path("/proc")) -> dict[str, int]:
+    """The batch steps running on this machine (`slurmstepd: [JOB.batch]` processes): job id -> the step's pid
+    (a new pid for the same job is its next run, after a requeue)."""
+    found: dict[str, int] = {}
     for entry in os.scandir(proc):
         if not entry.name.isdigit():
             continue
@@ -59,7 +69,7 @@ def batch_steps(proc: Path = Path("/proc")) -> set[str]:
             step = head[len(_BATCH) :].split(b"]", 1)[0].decode(errors="replace")
             job, _, kind = step.partition(".")
             if kind == "batch" and job.isdigit():
-                found.add(job)
+                found[job] = int(entry.name)
     return found
 
 
@@ -70,6 +80,10 @@ class JobFiles:
     uid: int
     paths: tuple[str, ...]
     skip: str = ""
+    #: Which run of the job this is (`training.run_label` of Slurm's restart count).
+    run: str = ""
+    #: The pid of the run's batch step (slurmstepd).
+    pid: int = 0
     #: When to read the job's comment once more (0: never): `fleetheal launch` tags its job a moment after
     #: the batch step starts, which a follower may see first.
     recheck_at: float = 0.0
@@ -81,6 +95,8 @@ class _Tail:
     ino: int = -1
     offset: int = 0
     lines: LineCutter = field(default_factory=LineCutter)
+    #: The last bytes read, ending at `offset`: a later run finds them there only in a file it appended to.
+    mark: bytes = b""
 
 
 @dataclass
@@ -88,8 +104,9 @@ class JobOutputFollower:
     """Follows the output files of this node's batch jobs; `poll()` once per interval, from one thread."""
 
     node: str
-    #: Called with (job id, text): whole lines, a chunk at a time, for the judge.
-    on_lines: Callable[[str, str], None]
+    #: Called with (job id, text, run): whole lines, a chunk at a time, for the judge; `run` names the job's
+    #: run (`training.run_label`).
+    on_lines: Callable[[str, str, str], None]
     #: Called with why a job or a file could not be followed (counted as a read error by the agent).
     on_error: Callable[[str], None]
     runner: Runner = field(default_factory=lambda: Runner(timeout_s=10))
@@ -104,9 +121,12 @@ class JobOutputFollower:
     refused: int = 0
     _jobs: dict[str, JobFiles] = field(default_factory=dict)
     _tails: dict[tuple[str, str], _Tail] = field(default_factory=dict)
+    #: Where the files of jobs that left this node stood (a requeued job may come back and append), the most
+    #: recent ENDED_TAILS.
+    _ended: dict[tuple[str, str], _Tail] = field(default_factory=dict)
     #: Jobs that ran when the follower started (None before its first poll): read from their files' end.
     _before: set[str] | None = None
-    _running: set[str] | None = None
+    _running: dict[str, int] | None = None
     _scanned: float = 0.0
 
     def poll(self) -> None:
@@ -116,14 +136,18 @@ class JobOutputFollower:
         running = self._running
         if self._before is None:
             self._before = set(running)
-        for gone in set(self._jobs) - running:
-            del self._jobs[gone]
-        for key in [k for k in self._tails if k[0] not in running]:
-            del self._tails[key]
-        for job in sorted(running):
+        for gone in [job for job, files in self._jobs.items() if running.get(job) != files.pid]:
+            del self._jobs[gone]  # it ended, or its batch step is another one: a run after a requeue
+            self._before.discard(gone)  # a later run of it started while the follower was watching
+        for key in [k for k in self._tails if k[0] not in self._jobs]:
+            self._ended[key] = self._tails.pop(key)
+            while len(self._ended) > ENDED_TAILS:
+                self._ended.pop(next(iter(self._ended)))
+        for job, pid in sorted(running.items()):
             files = self._jobs.get(job) or self._ask(job)
             if files is None:
                 continue  # Slurm did not answer: asked again at the next poll
+            files.pid = pid
             self._jobs[job] = files
             if files.recheck_at and time.monotonic() >= files.recheck_at:
                 files.recheck_at = 0.0
@@ -132,7 +156,7 @@ class JobOutputFollower:
             if files.skip:
                 continue
             for path in files.paths:
-                self.read_file(job, path, files.uid)
+                self.read_file(job, path, files.uid, files.run)
 
     def jobs(self) -> dict[str, JobFiles]:
         """What is known of the jobs followed or skipped now."""
@@ -157,10 +181,12 @@ class JobOutputFollower:
         if LAUNCH_TAG in comment.split():
             return JobFiles(int(uid), (), skip="fleetheal launch watches its output")
         paths = tuple(dict.fromkeys(p for p in (f.get("StdOut", ""), f.get("StdErr", "")) if p.startswith("/")))
-        return JobFiles(int(uid), paths, recheck_at=time.monotonic() + LAUNCH_RECHECK_S)
+        restarts = f.get("Restarts", "")
+        run = run_label(int(restarts), None) if restarts.isascii() and restarts.isdigit() else ""
+        return JobFiles(int(uid), paths, run=run, recheck_at=time.monotonic() + LAUNCH_RECHECK_S)
 
-    def read_file(self, job: str, path: str, uid: int) -> None:
-        """Read what job `job` wrote to `path` since the last time, and pass its whole lines on."""
+    def read_file(self, job: str, path: str, uid: int, run: str = "") -> None:
+        """Read what run `run` of job `job` wrote to `path` since the last time, and pass its whole lines on."""
         key = (job, path)
         tail = self._tails.get(key)
         try:
@@ -176,8 +202,12 @@ class JobOutputFollower:
         with os.fdopen(fd, "rb") as fh:
             st = os.fstat(fd)
             if tail is None or tail.ino == -2:
-                # A file first seen: from its start, unless its job ran before the follower did.
+                # A file first seen: from its start, unless its job ran before the follower did, or its previous
+                # run wrote this same file (a requeued job appending to it): from where that run stopped.
                 start = st.st_size if self._before and job in self._before else 0
+                ended = self._ended.pop(key, None)
+                if ended is not None and _appended(fd, st, ended):
+                    start = ended.offset
                 tail = self._tails[key] = _Tail(st.st_dev, st.st_ino, start)
             elif (st.st_dev, st.st_ino) != (tail.dev, tail.ino) or st.st_size < tail.offset:  # replaced or truncated
                 tail.dev, tail.ino, tail.offset, tail.lines = st.st_dev, st.st_ino, 0, LineCutter()
@@ -191,6 +221,15 @@ class JobOutputFollower:
             fh.seek(tail.offset)
             data = fh.read(self.max_bytes)
         tail.offset += len(data)
+        tail.mark = data[-MARK_BYTES:]
         whole = tail.lines.feed(data.decode("utf-8", errors="replace"))
         if whole:
-            self.on_lines(job, whole)
+            self.on_lines(job, whole, run)
+
+
+def _appended(fd: int, st: os.stat_result, ended: _Tail) -> bool:
+    """True when the file behind `fd` is the one an earlier run of its job wrote, with that run's output
+    still in place up to where it was read (the next run appended to it, rather than writing it afresh)."""
+    if (ended.dev, ended.ino) != (st.st_dev, st.st_ino) or not ended.mark or ended.offset > st.st_size:
+        return False
+    return os.pread(fd, len(ended.mark), ended.offset - len(ended.mark)) == ended.mark

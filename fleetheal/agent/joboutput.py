@@ -15,8 +15,10 @@ by what it says:
 - a CUDA out-of-memory at the step of the job's previous one is `cuda-oom-repeated` (it will not fit as
   configured: not restarted again). The step is the furthest one the job's ranks reported on this node
   (None when they report none: no progress seen, the same step); the ranks of one run print their OOM
-  together, so a second OOM counts only from a new run of the launcher (`run`), or, when the run is
-  unknown, `dedup_s` after the first;
+  together, so a second OOM counts only from a new run of the job (`run`, `training.run_label`), or, when
+  the run is unknown, `dedup_s` after the first;
+- a detection names the run that printed it: a fault of the job's next run (after a restart in place or a
+  requeue) is a new fault, acted on again, while the repeats of one run fold into one;
 - a job sends at most `lines_per_s` lines a second (a burst of `lines_per_s`); the rest are dropped unread,
   so a job printing a million error lines costs the agent nothing more.
 """
@@ -37,7 +39,7 @@ OOM, OOM_REPEATED = "cuda-oom", "cuda-oom-repeated"
 @dataclass(slots=True)
 class _Oom:
     step: int | None
-    run: int | None
+    run: str
     at: float
 
 
@@ -72,10 +74,9 @@ class JobOutputJudge:
             return False
         return True
 
-    def judge(
-        self, job: str, line: str, now: float, *, step: int | None = None, run: int | None = None
-    ) -> Detection | None:
-        """The detection a line of Slurm job `job`'s output causes, or None (no fault, or over the rate)."""
+    def judge(self, job: str, line: str, now: float, *, step: int | None = None, run: str = "") -> Detection | None:
+        """The detection a line of Slurm job `job`'s output causes, or None (no fault, or over the rate).
+        `run`: which run of the job printed it ("" unknown)."""
         if not self._admit(job, now):
             return None
         events = [e for e in self.parser.parse_line(line) if e.known]
@@ -89,9 +90,9 @@ class JobOutputJudge:
             fault_id = JOB_OUTPUT_NODE_CLAIM
         elif fault_id == OOM:
             fault_id = self._oom(job, step, run, now)
-        return Detection(fault_id, NODE_WIDE_GPU, JOB_OUTPUT_SOURCE, detail, job=job)
+        return Detection(fault_id, NODE_WIDE_GPU, JOB_OUTPUT_SOURCE, detail, job=job, run=run)
 
-    def _oom(self, job: str, step: int | None, run: int | None, now: float) -> str:
+    def _oom(self, job: str, step: int | None, run: str, now: float) -> str:
         before = self._ooms.get(job)
         if before is None:
             _forget_oldest(self._ooms, self.max_jobs)
@@ -100,8 +101,7 @@ class JobOutputJudge:
         self._ooms[job] = _Oom(step, run, now)
         if before is None or before.step != step:
             return OOM
-        known_runs = run is not None and before.run is not None
-        again = run != before.run if known_runs else now - before.at >= self.dedup_s
+        again = run != before.run if run and before.run else now - before.at >= self.dedup_s
         if not again:  # the same OOM, printed by another rank: the first's verdict stands
             self._ooms[job] = before
         return OOM_REPEATED if again else OOM

@@ -14,8 +14,10 @@ from prometheus_client.process_collector import ProcessCollector
 from fleetheal.contracts import METRIC_FAULT_ACTIVE, METRIC_FAULTS_TOTAL
 
 #: `job_id`: the Slurm job whose own training reports raised the fault ("" otherwise, which Prometheus
-#: drops); the alert carries it and the remediator acts on that job only.
-FAULT_LABELS = ("node", "gpu", "fault_id", "class", "action", "severity", "job_id")
+#: drops); the alert carries it and the remediator acts on that job only. `job_run`: which run of that job
+#: ("REQUEUES.RESTARTS", `training.run_label`; "" otherwise): a later run's fault is another series, so
+#: another alert and another incident, while the fault of a run already acted on stays one.
+FAULT_LABELS = ("node", "gpu", "fault_id", "class", "action", "severity", "job_id", "job_run")
 
 #: Raw GPU counters exported as `fleetheal_agent_gpu_<name>` gauges: sample key -> (metric suffix, help).
 GPU_GAUGES = {

@@ -51,7 +51,7 @@ from fleetheal.agent.joboutput import JobOutputJudge
 from fleetheal.agent.outputs import Exporter, HealthFile
 from fleetheal.agent.simulated import SimulatedGpuBackend
 from fleetheal.agent.training import SOURCE as TRAINING
-from fleetheal.agent.training import ReportRefused, TrainingMonitor, parse_report, slurm_job_id
+from fleetheal.agent.training import ReportRefused, TrainingMonitor, parse_report, run_label, slurm_job_id
 from fleetheal.contracts import JOB_OUTPUT_SOURCE, NODE_WIDE_GPU, drain_reason
 from fleetheal.logparse import APPLICATION as APPLICATION_RULES
 from fleetheal.logparse import KERNEL as KERNEL_RULES
@@ -269,12 +269,12 @@ class Agent:
             follower.poll()
             self.stop_event.wait(self.cfg.job_files.interval_s)
 
-    def job_lines(self, job: str, text: str) -> None:
-        """Whole lines job `job` wrote to its output file: each one a rule may match is judged as a line
-        `fleetheal launch` sends (`job_line`), with no run count."""
+    def job_lines(self, job: str, text: str, run: str) -> None:
+        """Whole lines run `run` of job `job` wrote to its output file: each one a rule may match is judged as a
+        line `fleetheal launch` sends (`job_line`)."""
         now = self.clock()
         for line in judged_lines(text, self.job_output.parser.may_match):
-            self.job_line(job, line, None, now)
+            self.job_line(job, line, run, now)
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         def guarded() -> None:
@@ -359,7 +359,7 @@ class Agent:
                 raise ReportRefused(f"gpu {report.gpu} is not a GPU of {self.node}")
             now = self.clock()
             if report.line is not None:
-                self.job_line(report.job, report.line, report.run, now)
+                self.job_line(report.job, report.line, run_label(report.requeues, report.run), now)
                 return
             with self.lock:  # the polling thread reads the same jobs and series
                 detections = self.training.ingest(report, now)
@@ -371,9 +371,10 @@ class Agent:
         for det in detections:
             self.detect(det)
 
-    def job_line(self, job: str, line: str, run: int | None, now: float) -> None:
+    def job_line(self, job: str, line: str, run: str, now: float) -> None:
         """A line of job `job`'s own output, from a sender allowed to speak for the job: a job-scoped fault at
-        most (`fleetheal.agent.joboutput`), never one that moves this node."""
+        most (`fleetheal.agent.joboutput`), never one that moves this node. `run`: which run of the job printed
+        it (`training.run_label`, "" unknown)."""
         job = slurm_job_id(job)
         if not job:  # a fault for no named job would reach every job of the node
             self.read_error(JOB_OUTPUT_SOURCE, "job output line refused: it names no Slurm job")
@@ -484,7 +485,7 @@ class Agent:
         for ch in changes:
             af = ch.fault
             f = af.fault
-            labels = (self.node, af.gpu, f.id, f.fault_class, f.action, f.severity, af.job)
+            labels = (self.node, af.gpu, f.id, f.fault_class, f.action, f.severity, af.job, af.run)
             fields = {
                 "node": self.node,
                 "gpu": af.gpu,
@@ -494,6 +495,7 @@ class Agent:
                 "severity": f.severity,
                 "source": af.source,
                 "job": af.job,
+                "run": af.run,
                 "detail": af.detail,
             }
             if ch.kind == "cleared":

@@ -10,9 +10,9 @@ report with `"event": "end"` says the rank finished and forgets it. Anything els
 counted, never fatal.
 
 A line of the job's own output (`fleetheal launch` sends the lines its rules flag) is a report with
-`"event": "line"`, the text in `line` (at most MAX_OUTPUT_LINE characters) and the launcher's restart count
-in `run` (optional); `rank` and `step` may be left out. The agent classifies the text itself
-(`fleetheal.agent.joboutput`): the sender's judgement is never taken.
+`"event": "line"`, the text in `line` (at most MAX_OUTPUT_LINE characters), the launcher's restart count
+in `run` and Slurm's (SLURM_RESTART_COUNT) in `requeues` (both optional); `rank` and `step` may be left out.
+The agent classifies the text itself (`fleetheal.agent.joboutput`): the sender's judgement is never taken.
 
 Judgements, per job and rank: NaN/Inf loss (`nan-loss`), a loss far above its running mean
 (`loss-spike`), a rank whose step time is far above its peers' median (`straggler`), and a hang: no step
@@ -43,6 +43,15 @@ def slurm_job_id(job: str) -> str:
     return job if _SLURM_JOB_ID.fullmatch(job) else ""
 
 
+def run_label(requeues: int | None, restarts: int | None) -> str:
+    """Which run of a Slurm job printed a line: "REQUEUES.RESTARTS" (Slurm's restart count of the job, then
+    `fleetheal launch`'s restarts inside that allocation), "" when neither is known. A fault of a later run is
+    a new fault (`health.ActiveFault.key`): the job's next NCCL timeout is acted on, whenever it comes."""
+    if requeues is None and restarts is None:
+        return ""
+    return f"{requeues or 0}.{restarts or 0}"
+
+
 _JOB = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 #: Bounds of the integer fields: a rank of the largest jobs, a step count, a GPU index on one node.
 MAX_RANK = 1 << 24
@@ -71,6 +80,8 @@ class Report:
     line: str | None = None
     #: The launcher's restart count when it sent `line` (None: unknown).
     run: int | None = None
+    #: Slurm's restart count of the job (SLURM_RESTART_COUNT) when it sent `line` (None: unknown).
+    requeues: int | None = None
 
 
 def parse_report(data: bytes) -> Report:
@@ -112,7 +123,8 @@ def parse_report(data: bytes) -> Report:
         if not isinstance(line, str) or len(line) > MAX_OUTPUT_LINE:
             raise MalformedReport(f"line must be a string of at most {MAX_OUTPUT_LINE} characters")
         rank, step = integer("rank", False, MAX_RANK) or 0, integer("step", False, MAX_STEP) or 0
-        return Report(job, rank, step, line=line, run=integer("run", False, MAX_STEP))
+        run, requeues = integer("run", False, MAX_STEP), integer("requeues", False, MAX_STEP)
+        return Report(job, rank, step, line=line, run=run, requeues=requeues)
     required_rank = integer("rank", True, MAX_RANK)
     required_step = integer("step", True, MAX_STEP)
     assert required_rank is not None and required_step is not None

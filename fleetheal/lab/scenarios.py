@@ -325,7 +325,7 @@ def scenario_oom(lab: Lab, w: Watcher, out: Callable[[str], None]) -> Outcome:
     def ended() -> str | None:
         info = w.job_info()
         state = info.get("JobState")
-        if state in (None, "RUNNING", "PENDING", "CONFIGURING"):
+        if state in (None, "RUNNING", "PENDING", "CONFIGURING", "COMPLETING"):  # COMPLETING: still ending
             return None
         o.details["job_state"] = state
         return f"job {w.job} {state}, not restarted again"

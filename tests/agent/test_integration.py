@@ -364,6 +364,48 @@ def test_the_agent_follows_the_output_file_of_a_job_run_without_fleetheal_launch
     cluster.run("scancel", job)
 
 
+#: A batch job run without `fleetheal launch`, requeued after its first NCCL timeout: its second run appends
+#: to the same file, prints an out-of-memory, then (told to) a second NCCL timeout.
+REQUEUED_JOB = """#!/bin/sh
+if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
+  echo "[rank0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7) ran for 600009 milliseconds"
+  exec sleep 300
+fi
+echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+while [ ! -e {marks}/go ]; do sleep 0.1; done
+echo "[rank0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9) ran for 600009 milliseconds"
+exec sleep 300
+"""
+
+
+def test_a_requeued_job_s_next_fault_is_a_new_fault_and_its_old_lines_are_not_judged_again(cluster, agent):
+    """The job's first run prints an NCCL timeout; the remediator would requeue it (here: `scontrol requeue`).
+    Its second run, appending to the same file, is run 1.0: what it prints raises faults of its own (a new
+    series, a new alert), while the first run's line, still in the file, is not judged again."""
+    port, tmp = agent["port"], agent["tmp"]
+    marks = tmp / "marks"
+    marks.mkdir()
+    out = tmp / "job.out"
+    job = cluster.sbatch(
+        REQUEUED_JOB.format(marks=marks), "-w", "n1", "--requeue", "--open-mode=append", f"--output={out}"
+    )
+
+    def active(fault: str, run: str) -> bool:
+        return _series(_metrics(port), "fleetheal_agent_fault_active", fault_id=fault, job_id=job, job_run=run) == 1
+
+    cluster.wait_for("run 0.0's NCCL timeout", lambda: active("nccl-timeout", "0.0"), timeout=60)
+    cluster.scontrol("requeue", job)
+    cluster.wait_for("run 1.0's out-of-memory", lambda: active("cuda-oom", "1.0"), timeout=90)
+    # Read after run 0.0's line, which comes first in the file: had the follower read it again, it would be
+    # active for run 1.0 by now.
+    assert not active("nccl-timeout", "1.0")
+    (marks / "go").touch()
+    cluster.wait_for("run 1.0's own NCCL timeout", lambda: active("nccl-timeout", "1.0"), timeout=60)
+    assert active("nccl-timeout", "0.0")  # still held: the two runs' faults are two
+    assert not cluster.node("n1").drained
+    cluster.run("scancel", job)
+
+
 def test_a_job_output_file_swapped_for_a_link_is_not_followed(cluster, tmp_path):
     """The job replaces its output file with a symlink to a file it wants read (here a secret of root's with
     an NCCL line in it): the follower refuses the link, says so, and never reads the file behind it."""
@@ -379,7 +421,7 @@ def test_a_job_output_file_swapped_for_a_link_is_not_followed(cluster, tmp_path)
     lines: list[tuple[str, str]] = []
     errors: list[str] = []
     follower = JobOutputFollower(
-        "n1", lambda j, t: lines.append((j, t)), errors.append, runner=Runner(env=cluster.env), discover_s=0
+        "n1", lambda j, t, r: lines.append((j, t)), errors.append, runner=Runner(env=cluster.env), discover_s=0
     )
     follower.poll()
     follower.poll()
@@ -404,7 +446,7 @@ def test_a_flood_of_output_is_read_a_bounded_amount_a_poll(cluster, tmp_path):
     read: list[str] = []
     follower = JobOutputFollower(
         "n1",
-        lambda j, t: read.append(t),
+        lambda j, t, r: read.append(t),
         lambda why: None,
         runner=Runner(env=cluster.env),
         discover_s=0,
@@ -433,7 +475,7 @@ def test_the_output_of_a_job_run_by_fleetheal_launch_is_left_to_the_launcher(clu
     )
     lines: list[str] = []
     follower = JobOutputFollower(
-        "n1", lambda j, t: lines.append(t), lambda why: None, runner=Runner(env=cluster.env), discover_s=0
+        "n1", lambda j, t, r: lines.append(t), lambda why: None, runner=Runner(env=cluster.env), discover_s=0
     )
     follower.poll()
     job = cluster.sbatch(script, "-w", "n1", f"--output={out}", f"--comment={LAUNCH_TAG}")

@@ -70,11 +70,11 @@ def test_lines_no_rule_wants_raise_nothing():
 
 def test_a_second_oom_at_the_same_step_is_cuda_oom_repeated():
     j = judge()
-    assert j.judge("7", OOM, 0.0, step=100, run=0).fault_id == "cuda-oom"
-    assert j.judge("7", OOM, 0.5, step=100, run=0).fault_id == "cuda-oom"  # another rank of the same run
-    assert j.judge("7", OOM, 9.0, step=100, run=1).fault_id == "cuda-oom-repeated"  # restarted, same step
-    assert j.judge("7", OOM, 20.0, step=180, run=2).fault_id == "cuda-oom"  # progress since: a new first
-    assert j.judge("8", OOM, 20.0, step=180, run=2).fault_id == "cuda-oom"  # another job has its own count
+    assert j.judge("7", OOM, 0.0, step=100, run="0.0").fault_id == "cuda-oom"
+    assert j.judge("7", OOM, 0.5, step=100, run="0.0").fault_id == "cuda-oom"  # another rank of the same run
+    assert j.judge("7", OOM, 9.0, step=100, run="0.1").fault_id == "cuda-oom-repeated"  # restarted, same step
+    assert j.judge("7", OOM, 20.0, step=180, run="0.2").fault_id == "cuda-oom"  # progress since: a new first
+    assert j.judge("8", OOM, 20.0, step=180, run="0.2").fault_id == "cuda-oom"  # another job has its own count
 
 
 def test_without_a_run_count_a_second_oom_counts_after_the_dedup_window():

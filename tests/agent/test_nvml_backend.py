@@ -106,7 +106,7 @@ def test_gpu_lost_raises_gpu_lost_and_the_agent_raises_the_fault(tmp_path):
     active = {(a.gpu, a.fault.id) for a in agent.tracker.active()}
     assert ("1", "gpu-lost") in active
     labels = {"node": "n1", "gpu": "1", "fault_id": "gpu-lost", "class": "hardware"}
-    labels |= {"action": "ISOLATE_AND_RELOCATE", "severity": "critical", "job_id": ""}
+    labels |= {"action": "ISOLATE_AND_RELOCATE", "severity": "critical", "job_id": "", "job_run": ""}
     assert agent.metrics.registry.get_sample_value("fleetheal_agent_fault_active", labels) == 1
 
 

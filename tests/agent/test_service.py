@@ -61,6 +61,7 @@ def setup(tmp_path):
 def _value(agent, name, **labels):
     if name == "fleetheal_agent_fault_active":
         labels.setdefault("job_id", "")  # a fault of the node or its GPUs names no job
+        labels.setdefault("job_run", "")
     return agent.metrics.registry.get_sample_value(name, labels)
 
 
@@ -392,10 +393,12 @@ def test_the_agent_logs_the_one_json_schema(setup):
     assert list(remediator)[:4] == ["time", "level", "logger", "msg"] and remediator["url"] == "http://x"
 
 
-def _line(job: str, text: str, run: int | None = None) -> bytes:
+def _line(job: str, text: str, run: int | None = None, requeues: int | None = None) -> bytes:
     doc: dict[str, object] = {"v": 1, "job": job, "event": "line", "line": text}
     if run is not None:
         doc["run"] = run
+    if requeues is not None:
+        doc["requeues"] = requeues
     return json.dumps(doc).encode()
 
 
@@ -436,6 +439,30 @@ def test_job_output_faults_name_the_job_and_a_second_oom_is_repeated(setup, tmp_
     assert {("cuda-oom", "4242"), ("cuda-oom-repeated", "4242")} <= active
     _drain_queue(agent)
     assert fake.updates == [] and (tmp_path / "health").read_text() == "ok\n"
+
+
+def test_each_run_of_a_job_raises_its_own_fault_and_repeats_of_one_run_fold(setup):
+    """A job restarted in place after its NCCL timeout prints another one minutes later: that is a new fault
+    (a new series, so a new alert and a new restart), while the same run's ranks printing it again are one.
+    A requeue (Slurm's restart count) starts a new run too, even where the launcher's own count starts over."""
+    agent, fake, clock = setup()
+    nccl = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)"
+    labels = {"node": "n1", "gpu": "node", "fault_id": "nccl-timeout", "class": "transient"}
+    labels |= {"action": "RESTART_IN_PLACE", "severity": "warning", "job_id": "4242"}
+    agent.training_report(_line("4242", nccl, run=0, requeues=0), 0)
+    clock.t += 60  # past the dedup window: a repeat of run 0.0, not a new fault
+    agent.training_report(_line("4242", nccl, run=0, requeues=0), 0)
+    clock.t += 60  # restarted in place (the launcher's count), well inside the 10-minute hold of the first
+    agent.training_report(_line("4242", nccl, run=1, requeues=0), 0)
+    clock.t += 60  # requeued by Slurm: the launcher counts from 0 again
+    agent.training_report(_line("4242", nccl, run=0, requeues=1), 0)
+    for run in ("0.0", "0.1", "1.0"):
+        assert _value(agent, "fleetheal_agent_fault_active", job_run=run, **labels) == 1, run
+    assert _value(agent, "fleetheal_agent_faults_total", fault_id="nccl-timeout", **{"class": "transient"}) == 4
+    first = next(a for a in agent.tracker.active() if a.run == "0.0")
+    assert first.occurrences == 2
+    _drain_queue(agent)
+    assert fake.updates == []
 
 
 def test_a_job_output_line_must_name_a_slurm_job(setup):
