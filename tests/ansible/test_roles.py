@@ -13,8 +13,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run_role(tmp_path: Path, role: str, role_vars: dict[str, object], cmdline: str = "") -> tuple[int, str, dict]:
-    import ansible_runner
-
     play = [
         {
             "name": f"role {role}",
@@ -23,6 +21,12 @@ def _run_role(tmp_path: Path, role: str, role_vars: dict[str, object], cmdline: 
             "roles": [{"role": role, "vars": role_vars}],
         }
     ]
+    return _run_play(tmp_path, play, cmdline)
+
+
+def _run_play(tmp_path: Path, play: list[dict[str, object]], cmdline: str = "") -> tuple[int, str, dict]:
+    import ansible_runner
+
     project = tmp_path / "project"
     project.mkdir()
     (project / "play.yml").write_text(json.dumps(play))
@@ -154,3 +158,84 @@ def test_node_validation_in_check_mode_measures_nothing_and_does_not_pass(tmp_pa
     for name in ("dcgm_diag", "nccl_busbw", "burn_in"):
         assert f'"{name}: not run in check mode"' in out
     assert "Run | burn-in load] ***" in out and not report.exists()
+
+
+AGENT_ROLE = REPO / "roles" / "gpu_health_agent"
+
+
+def _render_agent(tmp_path: Path, role_vars: dict[str, object]) -> tuple[list[str], str]:
+    """Role gpu_health_agent's unit (its directives, comments left out) and agent.yaml as Ansible renders them
+    from the role's defaults and `role_vars`, without installing anything."""
+    out = tmp_path / "rendered"
+    out.mkdir(parents=True)
+    render = [
+        {
+            "name": f"Render {name}",
+            "ansible.builtin.template": {"src": str(AGENT_ROLE / "templates" / f"{name}.j2"), "dest": str(out / name)},
+        }
+        for name in ("fleetheal-agent.service", "agent.yaml")
+    ]
+    play = [
+        {
+            "name": "render gpu_health_agent's templates",
+            "hosts": "localhost",
+            "gather_facts": False,
+            "vars_files": [str(AGENT_ROLE / "defaults" / "main.yml")],
+            "tasks": [{"name": "Render", "vars": role_vars, "block": render}],  # block vars outrank vars_files
+        }
+    ]
+    rc, stdout, _ = _run_play(tmp_path, play)
+    assert rc == 0, stdout[-3000:]
+    unit = (out / "fleetheal-agent.service").read_text().splitlines()
+    return [line for line in unit if line and not line.startswith("#")], str(out / "agent.yaml")
+
+
+#: The credentials the unit hides when it may read every user's files (docs/agent.md).
+HIDDEN = [
+    "/etc/munge", "/etc/slurm/slurm.key", "/etc/slurm/jwt_hs256.key", "/etc/slurm/slurmdbd.conf", "/etc/shadow",
+    "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/ssh", "/root", "/etc/krb5.keytab", "/etc/kubernetes",
+    "/var/lib/kubelet/pki",
+]  # fmt: skip
+
+
+def test_gpu_health_agent_follows_no_job_files_by_default(tmp_path: Path) -> None:
+    from fleetheal.agent.config import load_config
+
+    unit, config = _render_agent(tmp_path, {})
+    assert "AmbientCapabilities=CAP_SYSLOG" in unit and "CapabilityBoundingSet=CAP_SYSLOG" in unit
+    assert "ProtectHome=yes" in unit
+    assert not [d for d in unit if "DAC_READ_SEARCH" in d or d.startswith(("InaccessiblePaths=", "SystemCallFilter="))]
+    assert load_config(config).job_files.enabled is False
+
+
+def test_gpu_health_agent_follows_job_files_on_request_and_hides_the_credentials(tmp_path: Path) -> None:
+    from fleetheal.agent.config import load_config
+
+    default, _ = _render_agent(tmp_path / "default", {})
+    unit, config = _render_agent(tmp_path, {"gpu_health_agent_follow_job_files": True})
+    assert sorted(set(default) - set(unit)) == [
+        "AmbientCapabilities=CAP_SYSLOG", "CapabilityBoundingSet=CAP_SYSLOG", "ProtectHome=yes",
+    ]  # fmt: skip
+    assert sorted(set(unit) - set(default)) == sorted(
+        [
+            "AmbientCapabilities=CAP_SYSLOG CAP_DAC_READ_SEARCH",
+            "CapabilityBoundingSet=CAP_SYSLOG CAP_DAC_READ_SEARCH",
+            "ProtectHome=read-only",
+            # open_by_handle_at(2) would open a hidden file by its handle, past the mounts
+            "SystemCallFilter=~open_by_handle_at",
+        ]
+        + [f"InaccessiblePaths=-{path}" for path in HIDDEN]  # "-": a path the node lacks does not fail the unit
+    )
+    assert unit.index("[Service]") < unit.index("ProtectHome=read-only") < unit.index("[Install]")
+    assert load_config(config).job_files.enabled is True
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_gpu_health_agent_refuses_job_files_set_against_its_variable(tmp_path: Path, follow: bool) -> None:
+    role_vars = {
+        "gpu_health_agent_follow_job_files": follow,
+        "gpu_health_agent_config": {"job_files": {"enabled": not follow, "interval_s": 2}},
+    }
+    rc, out, _ = _run_role(tmp_path, "gpu_health_agent", role_vars, cmdline="--check")
+    assert rc != 0
+    assert "set gpu_health_agent_follow_job_files, not job_files.enabled in gpu_health_agent_config" in out
