@@ -35,12 +35,17 @@ CRED_EXPIRE_S = 60
 #: on. 120 s rides out a slurmd pod restart in a NodeSet rolling update and a controller's GC or network pause,
 #: which at 2,000 nodes would otherwise requeue the largest jobs for nothing.
 SLURMD_TIMEOUT_S = 120
-#: Seconds a Slurm RPC waits for its answer (Slurm's default, stated so it is a decision): the cost of each
-#: dead peer in an RPC fan-out; slurmd and slurmctld retry within it.
+#: Seconds a Slurm RPC waits for its answer (Slurm's default, stated so it is a decision). Measured on Slurm
+#: 26.05 (tests/slurm/test_conf.py): a client's RPC to a controller that never answers fails after exactly this;
+#: slurmctld's RPC fan-out to a frozen slurmd (a health check) gives up after twice this, once per fan-out
+#: however many peers are frozen; an srun step launch that includes a frozen slurmd costs
+#: 2 x (MessageTimeout + BatchStartTimeout), 40 s with these values (a relocation launches on the nodes left).
 MESSAGE_TIMEOUT_S = 10
 #: Seconds between the main scheduler's full passes (Slurm's default 60 s). A requeued job whose begin time
-#: (cred_expire + 1 s) passes triggers no scheduling event: it waits for the next pass, so this bounds what a
-#: requeue costs beyond cred_expire. 10 s costs a queue-depth-bounded pass of slurmctld every 10 s.
+#: (cred_expire + 1 s) passes triggers no scheduling event: it waits for the next full pass, or the backfill
+#: scheduler's (every bf_interval, 30 s) when that comes first, so this bounds what a requeue costs beyond
+#: cred_expire (measured on 26.05: 10-11 s after the begin time at sched_interval=20 without backfill; 4 s with
+#: these settings). 10 s costs a queue-depth-bounded pass of slurmctld every 10 s.
 SCHED_INTERVAL_S = 10
 #: Seconds the scheduling of a newly submitted batch job may be deferred to batch submissions (Slurm's
 #: default 3 s): a relocation submits nothing, so it costs recovery nothing; a submission storm stays cheap.
@@ -54,9 +59,12 @@ BATCH_SCHED_DELAY_S = 3
 #: per node every 10 s, and nodes/10 RPCs a second from slurmctld (200/s at 2,000 nodes, spread by CYCLE).
 HEALTH_CHECK_INTERVAL_S = 10
 #: Seconds Slurm waits for a job's processes to die after SIGKILL before it drains the node ("Kill task
-#: failed"). A GPU process stuck in the driver after an Xid 79 holds its node COMPLETING, and a requeued job
-#: with it, this long; fleetheal's agent drains such a node sooner. Slurm's default is 60 s; 120 s leaves
-#: a driver reset (tens of seconds) time to release the process first.
+#: failed"). Slurm 22.05 drained a node whose task SIGKILL could not end (a GPU process stuck in the driver
+#: after an Xid 79) KillWait + this after a requeue. Slurm 26.05 does not (measured, tests/slurm/test_conf.py;
+#: SchedMD commit 7bf6b225b4): once a requeue or a cancel has signalled the step, the timer starts only for
+#: processes left after the step's tasks exited, so a stuck task holds its node COMPLETING, and a requeued job
+#: with it, for as long as it is stuck, undrained. fleetheal's agent drains such a node on the Xid itself.
+#: Slurm's default is 60 s; 120 s leaves a driver reset (tens of seconds) time to release what is left.
 UNKILLABLE_STEP_TIMEOUT_S = 120
 
 #: The operator's AuthInfo (auth/slurm takes the client's ids from the message, no user lookup in the pod);
@@ -166,19 +174,20 @@ def stack_settings(grace_seconds: int, health_check_program: str) -> tuple[Setti
             "MessageTimeout",
             str(MESSAGE_TIMEOUT_S),
             "Slurm's default, stated: an RPC's wait for its answer",
-            "each dead peer in an RPC fan-out costs up to this",
+            "an RPC to a silent peer costs this (a fan-out: twice this; an srun launch with a frozen node: 40 s)",
         ),
         Setting(
             "SchedulerParameters",
             f"sched_interval={SCHED_INTERVAL_S},batch_sched_delay={BATCH_SCHED_DELAY_S}",
-            "a requeued job whose hold expired waits for the next full scheduler pass (Slurm's default: 60 s)",
+            "a requeued job whose hold expired waits for the next full (or backfill) pass (Slurm's default: 60 s)",
             f"a full scheduling pass every {SCHED_INTERVAL_S} s on slurmctld",
         ),
         Setting(
             "UnkillableStepTimeout",
             str(UNKILLABLE_STEP_TIMEOUT_S),
-            "a process stuck in the GPU driver drains its node after this; a driver reset gets time to free it",
-            "such a node (and a requeued job on it) stays COMPLETING up to this long",
+            "processes left after a killed step's tasks exited drain the node after this (26.05; 22.05 also drained "
+            "for a stuck task); a driver reset gets time to free them",
+            "on 26.05 a task stuck in the driver holds its node COMPLETING, undrained, for as long as it is stuck",
         ),
     )
 
