@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,9 +148,11 @@ class Bench:
         self.acted = 0  # remediations of the current job
         self.labels: dict[tuple[str, str, int | None], float] = {}  # (node, fault, gpu) -> last used
         self.rounds: dict[str, list[dict[str, Any]]] = {XID: [], NCCL: []}
+        self.gpus: list[int | None] = list(range(int(lab.meta["gpus"])))
         self.failures: dict[str, list[str]] = {XID: [], NCCL: []}
 
-    def new_job(self, exclude: Sequence[str] = ()) -> None:
+    def new_job(self, *, submit: bool = True) -> None:
+        """End the current job, then (`submit`) start a fresh one."""
         if self.job is not None:
             self.cluster.run("scancel", self.job, check=False)
             # What an epilog would do: tell every agent the old job's ranks ended, so their silence is
@@ -160,8 +162,11 @@ class Bench:
                     rep = TrainingReporter(self.job, rank, socket_path=str(self.lab.node_dir(node) / "training.sock"))
                     rep.end()
                     rep.close()
+            self.job = None
+        if not submit:
+            return
         # 2 nodes and a hot spare, as `make demo` runs it: an Xid 79 relocates inside the allocation.
-        self.job, self.run_dir = self.lab.submit_training(name=f"bench{len(self.runs)}", spares=1, exclude=exclude)
+        self.job, self.run_dir = self.lab.submit_training(name=f"bench{len(self.runs)}", spares=1)
         self.runs.append(self.run_dir)
         self.acted = 0
 
@@ -236,15 +241,30 @@ class Bench:
 
     # ---- Xid 79: isolate and relocate --------------------------------------------------------------
 
+    def rotate(self, worn: str) -> bool:
+        """The worker's node `worn` has no GPU the agent holds no Xid 79 for (the lab's repair takes seconds, a
+        real one far longer than the hold): an operator's rebalance of the pool. The job ends, `worn` goes to
+        standby and a standby node with a free GPU comes into service in its place; False when there is none."""
+        fresh = [
+            n
+            for n in self.lab.nodes
+            if n != worn and self.cluster.node(n).reason == STANDBY_REASON and self.free_label(n, XID, self.gpus)[0]
+        ]
+        if not fresh:
+            return False
+        self.new_job(submit=False)
+        self.to_pool(worn, "standby")
+        self.to_pool(fresh[0], "active")
+        return True
+
     def xid_round(self) -> None:
-        gpus: list[int | None] = list(range(int(self.lab.meta["gpus"])))
+        gpus = self.gpus
         info = self.prepare(spare=True)
         assert self.run_dir is not None
         # The worker's node (`srun --relative=1`): not the batch host, not the spare.
         node = expand_nodelist(info["NodeList"])[1]
         free, gpu = self.free_label(node, XID, gpus)
-        if not free:  # a fresh job on nodes whose GPUs the agent holds no Xid for (the lab repairs in seconds)
-            self.new_job(exclude=[n for n in self.lab.nodes if not self.free_label(n, XID, gpus)[0]])
+        if not free and self.rotate(node):
             info = self.prepare(spare=True)
             node = expand_nodelist(info["NodeList"])[1]
             free, gpu = self.free_label(node, XID, gpus)
@@ -338,10 +358,21 @@ class Bench:
              str(self.lab.remediator_config), "--reason", "bench_lab: repaired"],
             capture_output=True, timeout=60, check=False,
         )  # fmt: skip
-        self.cluster.scontrol("update", f"nodename={node}", "state=drain", f"reason={STANDBY_REASON}")
+        self.to_pool(node, "standby")
+
+    def to_pool(self, node: str, pool: str) -> None:
+        """Put `node` in the warm-standby pool (drained with the standby reason, labelled and tainted) or in
+        service ("active": resumed, labelled, untainted), as the remediator's promotion does."""
+        if pool == "standby":
+            self.cluster.scontrol("update", f"nodename={node}", "state=drain", f"reason={STANDBY_REASON}")
+        else:
+            self.cluster.scontrol("update", f"nodename={node}", "state=resume")
         patch = {
-            "metadata": {"labels": {LABEL_POOL: "standby"}},
-            "spec": {"unschedulable": False, "taints": [{"key": TAINT_STANDBY, "effect": "NoSchedule"}]},
+            "metadata": {"labels": {LABEL_POOL: pool}},
+            "spec": {
+                "unschedulable": False,
+                "taints": [{"key": TAINT_STANDBY, "effect": "NoSchedule"}] if pool == "standby" else [],
+            },
         }
         with contextlib.suppress(Exception):  # as the admin: the agents' tokens may not touch the pool
             self.lab.kube_request("PATCH", f"/api/v1/nodes/{node}", patch, "application/merge-patch+json")
@@ -475,7 +506,7 @@ class Peer:
         self.down: list[float] = []
         self.failures: list[str] = []
 
-    def new_job(self, exclude: Sequence[str] = ()) -> None:
+    def new_job(self) -> None:
         if self.job is not None:
             self.cluster.run("scancel", self.job, check=False)
         self.job = self.cluster.sbatch(

@@ -48,7 +48,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -546,11 +546,10 @@ class Lab:
         step_time: float = 0.1,
         checkpoint_every: float = 3.0,
         spares: int = 0,
-        exclude: Sequence[str] = (),
     ) -> tuple[str, Path]:
         """Submit the lab's training job on `nodes` nodes, with `spares` hot spares in its allocation (a node
-        lost is replaced by one of them without a requeue), on none of the nodes in `exclude`; returns (job
-        id, run dir). Its log is `<run dir>/train.log`."""
+        lost is replaced by one of them without a requeue); returns (job id, run dir). Its log is
+        `<run dir>/train.log`."""
         from fleetheal.lab.train import batch_script
 
         run_dir = self.dir / "jobs" / name
@@ -569,7 +568,6 @@ class Lab:
         job = self.slurm().sbatch(
             script, f"--nodes={nodes + spares}", f"--gres=gpu:{gpus}", "--requeue", "--open-mode=append",
             f"--output={run_dir / 'train.log'}", f"--job-name={name}", "--exclusive",
-            *([f"--exclude={','.join(exclude)}"] if exclude else []),
         )  # fmt: skip
         return job, run_dir
 
