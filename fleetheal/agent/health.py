@@ -25,6 +25,11 @@ from fleetheal.contracts import NODE_WIDE_GPU
 from fleetheal.taxonomy import Fault, Taxonomy, load
 
 HEALTHY, DEGRADED, UNHEALTHY = 0, 1, 2
+#: Runs of one job with faults active at once. A job's runs name their own faults (`Detection.run`), and a run
+#: is a number its own process sends: without this bound, a job counting up its run on every line would make
+#: the agent export a new series, and Alertmanager send a new alert, for each. A real job restarted in place
+#: up to the remediator's per-job limit (3), and requeued, stays well under it.
+MAX_RUNS_PER_JOB = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +207,16 @@ class HealthTracker:
             current.detail = det.detail or current.detail
             return [Change("repeated", current)]
         return []
+
+    def refuses(self, det: Detection) -> str | None:
+        """Why a job's detection from a new run is not taken (MAX_RUNS_PER_JOB of its runs have faults
+        active), or None."""
+        if not det.job or not det.run:
+            return None
+        runs = {a.run for a in self._active.values() if a.job == det.job and a.run}
+        if det.run in runs or len(runs) < MAX_RUNS_PER_JOB:
+            return None
+        return f"job {det.job} already has faults of {len(runs)} runs active; run {det.run[:32]!r} is not taken"
 
     def poll(
         self, source: str, detections: Iterable[Detection], now: float, debounce: int | None = None

@@ -162,6 +162,7 @@ class Agent:
         self.clock = clock
         self.parser = load_parser(cfg.kernel_log.rules_file or None, self.tx, log=KERNEL_RULES)
         self._unknown_logged: tuple[float, int] = (0.0, 0)  # (window start, lines logged in it)
+        self._runs_refused_logged = float("-inf")  # when a line over MAX_RUNS_PER_JOB was last logged (monotonic)
         self.tracker = HealthTracker(self.tx, cfg.health)
         self.training = TrainingMonitor(cfg.training)
         application = load_parser(cfg.kernel_log.rules_file or None, self.tx, log=APPLICATION_RULES)
@@ -382,9 +383,15 @@ class Agent:
         with self.lock:
             dropped = self.job_output.dropped
             det = self.job_output.judge(job, line, now, step=self.training.last_step(job), run=run)
+            refused = None if det is None else self.tracker.refuses(det)
         if self.job_output.dropped != dropped:
             self.metrics.read_errors.labels(JOB_OUTPUT_SOURCE).inc()
-        if det is not None:
+        if refused is not None:  # counted each time, logged at most once a minute (a job may send 50 a second)
+            self.metrics.read_errors.labels(JOB_OUTPUT_SOURCE).inc()
+            if time.monotonic() - self._runs_refused_logged >= 60.0:
+                self._runs_refused_logged = time.monotonic()
+                _log(logging.WARNING, "read error", source=JOB_OUTPUT_SOURCE, error=f"line refused: {refused}")
+        elif det is not None:
             self.detect(det)
 
     def _event_loop(self) -> None:
@@ -499,7 +506,10 @@ class Agent:
                 "detail": af.detail,
             }
             if ch.kind == "cleared":
-                m.fault_active.labels(*labels).set(0)
+                if af.job:  # a job's series goes with its fault: jobs and their runs come and go for ever
+                    m.fault_active.remove(*labels)
+                else:
+                    m.fault_active.labels(*labels).set(0)
                 _log(logging.INFO, "fault cleared", **fields)
                 continue
             m.fault_active.labels(*labels).set(1)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from fleetheal.agent.check import OK, UNHEALTHY_EXIT, run_check
 from fleetheal.agent.config import load_config
@@ -463,6 +464,28 @@ def test_each_run_of_a_job_raises_its_own_fault_and_repeats_of_one_run_fold(setu
     assert first.occurrences == 2
     _drain_queue(agent)
     assert fake.updates == []
+
+
+def test_a_job_counting_up_its_run_on_every_line_gets_a_bounded_number_of_series(setup):
+    """The run is a number the job's own process sends: a job sending a new one with every line would make the
+    agent export a series, and Alertmanager send an alert, per line. At most MAX_RUNS_PER_JOB runs of one job
+    hold faults at once; the rest are refused and counted. When its faults clear, its series go with them."""
+    from fleetheal.agent.health import MAX_RUNS_PER_JOB
+
+    agent, _fake, clock = setup()
+    nccl = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)"
+    for run in range(1000):
+        agent.training_report(_line("4242", nccl, run=run, requeues=0), 0)
+        clock.t += 0.1  # within the judge's rate limit (50 lines a second)
+    active = [a for a in agent.tracker.active() if a.job == "4242"]
+    assert len({a.run for a in active}) == MAX_RUNS_PER_JOB
+    assert _value(agent, "fleetheal_agent_read_errors_total", source="job_output") == 1000 - MAX_RUNS_PER_JOB
+    agent.training_report(_line("4243", nccl, run=0, requeues=0), 0)  # another job is not held by it
+    assert any(a.job == "4243" for a in agent.tracker.active())
+    clock.t += 3600
+    agent.poll_once()  # the hold is over: the faults clear and the job's series are gone
+    text = generate_latest(agent.metrics.registry).decode()
+    assert 'job_id="4242"' not in text and not agent.tracker.active()
 
 
 def test_a_job_output_line_must_name_a_slurm_job(setup):
