@@ -41,9 +41,10 @@ Kubernetes Node the standby label and taint. A fresh job is submitted after 3 re
 (the remediator's per-job retry limit counts requeues and restarts in place alike). The agent holds an event
 fault for 10 minutes (`health.event_hold_s`) per (GPU, fault), and one alert is one incident, so each Xid
 injection uses a GPU the agent holds no Xid 79 for: the rounds rotate the GPU index, and when the worker's
-node has none left (a real node goes to repair for longer; the lab's takes seconds), a fresh job runs on
-nodes that do. A job-printed fault names the job's run (`job_run`), so NCCL rounds need no rotation: each
-restart is a new run.
+node has none left (a real node goes to repair for longer; the lab's takes seconds), the pool is rebalanced
+as an operator would: the job ends, that node goes to standby and a standby node with free GPUs comes into
+service (`rotate`). A job-printed fault names the job's run (`job_run`), so NCCL rounds need no rotation:
+each restart is a new run.
 
 Rounds run until ROUNDS of each kind are done or FLEETHEAL_BENCH_LAB_S seconds (default 900) have passed;
 the peer runs PEER_ROUNDS rounds (FLEETHEAL_BENCH_LAB_PEER_ROUNDS, default 20) within PEER_BUDGET_S. The
