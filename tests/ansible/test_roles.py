@@ -239,3 +239,13 @@ def test_gpu_health_agent_refuses_job_files_set_against_its_variable(tmp_path: P
     rc, out, _ = _run_role(tmp_path, "gpu_health_agent", role_vars, cmdline="--check")
     assert rc != 0
     assert "set gpu_health_agent_follow_job_files, not job_files.enabled in gpu_health_agent_config" in out
+
+
+@pytest.mark.parametrize("config", [{}, {"job_files": {"interval_s": 2}}])
+def test_gpu_health_agent_passes_its_job_files_check_when_the_config_leaves_it_to_the_variable(
+    tmp_path: Path, config: dict[str, object]
+) -> None:
+    """Most inventories set no `job_files` at all: the check, and its message, must not need one."""
+    _rc, out, _ = _run_role(tmp_path, "gpu_health_agent", {"gpu_health_agent_config": config}, cmdline="--check")
+    assert "Preflight | the source exists on the controller" in out, out[-3000:]
+    assert "job_files.enabled in gpu_health_agent_config" not in out and "Finalization" not in out, out[-3000:]
