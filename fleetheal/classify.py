@@ -17,12 +17,18 @@ def register(sub: Any) -> None:
         help="classify an Xid, a log line or a log file",
         description="Classify faults with the taxonomy. Exit 0 also when nothing is found.",
         epilog='examples: fleetheal classify --xid 79 | fleetheal classify "NVRM: Xid (PCI:0000:b1:00): 79, ..." '
-        "| fleetheal classify --file /var/log/kern.log --json",
+        "| fleetheal classify --file /var/log/kern.log --json | fleetheal classify --coverage",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("line", nargs="?", help="one log line")
     src.add_argument("--xid", type=int, metavar="CODE", help="an NVIDIA Xid code")
     src.add_argument("--file", metavar="LOG", help="a log file ('-' for standard input)")
+    src.add_argument(
+        "--coverage",
+        action="store_true",
+        help="check the rules against every emitter's message catalog (policies/message-catalog.yaml) and print "
+        "which formats map to which fault, which are ignored and why; exit 1 on a mismatch",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list of events")
     p.add_argument(
         "--log",
@@ -67,7 +73,28 @@ def _open(path: str) -> TextIO:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
 
 
+def coverage(args: argparse.Namespace) -> int:
+    from fleetheal import logcatalog, taxonomy
+    from fleetheal.logparse import LogRulesError, compile_rules, raw_rules
+
+    tx = taxonomy.load()
+    try:
+        rules = compile_rules(raw_rules(args.rules), tx)
+        emitters = logcatalog.load()
+    except LogRulesError as exc:
+        raise UsageError(str(exc)) from exc
+    rows = logcatalog.check(emitters, tx, rules)
+    if args.json:
+        json.dump([logcatalog.as_dict(r) for r in rows], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(logcatalog.report(emitters, rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.coverage:
+        return coverage(args)
     found = list(events(args))
     if args.json:
         json.dump(found, sys.stdout, indent=2)

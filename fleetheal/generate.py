@@ -6,8 +6,10 @@
 - `playbooks/vars/taxonomy.yml`: the classes, actions (with their semantics), fault -> action map and
   follow-up actions (`fleetheal_followup_actions`) the playbooks assert against.
 - `docs/taxonomy.md`: the human tables: actions and what they mean, the node lifecycle, the faults.
-- `docs/log-rules.md`: the log rules of `policies/log-rules.yaml` in the order they are tried, and Xid 154's
-  recovery actions.
+- `docs/log-rules.md`: the log rules of `policies/log-rules.yaml` in the order they are tried, the evidence
+  behind each destructive one, and Xid 154's recovery actions.
+- `docs/log-coverage.md`: the emitters' message formats (`policies/message-catalog.yaml`) and what the rules
+  make of each.
 
 They are checked in; `fleetheal generate --check` (run by the tests) fails when one is stale.
 """
@@ -30,6 +32,7 @@ ALERT_RULES = Path("policies/alert-rules.yml")
 ANSIBLE_VARS = Path("playbooks/vars/taxonomy.yml")
 DOCS = Path("docs/taxonomy.md")
 RULES_DOCS = Path("docs/log-rules.md")
+COVERAGE_DOCS = Path("docs/log-coverage.md")
 
 
 def alert_name(fault_id: str) -> str:
@@ -226,6 +229,18 @@ def rules_docs(tx: taxonomy.Taxonomy | None = None) -> str:
         lines.append(f"| {i} | `{rule['id']}` | {rule['log']} | {keywords} | {cell(fault(rule['fault']))} | {what} |")
     lines += [
         "",
+        "## The evidence behind each destructive rule",
+        "",
+        "A rule that can drain, reset or replace a node says why its line alone justifies that: who prints it, and",
+        "why a job cannot. (A rule the agent reads from a job's output never moves the node: its verdict becomes",
+        "`job-output-node-claim`.)",
+        "",
+        "| rule | evidence |",
+        "|---|---|",
+    ]
+    lines += [f"| `{r['id']}` | {cell(' '.join(r['evidence'].split()))} |" for r in doc["rules"] if r.get("evidence")]
+    lines += [
+        "",
         "## Xid 154: recovery actions",
         "",
         "One table (`recovery_actions` in `policies/faults.yaml`) for the NVML field the agent polls and the",
@@ -237,6 +252,14 @@ def rules_docs(tx: taxonomy.Taxonomy | None = None) -> str:
     for r in taxonomy.raw()["recovery_actions"]:
         lines.append(f"| {r['value']} | `{r['nvml']}` | {r['text']} | `{r['fault']}` |")
     return "\n".join(lines) + "\n"
+
+
+def coverage_docs(tx: taxonomy.Taxonomy | None = None) -> str:
+    """docs/log-coverage.md: the message catalog checked against the rules."""
+    from fleetheal import logcatalog
+
+    emitters = logcatalog.load()
+    return logcatalog.docs(emitters, logcatalog.check(emitters, tx))
 
 
 def _yaml(doc: Any) -> str:
@@ -251,6 +274,7 @@ def rendered(tx: taxonomy.Taxonomy | None = None) -> dict[Path, str]:
         ANSIBLE_VARS: _yaml(ansible_vars(tx)),
         DOCS: docs_table(tx),
         RULES_DOCS: rules_docs(tx),
+        COVERAGE_DOCS: coverage_docs(tx),
     }
 
 

@@ -30,7 +30,7 @@ MAX_LINE = 4096
 #: `fault:` values with a meaning of their own (besides a taxonomy id and a `from` mapping).
 NONE = "none"
 FROM_XID = "xid"
-RULE_KEYS = frozenset({"id", "log", "description", "keywords", "pattern", "gpu", "fault"})
+RULE_KEYS = frozenset({"id", "log", "description", "keywords", "pattern", "gpu", "fault", "evidence"})
 #: Which log a rule reads: the kernel's (what the agent follows), an application's (training jobs, NCCL,
 #: nvidia-smi, daemons), or any. The agent applies only kernel rules: an application's words in the kernel
 #: log can come only from text a user controls (a process name in a segfault line), never from the device.
@@ -88,6 +88,8 @@ class Rule:
     #: A taxonomy fault id, NONE, FROM_XID, or (group, ((compiled case, fault id), ...)).
     fault: str | tuple[str, tuple[tuple[re.Pattern[str], str], ...]]
     gpu: tuple[re.Pattern[str], ...] = ()
+    #: Why the line alone justifies a destructive action (required of a rule that can raise one).
+    evidence: str = ""
 
 
 def raw_rules(path: str | Path | None = None) -> dict[str, Any]:
@@ -154,8 +156,25 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
             if "gpu" not in g.groupindex:
                 raise LogRulesError(f"{where}: 'gpu' pattern {g.pattern!r} has no group named 'gpu'")
         fault = _fault(entry.get("fault"), pattern, tx, where)
-        rules.append(Rule(rid, log, description.strip(), tuple(keywords), pattern, fault, gpu_patterns))
+        evidence = entry.get("evidence", "")
+        if not isinstance(evidence, str):
+            raise LogRulesError(f"{where}: 'evidence' must be a string")
+        if not evidence.strip() and any(tx.actions[tx.faults[f].action].destructive for f in _faults_of(fault)):
+            raise LogRulesError(
+                f"{where}: the rule can raise a destructive action, so 'evidence' must say why the line alone "
+                "justifies it (who prints it, and why a job cannot)"
+            )
+        rules.append(
+            Rule(rid, log, description.strip(), tuple(keywords), pattern, fault, gpu_patterns, evidence.strip())
+        )
     return tuple(rules)
+
+
+def _faults_of(fault: Any) -> tuple[str, ...]:
+    """The taxonomy ids a compiled `fault` can give (an Xid rule's codes are the Xid catalog's: not listed)."""
+    if isinstance(fault, tuple):
+        return tuple(fid for _, fid in fault[1])
+    return () if fault in (NONE, FROM_XID) else (fault,)
 
 
 def _compile(text: object, macros: Mapping[str, str], where: str) -> re.Pattern[str]:

@@ -69,7 +69,7 @@ def test_unknown_xid_is_observed_not_an_error() -> None:
             ["classify", "--file", "/nonexistent/kern.log"],
             "cannot read /nonexistent/kern.log: No such file or directory",
         ),
-        (["classify"], "one of the arguments line --xid --file is required"),
+        (["classify"], "one of the arguments line --xid --file --coverage is required"),
         (["classify", "--xid", "abc"], "invalid int value: 'abc'"),
         (["classify", "--xid", "0"], "--xid must be a positive Xid code, got 0"),
         (["classify", "--xid", "79", "a line"], "not allowed with argument"),
@@ -79,3 +79,25 @@ def test_bad_usage(args: list[str], message: str) -> None:
     out = fleetheal(*args)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_coverage_lists_every_emitter_and_fails_on_a_mismatch(tmp_path: Path) -> None:
+    import yaml
+
+    from fleetheal.logparse import raw_rules
+
+    out = fleetheal("classify", "--coverage")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr
+    for name in ("[linux, kernel log]", "[nccl, application log]", "[dcgm, application log]", "[ipmi-sel,"):
+        assert name in out.stdout
+    assert "0 mismatch(es)" in out.stdout
+    rows = json.loads(fleetheal("classify", "--coverage", "--json").stdout)
+    assert {"emitter", "family", "format", "verdict", "rule", "ok"} <= set(rows[0]) and all(r["ok"] for r in rows)
+
+    doc = raw_rules()
+    doc["rules"] = [r for r in doc["rules"] if r["id"] != "hung-task"]
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump(doc))
+    out = fleetheal("classify", "--coverage", "--rules", str(rules))
+    assert out.returncode == 1
+    assert "!! linux hung-task: the rules give none (rule None), the catalog says kernel-hung-task" in out.stdout

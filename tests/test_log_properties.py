@@ -1,15 +1,18 @@
 """What a log pipeline does to a line must not change its verdict: the prefix it adds (syslog, ISO time,
 /dev/kmsg, `dmesg -T`, journald, container runtimes, launchers), the whitespace it mangles, the tail it
-cuts. Run over every line of the real corpus (tests/corpus/log-lines.yaml)."""
+cuts. Run over every line of the real corpus (tests/corpus/log-lines.yaml) and every example of the emitters'
+message catalog (policies/message-catalog.yaml)."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fleetheal import logcatalog
 from fleetheal.logparse import FaultEvent, LogParser
 from tests.test_log_corpus import corpus, verdict
 
@@ -35,8 +38,9 @@ PREFIXES = {
 }
 
 
+@functools.cache
 def lines() -> list[str]:
-    return [e["line"] for e in corpus()]
+    return [e["line"] for e in corpus()] + [f.example for e in logcatalog.load() for f in e.formats]
 
 
 @pytest.mark.parametrize("pipeline", sorted(PREFIXES))

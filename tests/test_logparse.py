@@ -169,7 +169,7 @@ def test_other_xid_codes(line: str, fault_id: str, xid: int) -> None:
         ("EDAC MC1: 1 UE memory read error on CPU_SrcID#0_MC#1_Chan#0_DIMM#0", "host-memory-ue"),
         ("EDAC MC1: 3 CE memory read error on CPU_SrcID#0_MC#1_Chan#0_DIMM#0", "host-memory-ce"),
         ("mce: Uncorrected hardware memory error in user-access at 3b0d2c1000", "host-memory-ue"),
-        ("OSError: [Errno 28] No space left on device: '/ckpt/step_1000.pt'", "disk-full"),
+        ("OSError: [Errno 28] No space left on device: '/ckpt/step_1000.pt'", "write-no-space"),
         ("mlx5_core 0000:5e:00.0 ibp94s0: Link down", "nic-down"),
         ("igb 0000:01:00.0 eno1: igb: eno1 NIC Link is Down", "nic-down"),
         ("step 1200 | loss nan | lr 3.0e-04", "nan-loss"),
@@ -240,6 +240,8 @@ GOOD_RULE = {
         ({"fault": {"from": "sev", "cases": [["x", "gpu-lost"]]}}, "'fault.from' names 'sev'"),
         ({"gpu": ["no group here"]}, "has no group named 'gpu'"),
         ({"severity": "high"}, "unknown field"),
+        ({"pattern": "GPU has fallen off the bus", "fault": "gpu-lost"}, "'evidence' must say why the line alone"),
+        ({"evidence": 3}, "'evidence' must be a string"),
     ],
 )
 def test_a_bad_rule_is_refused_with_its_id_and_field(change: dict[str, object], message: str) -> None:
@@ -248,12 +250,15 @@ def test_a_bad_rule_is_refused_with_its_id_and_field(change: dict[str, object], 
         compile_rules(doc, load())
 
 
-def test_the_shipped_rules_load_and_every_rule_is_reached_by_a_corpus_line() -> None:
-    """No dead rule: every fault rule decides at least one real line of the corpus (catch-alls included)."""
+def test_the_shipped_rules_load_and_every_rule_is_reached_by_a_corpus_line_or_a_catalog_example() -> None:
+    """No dead rule: every fault rule decides at least one real line of the corpus or one example of the
+    emitters' message catalog (catch-alls included)."""
+    from fleetheal import logcatalog
     from tests.test_log_corpus import corpus
 
     parser = LogParser()
-    used = {e.rule for entry in corpus() for e in parser.parse_line(entry["line"])}
+    lines = [entry["line"] for entry in corpus()] + [f.example for e in logcatalog.load() for f in e.formats]
+    used = {e.rule for line in lines for e in parser.parse_line(line)}
     context = {r.id for r in parser.rules if r.fault == "none"}
     assert {r.id for r in parser.rules} - used - context == set()
 

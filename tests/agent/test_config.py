@@ -144,6 +144,10 @@ def test_an_operators_log_rules_are_validated_when_the_config_loads(tmp_path):
     with pytest.raises(ConfigError, match=r"kernel_log.rules_file: .*my-rule.*'pattern'"):
         load_config(None, env={"FLEETHEAL_AGENT_KERNEL_LOG__RULES_FILE": str(rules)})
     rules.write_text(rules.read_text().replace("(unclosed", "\\(PCI:"))
+    # A rule that drains a node must say why its line alone justifies it.
+    with pytest.raises(ConfigError, match=r"kernel_log.rules_file: .*my-rule.*'evidence' must say why"):
+        load_config(None, env={"FLEETHEAL_AGENT_KERNEL_LOG__RULES_FILE": str(rules)})
+    rules.write_text(rules.read_text() + "  evidence: only the driver prints it\n")
     cfg = load_config(None, env={"FLEETHEAL_AGENT_KERNEL_LOG__RULES_FILE": str(rules)})
     assert cfg.kernel_log.rules_file == str(rules)
     with pytest.raises(ConfigError, match="cannot read"):

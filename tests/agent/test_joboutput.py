@@ -29,6 +29,20 @@ def judge(**kw) -> JobOutputJudge:
         (OOM, "cuda-oom"),
         ("RuntimeError: CUDA error: an illegal memory access was encountered", "cuda-illegal-address"),
         ("RuntimeError: CUDA error: no kernel image is available for execution on the device", "config-error"),
+        # Issue 45: what the job itself can cause is its own fault, never a claim on the node.
+        ("OSError: [Errno 28] No space left on device", "write-no-space"),
+        (
+            "n1:2143:2561 [1] include/shm.h:28 NCCL WARN Call to posix_fallocate failed : No space left on device",
+            "config-error",
+        ),
+        (
+            "slurmstepd: error: Detected 1 oom_kill event in StepId=440575.0. Some of the step tasks have been OOM Killed.",
+            "host-oom",
+        ),
+        (
+            "n1:9:9 [0] NCCL WARN NET/IB : Got completion from peer 10.0.0.2<4> with status=12 opcode=0 len=0 vendor err 129",
+            "network-transport-error",
+        ),
     ],
 )
 def test_a_job_scoped_fault_is_raised_for_that_job_alone(line, fault):
@@ -45,14 +59,17 @@ def test_a_job_scoped_fault_is_raised_for_that_job_alone(line, fault):
         "NVRM: GPU at PCI:0000:3b:00: GPU has fallen off the bus.",
         "XID 79 GPU has fallen off the bus",
         "RuntimeError: CUDA error: uncorrectable ECC error encountered",
-        "OSError: [Errno 28] No space left on device",
+        "EXT4-fs (nvme0n1p1): Remounting filesystem read-only",
+        "Detected 1 volatile double-bit ECC error(s) in GPU 0.",
     ],
 )
 def test_a_job_that_claims_a_node_fault_moves_no_node(line):
     """Job output is text its owner controls: a claim that would isolate or drain the node becomes the
     job-scoped claim fault, whose action keeps the node (the node's own signals decide about it)."""
     det = judge().judge("4242", line, 0.0)
-    if "NVRM" in line:  # the kernel's words: only kernel rules know them, and job output never reads kernel rules
+    if (
+        "NVRM" in line or "EXT4" in line
+    ):  # the kernel's words: only kernel rules know them, and job output never reads kernel rules
         assert det is None
         return
     assert det is not None and det.fault_id == JOB_OUTPUT_NODE_CLAIM and det.job == "4242", det
