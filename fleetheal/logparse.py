@@ -4,13 +4,17 @@
 This module is only the engine: which words mean which fault lives in the rules file (read its header),
 and what a fault means lives in the taxonomy. The engine applies the rules in order: the rules' keywords,
 found in one pass over the line, pick the candidates (a flooded log is mostly lines no rule wants, and they
-must be cheap), the line's whitespace is normalised, and the first candidate whose pattern matches decides.
+must be cheap), the line's whitespace is normalised, and the first candidate whose pattern matches decides; a
+candidate whose pattern needs one of some literal strings (`anchors`, derived from the pattern) is skipped when the
+line holds none.
 A line that announces trouble no rule knows is reported as the `unknown` fault, with the line.
 """
 
 from __future__ import annotations
 
 import re
+import re._constants as sre_constants  # type: ignore[import-not-found]  # the re module's own parser, no stubs
+import re._parser as sre_parse  # type: ignore[import-not-found]
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import reduce
@@ -90,6 +94,9 @@ class Rule:
     gpu: tuple[re.Pattern[str], ...] = ()
     #: Why the line alone justifies a destructive action (required of a rule that can raise one).
     evidence: str = ""
+    #: Literal strings of which the pattern cannot match without one (derived from it, `anchors`): a line that
+    #: holds none skips the regular expression. Empty: no such set (the pattern is always tried).
+    anchors: tuple[str, ...] = ()
 
 
 def raw_rules(path: str | Path | None = None) -> dict[str, Any]:
@@ -165,9 +172,70 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
                 "justifies it (who prints it, and why a job cannot)"
             )
         rules.append(
-            Rule(rid, log, description.strip(), tuple(keywords), pattern, fault, gpu_patterns, evidence.strip())
+            Rule(
+                rid,
+                log,
+                description.strip(),
+                tuple(keywords),
+                pattern,
+                fault,
+                gpu_patterns,
+                evidence.strip(),
+                anchors(pattern),
+            )
         )
     return tuple(rules)
+
+
+#: An anchor shorter than this filters too little to pay for itself.
+_MIN_ANCHOR = 4
+#: Alternatives considered when deriving anchors; a pattern with more is always tried.
+_MAX_ALTERNATIVES = 64
+_Alternatives = list[list[str | None]]
+
+
+def anchors(pattern: re.Pattern[str]) -> tuple[str, ...]:
+    """Literal strings one of which every match of `pattern` contains (the longest literal run of each top-level
+    alternative), or () when some alternative has no run of _MIN_ANCHOR characters. A cheap `in` test on them
+    skips the regular expression on the many candidate lines a rule's keywords select but its pattern misses."""
+    if pattern.flags & re.IGNORECASE:
+        return ()
+    try:
+        alternatives = _sequence(list(sre_parse.parse(pattern.pattern, pattern.flags)))
+    except (re.error, _TooMany):
+        return ()
+    found: list[str] = []
+    for alternative in alternatives:
+        runs = "".join("\0" if c is None else c for c in alternative).split("\0")
+        best = max(runs, key=len)
+        if len(best) < _MIN_ANCHOR:
+            return ()
+        found.append(best)
+    return tuple(dict.fromkeys(found))
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _sequence(items: list[Any]) -> _Alternatives:
+    """The alternatives a parsed sequence can match, each as its characters (None: something not literal)."""
+    result: _Alternatives = [[]]
+    for op, av in items:
+        if op is sre_constants.LITERAL:
+            for alternative in result:
+                alternative.append(chr(av))
+            continue
+        if op is sre_constants.SUBPATTERN and not av[1] and not av[2]:  # a group without flags: its own sequence
+            options = _sequence(list(av[3]))
+        elif op is sre_constants.BRANCH:
+            options = [alt for branch in av[1] for alt in _sequence(list(branch))]
+        else:  # a class, a repeat, an anchor, a back-reference, a group with flags: no literal across it
+            options = [[None]]
+        result = [head + tail for head in result for tail in options]
+        if len(result) > _MAX_ALTERNATIVES:
+            raise _TooMany
+    return result
 
 
 def _faults_of(fault: Any) -> tuple[str, ...]:
@@ -265,6 +333,12 @@ class LogParser:
         if "  " in text or "\t" in text or "\r" in text:  # cheaper to test than to normalise every line
             text = " ".join(text.split())
         for rule in candidates:
+            if rule.anchors:  # a plain loop: cheaper than any() over a generator, on every candidate
+                for anchor in rule.anchors:
+                    if anchor in text:
+                        break
+                else:
+                    continue
             m = rule.pattern.search(text)
             if m is not None:
                 event = self._event(rule, m, text)
@@ -278,31 +352,33 @@ class LogParser:
                 yield number, event
 
     def _event(self, rule: Rule, m: re.Match[str], text: str) -> FaultEvent | None:
-        groups = m.groupdict()
-        if rule.fault == NONE:
+        fault = rule.fault
+        if fault == NONE:
             return None
-        if rule.fault == FROM_XID:
-            return self._xid_event(rule, groups)
-        if isinstance(rule.fault, tuple):
-            group, cases = rule.fault
-            value = groups.get(group) or ""
-            fault_id = next((fid for case, fid in cases if case.search(value)), UNKNOWN_ID)
-        else:
-            fault_id = rule.fault
-        gpu = groups.get("gpu")
-        for g in rule.gpu if gpu is None else ():
-            found = g.search(text)
-            if found:
-                gpu = found.group("gpu")
-                break
-        pid = groups.get("pid")
+        if fault == FROM_XID:
+            return self._xid_event(rule, m.groupdict())
+        if isinstance(fault, tuple):
+            group, cases = fault
+            value = m.group(group) or ""
+            fault = next((fid for case, fid in cases if case.search(value)), UNKNOWN_ID)
+        groups = m.re.groupindex
+        gpu = m.group("gpu") if "gpu" in groups else None
+        if gpu is None:
+            for g in rule.gpu:
+                found = g.search(text)
+                if found:
+                    gpu = found.group("gpu")
+                    break
+        pid = m.group("pid") if "pid" in groups else None
+        # Positional: a named tuple built by keywords costs more, and a flooded log builds many.
         return FaultEvent(
-            self.tx.faults[fault_id],
-            pci_bus_id=gpu,
-            pid=int(pid) if pid and pid.isdigit() else None,
-            process=groups.get("process"),
-            detail=_tail(text),
-            rule=rule.id,
+            self.tx.faults[fault],
+            None,
+            gpu,
+            int(pid) if pid and pid.isdigit() else None,
+            m.group("process") if "process" in groups else None,
+            text[-200:],
+            rule.id,
         )
 
     def _xid_event(self, rule: Rule, groups: dict[str, str | None]) -> FaultEvent:

@@ -282,3 +282,27 @@ def test_fleetheals_own_lines_in_a_jobs_log_are_never_judged() -> None:
     text = "fleetheal: refused: CUDA out of memory twice at step 7 (incident i-1)\nCUDA out of memory\n"
     assert list(judged_lines(text, lambda t: "CUDA" in t)) == ["CUDA out of memory"]
     assert list(judged_lines("step 1\nstep 2", lambda t: "CUDA" in t)) == []
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        (r"NVRM: Xid \((?P<gpu>[0-9a-f:]+)\): (?P<xid>\d+)", ("NVRM: Xid (",)),
+        (
+            r"unspecified launch failure|cudaErrorLaunchFailure",
+            ("unspecified launch failure", "cudaErrorLaunchFailure"),
+        ),
+        (r"(?:EXT4-fs|XFS) \(\S+\): shut", ("EXT4-fs (", "): shut")),  # the longest run of each alternative
+        (r"nvme(?: nvme)?\d+: Abort status", (": Abort status",)),
+        (r"[Ll]oss\b.{0,24}?\bnan\b", ()),  # a run of three: too short to pay
+        (r"(?i:fatal error) on GPU", (" on GPU",)),  # case-insensitive text is not a literal
+        (r"(?i)fatal error", ()),
+        (r"abcd|x", ()),  # one alternative without a run: no anchors at all
+    ],
+)
+def test_anchors_are_literals_every_match_holds(pattern: str, expected: tuple[str, ...]) -> None:
+    import re
+
+    from fleetheal.logparse import anchors
+
+    assert anchors(re.compile(pattern)) == expected
