@@ -18,7 +18,6 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -83,11 +82,9 @@ class Row:
         return not self.problem
 
 
-def raw(path: str | Path | None = None) -> dict[str, Any]:
-    if path is None:
-        text = resources.files(__package__).joinpath("message-catalog.yaml").read_text("utf-8")
-    else:
-        text = Path(path).read_text("utf-8")
+def raw() -> dict[str, Any]:
+    """The shipped catalog as parsed YAML."""
+    text = resources.files(__package__).joinpath("message-catalog.yaml").read_text("utf-8")
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         doc = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
@@ -168,7 +165,7 @@ def check(emitters: Iterable[Emitter], tx: Taxonomy | None = None, rules: tuple[
             problem = ""
             if got != f.verdict:
                 problem = f"the rules give {got} (rule {rule}), the catalog says {f.verdict}"
-            elif f.job_can_cause and got != NONE and _moves_node(tx, got):
+            elif f.job_can_cause and got != NONE and tx.moves_node(got):
                 problem = f"the job's own configuration can cause it, but {got} moves the node"
             rows.append(Row(f, got, rule, problem))
     return rows
@@ -190,11 +187,6 @@ def as_dict(row: Row) -> dict[str, Any]:
         "ok": row.ok,
         "problem": row.problem,
     }
-
-
-def _moves_node(tx: Taxonomy, fault_id: str) -> bool:
-    action = tx.actions[tx.faults[fault_id].action]
-    return action.destructive or action.fastpath
 
 
 def report(emitters: tuple[Emitter, ...], rows: list[Row]) -> str:

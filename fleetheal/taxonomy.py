@@ -210,6 +210,11 @@ class Taxonomy:
         """The fault with this id, or the safe `unknown` fault (observe, never destroy)."""
         return self.faults.get(fault_id, self.unknown)
 
+    def moves_node(self, fault_id: str) -> bool:
+        """True when the fault's action takes the node out (destructive) or the agent's fast path acts on it."""
+        action = self.actions[self.get(fault_id).action]
+        return action.destructive or action.fastpath
+
     def for_xid(self, xid: int) -> Fault:
         """NVIDIA's Xid `xid` as fleetheal classifies it; codes not in the catalog are unknown."""
         return self._by_xid.get(xid, self.unknown)

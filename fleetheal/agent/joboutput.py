@@ -59,11 +59,6 @@ class JobOutputJudge:
     _ooms: dict[str, _Oom] = field(default_factory=dict)
     _budgets: dict[str, TokenBucket] = field(default_factory=dict)
 
-    def moves_node(self, fault_id: str) -> bool:
-        """True when the fault's action takes the node out (destructive) or the agent's fast path acts on it."""
-        action = self.taxonomy.actions[self.taxonomy.get(fault_id).action]
-        return action.destructive or action.fastpath
-
     def _admit(self, job: str, now: float) -> bool:
         budget = self._budgets.get(job)
         if budget is None:
@@ -85,7 +80,7 @@ class JobOutputJudge:
         event = events[0]
         fault_id = event.fault.id
         detail = f"job {job} printed: {event.detail or line[-200:]}"
-        if self.moves_node(fault_id):
+        if self.taxonomy.moves_node(fault_id):
             detail = f"job {job}'s output alone claims {fault_id}; the node's own signals decide ({detail})"
             fault_id = JOB_OUTPUT_NODE_CLAIM
         elif fault_id == OOM:

@@ -49,7 +49,7 @@ def test_a_job_scoped_fault_is_raised_for_that_job_alone(line, fault):
     det = judge().judge("4242", line, 0.0)
     assert det is not None
     assert (det.fault_id, det.gpu, det.source, det.job) == (fault, NODE_WIDE_GPU, JOB_OUTPUT_SOURCE, "4242")
-    assert not judge().moves_node(fault)
+    assert not TX.moves_node(fault)
 
 
 @pytest.mark.parametrize(
