@@ -82,16 +82,19 @@ def test_a_long_tail_cut_at_a_pipeline_limit_does_not_change_the_verdict(index: 
 
 
 def test_a_truncated_line_is_read_as_less_never_as_another_fault() -> None:
-    """Cut anywhere, a line yields its own fault, nothing, `unknown`, or the undecoded parent of a decoded
-    Xid (xid-154 for xid-154-node-reboot): never a different fault, so a cut line never drives another
-    action. (The location may grow coarser: an AER header cut before "received from" names the port that
-    reported it.)"""
+    """Cut anywhere, a line yields its own fault, nothing, `unknown`, the undecoded parent of a decoded
+    Xid (xid-154 for xid-154-node-reboot), or, where the whole line drains or requeues, an observed fault of the
+    same class (a filesystem cut before "Shutting down" is an observed storage error): never a different fault
+    that acts, so a cut line never drives another action. (The location may grow coarser: an AER header cut
+    before "received from" names the port that reported it.)"""
     wrong = []
     for line in lines():
-        full_fault, _, full_xid, _ = verdict(PARSER.parse_line(line))
+        full_fault, full_class, full_xid, _ = verdict(PARSER.parse_line(line))
         for cut in range(len(line)):
-            fault, _, xid, _ = verdict(PARSER.parse_line(line[:cut]))
+            fault, cls, xid, _ = verdict(PARSER.parse_line(line[:cut]))
             if fault in ("none", "unknown") or (fault, xid) == (full_fault, full_xid):
+                continue
+            if full_fault not in ("none", "unknown") and cls == full_class and _less(fault, full_fault):
                 continue
             if full_xid is None or (fault, xid) != (f"xid-{full_xid}", full_xid):
                 wrong.append(f"{line[:cut]!r} -> {fault} (Xid {xid}), the whole line -> {full_fault}")
@@ -112,6 +115,14 @@ COMM_LINES = [
 #: The driver's own record names the process too; the name must not change the code it reports.
 XID_WITH_COMM = "NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name={comm}, Ch 00000010"
 COMM_LEN = 15
+
+
+def _less(fault: str, than: str) -> bool:
+    """True when `fault` only observes while `than` drains, resets or requeues."""
+    tx = PARSER.tx
+    observes = tx.faults[fault].action == "OBSERVE"
+    action = tx.actions[tx.faults[than].action]
+    return observes and (action.destructive or action.requeues_job)
 
 
 def _harmful(event: FaultEvent) -> bool:
