@@ -4,9 +4,9 @@
 This module is only the engine: which words mean which fault lives in the rules file (read its header),
 and what a fault means lives in the taxonomy. The engine applies the rules in order: the rules' keywords,
 found in one pass over the line, pick the candidates (a flooded log is mostly lines no rule wants, and they
-must be cheap), the line's whitespace is normalised, and the first candidate whose pattern matches decides; a
-candidate whose pattern needs one of some literal strings (`anchors`, derived from the pattern) is skipped when the
-line holds none.
+must be cheap), the line's whitespace is normalised, and the first candidate whose pattern matches decides. A
+pattern is searched alternative by alternative, each only on a line that holds one of the literal strings its every
+match holds (`anchors`, derived from it): the same verdict, at a fraction of the regular expressions' cost.
 A line that announces trouble no rule knows is reported as the `unknown` fault, with the line.
 """
 
@@ -94,9 +94,10 @@ class Rule:
     gpu: tuple[re.Pattern[str], ...] = ()
     #: Why the line alone justifies a destructive action (required of a rule that can raise one).
     evidence: str = ""
-    #: Literal strings of which the pattern cannot match without one (derived from it, `anchors`): a line that
-    #: holds none skips the regular expression. Empty: no such set (the pattern is always tried).
-    anchors: tuple[str, ...] = ()
+    #: The pattern's top-level alternatives, each compiled alone with the literal strings one of which its every
+    #: match holds (`anchors`; empty: always tried). A line is searched only with the alternatives whose anchors
+    #: it holds: the verdict of the whole pattern, at a fraction of the cost.
+    alternatives: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = ()
 
 
 def raw_rules(path: str | Path | None = None) -> dict[str, Any]:
@@ -155,6 +156,7 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
         if any(isinstance(a, str) and a.startswith("^") for a in alternatives):
             raise LogRulesError(f"{where}: 'pattern' must not anchor to the line start (log prefixes vary)")
         pattern = _compile(raw_pattern, macros, f"{where}: 'pattern'")
+        pieces = _alternatives_of(raw_pattern, pattern, macros)
         gpu = entry.get("gpu", [])
         if not isinstance(gpu, list):
             raise LogRulesError(f"{where}: 'gpu' must be a list of patterns")
@@ -181,7 +183,7 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
                 fault,
                 gpu_patterns,
                 evidence.strip(),
-                anchors(pattern),
+                pieces,
             )
         )
     return tuple(rules)
@@ -190,7 +192,7 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
 #: An anchor shorter than this filters too little to pay for itself.
 _MIN_ANCHOR = 4
 #: Alternatives considered when deriving anchors; a pattern with more is always tried.
-_MAX_ALTERNATIVES = 64
+_MAX_ALTERNATIVES = 256
 _Alternatives = list[list[str | None]]
 
 
@@ -212,6 +214,51 @@ def anchors(pattern: re.Pattern[str]) -> tuple[str, ...]:
             return ()
         found.append(best)
     return tuple(dict.fromkeys(found))
+
+
+def _alternatives_of(
+    raw: Any, whole: re.Pattern[str], macros: Mapping[str, str]
+) -> tuple[tuple[tuple[str, ...], re.Pattern[str]], ...]:
+    """The top-level alternatives of a rule's pattern (its list items, each split at its top-level `|`), compiled
+    alone with their anchors; the whole pattern alone where it carries flags of its own."""
+    if whole.flags & ~re.UNICODE:
+        return (((), whole),)
+    texts = raw if isinstance(raw, list) else [raw]
+    expanded = [_MACRO.sub(lambda m: macros[m.group(1)], t) for t in texts]
+    pieces = [piece for text in expanded for piece in _split_top_level(text)]
+    try:
+        compiled = [re.compile(piece) for piece in pieces]
+    except re.error:
+        return ((anchors(whole), whole),)
+    return tuple((anchors(rx), rx) for rx in compiled)
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`text` cut at each `|` outside groups, classes and escapes."""
+    parts: list[str] = []
+    depth, start, i, in_class = 0, 0, 0, False
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 2 if text[i + 1 : i + 2] == "^" else 1
+            i += 1 if text[i : i + 1] == "]" else 0  # a ']' first in a class is a literal
+            continue
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+        i += 1
+    parts.append(text[start:])
+    return parts
 
 
 class _TooMany(Exception):
@@ -333,16 +380,17 @@ class LogParser:
         if "  " in text or "\t" in text or "\r" in text:  # cheaper to test than to normalise every line
             text = " ".join(text.split())
         for rule in candidates:
-            if rule.anchors:  # a plain loop: cheaper than any() over a generator, on every candidate
-                for anchor in rule.anchors:
-                    if anchor in text:
-                        break
-                else:
-                    continue
-            m = rule.pattern.search(text)
-            if m is not None:
-                event = self._event(rule, m, text)
-                return [] if event is None else [event]
+            for anchors_, alternative in rule.alternatives:
+                if anchors_:  # plain loops: cheaper than any() over a generator, on every candidate
+                    for anchor in anchors_:
+                        if anchor in text:
+                            break
+                    else:
+                        continue
+                m = alternative.search(text)
+                if m is not None:
+                    event = self._event(rule, m, text)
+                    return [] if event is None else [event]
         return []
 
     def parse_lines(self, lines: Iterable[str]) -> Iterator[tuple[int, FaultEvent]]:
@@ -359,7 +407,7 @@ class LogParser:
             return self._xid_event(rule, m.groupdict())
         if isinstance(fault, tuple):
             group, cases = fault
-            value = m.group(group) or ""
+            value = m.groupdict().get(group) or ""
             fault = next((fid for case, fid in cases if case.search(value)), UNKNOWN_ID)
         groups = m.re.groupindex
         gpu = m.group("gpu") if "gpu" in groups else None

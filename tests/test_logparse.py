@@ -306,3 +306,17 @@ def test_anchors_are_literals_every_match_holds(pattern: str, expected: tuple[st
     from fleetheal.logparse import anchors
 
     assert anchors(re.compile(pattern)) == expected
+
+
+@pytest.mark.parametrize(
+    ("pattern", "pieces"),
+    [
+        (r"a|b(c|d)|[|]|\\|x", ["a", "b(c|d)", "[|]", "\\\\", "x"]),  # an escaped backslash, then a bar
+        (r"[]|]|(?:x|y)z", ["[]|]", "(?:x|y)z"]),
+        (r"[^]|]q|r", ["[^]|]q", "r"]),
+    ],
+)
+def test_a_pattern_is_cut_at_its_top_level_bars_only(pattern: str, pieces: list[str]) -> None:
+    from fleetheal.logparse import _split_top_level
+
+    assert _split_top_level(pattern) == pieces
