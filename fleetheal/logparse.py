@@ -99,6 +99,10 @@ class Rule:
     #: it holds: the verdict of the whole pattern, at a fraction of the cost.
     alternatives: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.alternatives:  # a rule without them would never match: compile_rules always gives them
+            raise ValueError(f"rule {self.id}: no alternatives to search")
+
 
 def raw_rules(path: str | Path | None = None) -> dict[str, Any]:
     """The rules file as parsed YAML: the shipped one, or `path`."""
