@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from fleetheal import taxonomy
-from fleetheal.logparse import APPLICATION, KERNEL, NONE, LogParser, LogRulesError, Rule
+from fleetheal.logparse import APPLICATION, KERNEL, NONE, LogParser, LogRulesError, Rule, compile_rules, raw_rules
 from fleetheal.taxonomy import UNKNOWN_ID, Taxonomy
 
 #: An example line that was not found printed anywhere public, but filled in from the format.
@@ -155,6 +155,7 @@ def load() -> tuple[Emitter, ...]:
 def check(emitters: Iterable[Emitter], tx: Taxonomy | None = None, rules: tuple[Rule, ...] | None = None) -> list[Row]:
     """Every format's example classified by the rules (`rules`, else the shipped ones) of its emitter's log."""
     tx = tx or taxonomy.load()
+    rules = rules if rules is not None else compile_rules(raw_rules(), tx)  # once, for both logs' parsers
     parsers = {log: LogParser(tx, rules, log=log) for log in (KERNEL, APPLICATION)}
     rows: list[Row] = []
     for emitter in emitters:
