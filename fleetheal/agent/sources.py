@@ -291,10 +291,24 @@ class TrainingReportServer:
         with contextlib.suppress(FileNotFoundError):
             if p.is_socket():
                 p.unlink()
+        if p.exists() or p.is_symlink():
+            raise OSError(errno.EEXIST, "not a socket; refusing to replace it", self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        sock.bind(self.path)
-        os.chmod(self.path, 0o666)  # noqa: S103 - every user's training job reports here
+        # Bound under a private name and made writable before it takes its real name: a job that finds the
+        # socket can always send to it (bound in place, it would exist for a moment with the umask's mode).
+        staging = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}")
+        with contextlib.suppress(FileNotFoundError):
+            staging.unlink()
+        try:
+            sock.bind(str(staging))
+            os.chmod(staging, 0o666)  # noqa: S103 - every user's training job reports here
+            os.replace(staging, p)
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                staging.unlink()
+            raise
         sock.settimeout(0.5)
         self.sock = sock
 

@@ -84,6 +84,12 @@ def instance_lock(store_path: str) -> int:
     return fd
 
 
+#: The kernel's queue of connections not yet accepted. asyncio also accepts up to this many in one go before
+#: the ConnectionGuard sees any of them, so for a moment the process may hold this many sockets above
+#: `listen.max_connections` (the guard closes the surplus on the loop's next turn).
+LISTEN_BACKLOG = 128
+
+
 async def listen(service: Service, runner: web.AppRunner) -> tuple[asyncio.Server, str]:
     """Listen on `listen.host:port` with aiohttp's protocol behind the service's ConnectionGuard (instead
     of aiohttp's TCPSite, which offers no hook for it); return the server and its URL (the real port when
@@ -98,7 +104,7 @@ async def listen(service: Service, runner: web.AppRunner) -> tuple[asyncio.Serve
         ssl=ctx,
         # A TLS handshake has the same deadline as a request head (asyncio's default is a minute).
         ssl_handshake_timeout=cfg.listen.header_timeout_s if ctx is not None else None,
-        backlog=128,
+        backlog=LISTEN_BACKLOG,
     )
     port = server.sockets[0].getsockname()[1] if server.sockets else cfg.listen.port
     return server, f"{'https' if ctx is not None else 'http'}://{cfg.listen.host}:{port}"

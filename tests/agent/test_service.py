@@ -243,6 +243,35 @@ def test_a_training_socket_that_cannot_bind_is_counted_not_fatal(tmp_path):
         agent.shutdown()
 
 
+def test_the_training_socket_is_writable_by_every_user_from_the_moment_it_appears(tmp_path, monkeypatch):
+    """CI saw it: a job (here the test's `nobody` sender) found the socket bound but not yet made writable
+    and got EACCES. The socket takes its public name only once its mode is set."""
+    from fleetheal.agent import sources
+
+    path = tmp_path / "training.sock"
+    seen: list[bool] = []
+    real_chmod = os.chmod
+
+    def chmod(target, mode, *args, **kwargs):
+        seen.append(path.exists())  # a job could already send here, before the mode is set
+        return real_chmod(target, mode, *args, **kwargs)
+
+    monkeypatch.setattr(sources.os, "chmod", chmod)
+    server = sources.TrainingReportServer(str(path), lambda data, uid: None, lambda text: None)
+    server.bind()
+    try:
+        assert seen == [False]
+        assert path.is_socket() and path.stat().st_mode & 0o777 == 0o666
+        assert [p.name for p in tmp_path.iterdir()] == ["training.sock"]
+    finally:
+        server.sock.close()
+    (tmp_path / "training.sock").unlink()
+    (tmp_path / "training.sock").write_text("an operator's file")
+    with pytest.raises(OSError, match="not a socket"):
+        sources.TrainingReportServer(str(path), lambda data, uid: None, lambda text: None).bind()
+    assert path.read_text() == "an operator's file"
+
+
 def _socket_agent(tmp_path, job_owners=None, **env):
     """An agent with its real training socket in a directory every user can reach."""
     run_dir = Path(tempfile.mkdtemp(prefix="fleetheal-sock-"))
@@ -297,17 +326,24 @@ def test_a_flood_of_reports_for_new_jobs_does_not_stop_the_agent(tmp_path):
 
 def _send_as(uid: int, path: Path, report: dict) -> None:
     """Send one report from a child process running as `uid` (the test runs as root)."""
+    read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
+            os.close(read_end)
             os.setgid(uid)
             os.setuid(uid)
             socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(json.dumps(report).encode(), str(path))
             code = 0
+        except BaseException as exc:
+            os.write(write_end, repr(exc).encode())
         finally:
             os._exit(code)
-    assert os.waitpid(pid, 0)[1] == 0
+    os.close(write_end)
+    with os.fdopen(read_end) as why:
+        error = why.read()
+    assert os.waitpid(pid, 0)[1] == 0, f"uid {uid} could not send: {error}"
 
 
 class FakeSqueue:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import resource
 import time
 
@@ -22,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from fleetheal.remediator.app import Service
-from fleetheal.remediator.serve import listen
+from fleetheal.remediator.serve import LISTEN_BACKLOG, listen
 from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config
 from tests.remediator.test_app import AUTH, start_server, stop_server, write_config
 
@@ -106,6 +107,7 @@ async def _attacker(attack, stop: asyncio.Event) -> str:
 
 
 async def _attack_and_probe(port: int, pid: int) -> dict:
+    before = len(os.listdir(f"/proc/{pid}/fd"))
     stop = asyncio.Event()
     sent: list = []
     attacks = [_slow_head(port, i, stop, sent) for i in range(SLOW_HEADS)]
@@ -117,7 +119,7 @@ async def _attack_and_probe(port: int, pid: int) -> dict:
     while len(sent) + sum(t.done() for t in tasks) < len(tasks):
         assert time.monotonic() < deadline, (len(sent), sum(t.done() for t in tasks))
         await asyncio.sleep(0.1)
-    found: dict = {"service_fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    found: dict = {"service_fds_before": before, "service_fds": len(os.listdir(f"/proc/{pid}/fd"))}
     timeout = aiohttp.ClientTimeout(total=ANSWER_WITHIN_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for name, method, url, kwargs in (
@@ -162,10 +164,14 @@ def test_a_thousand_slow_connections_leave_healthz_and_the_webhook_answering(tmp
     assert found["healthz"] == 200, report
     assert found["webhook"] == 202, report
     assert found["healthz_s"] < ANSWER_WITHIN_S and found["webhook_s"] < ANSWER_WITHIN_S, report
-    # The service never holds many more than listen.max_connections (256) connections.
-    # The connections stay bounded under the attack (after the probes, the accepted alert's playbook run
-    # adds its own pipes and files, so only the count before them is a connection count).
-    assert found["service_fds"] < 256 + 100, report
+    # The connections stay bounded under the attack: the guard admits listen.max_connections (256). The
+    # process's open files may run above that by what asyncio accepted in one go (up to LISTEN_BACKLOG a
+    # turn of the loop) and the guard closes a turn or two later: CI once caught 367 (256 + 111). A process
+    # without the guard holds every attacker, past its 1024 files. After the probes, the accepted alert's
+    # playbook run adds its own pipes and files, so only the count before them is a connection count.
+    admitted = re.search(r"^fleetheal_remediator_connections_open ([\d.]+)$", metrics, re.M)
+    assert admitted is not None and float(admitted[1]) <= 256, metrics[:2000]
+    assert found["service_fds"] <= found["service_fds_before"] + 256 + 2 * LISTEN_BACKLOG < SERVICE_NOFILE, report
     assert 'fleetheal_remediator_connections_closed_total{reason="evicted"}' in metrics, report
     assert "Traceback" not in text and "unhandled error" not in text, text[-3000:]
     assert proc.returncode == 0, text[-3000:]

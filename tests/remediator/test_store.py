@@ -460,6 +460,32 @@ def test_a_restarted_postgresql_fails_one_call_then_reconnects(postgres_server, 
         store.close()
 
 
+def test_a_writer_gone_silent_in_its_transaction_does_not_hold_the_others_off(pg_url):
+    """CI saw it: a leader cut off from PostgreSQL in the middle of a write kept the write lock on the
+    server (nothing ever told the server that its client was gone), so the next leader's
+    `take_leadership` waited for it, past every deadline. The server now ends a session idle in a
+    transaction after IDLE_IN_TRANSACTION_S, and its locks with it."""
+    from fleetheal.remediator.store.db import IDLE_IN_TRANSACTION_S
+
+    old, new = Store.postgres(pg_url), Store.postgres(pg_url)
+    took = threading.Event()
+    try:
+        old.take_leadership("replica-a")
+        with pytest.raises(StoreError):
+            with old.tx(fenced=False) as tx:
+                tx.execute("UPDATE leadership SET holder = 'replica-a' WHERE id = 1")
+                # From here the old leader says nothing more (a cut network, a stopped process).
+                thread = threading.Thread(target=lambda: (new.take_leadership("replica-b"), took.set()), daemon=True)
+                thread.start()
+                took.wait(IDLE_IN_TRANSACTION_S * 12)
+                assert took.is_set(), "the new leader still waits for the silent one's write lock"
+        # The silent writer's transaction was ended by the server: its COMMIT fails, nothing of it stays.
+        assert new.leadership()[:2] == (2, "replica-b")
+    finally:
+        old.close()
+        new.close()
+
+
 def test_a_failed_begin_leaves_no_transaction_open(pg_url):
     """The write lock's wait canceled on a live connection (statement_timeout): the next call still works."""
     a, b = Store.postgres(pg_url), Store.postgres(pg_url)

@@ -43,6 +43,17 @@ PG_CONNECT_ARGS: dict[str, Any] = {
     "tcp_user_timeout": 9000,
     "application_name": "fleetheal-remediator",
 }
+#: What the server does about a client that went silent, set on each session. Every write holds the one
+#: write lock (_PG_WRITE_LOCK) for its transaction: a leader cut off in the middle of one left the server
+#: holding that lock, for TCP's two hours, and no other replica could take over (CI saw "no leader within
+#: 60 s"). A transaction waits for its own client only between statements, for milliseconds; after
+#: IDLE_IN_TRANSACTION_S the server ends the session and its locks go with it. The server's own TCP
+#: timeout covers a query whose answer cannot reach the client.
+IDLE_IN_TRANSACTION_S = 5
+PG_SESSION_SETTINGS: dict[str, str] = {
+    "idle_in_transaction_session_timeout": f"{IDLE_IN_TRANSACTION_S * 1000}",
+    "tcp_user_timeout": "9000",
+}
 
 
 class StoreError(Exception):
@@ -76,7 +87,14 @@ class _Postgres:
                 if self._conn is not None:
                     self._conn.close()
             self._conn = None
-            self._conn = self._psycopg.connect(self.url, autocommit=True, **PG_CONNECT_ARGS)
+            conn = self._psycopg.connect(self.url, autocommit=True, **PG_CONNECT_ARGS)
+            try:
+                for name, value in PG_SESSION_SETTINGS.items():  # SET, not a startup option: poolers accept it
+                    conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
         return self._conn
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
