@@ -189,8 +189,15 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
         out(f"  ETTR of the run{until}: {value:.2f}")
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled like Ctrl-C. A subclass on purpose: CPython remembers a KeyboardInterrupt
+    of exactly that type that went through `exec` or `eval` of a string (dataclasses and namedtuples build
+    their methods that way, at import), and kills the process with SIGINT as it exits, even when the
+    exception was handled: CI saw a demo take its lab down, print "demo finished", then die of SIGINT."""
+
+
 def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
 
 
 def run_demo(lab_dir: str | None = None, keep: bool = False) -> int:

@@ -26,6 +26,7 @@ from fleetheal.lab.train import read_events
 from fleetheal.lab.watcher import continuity
 from fleetheal.procs import alive, cmdline, pids_mentioning
 from fleetheal.wait import wait_until
+from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.prometheus]
 
@@ -291,6 +292,28 @@ def test_a_demo_stopped_by_sigterm_takes_its_lab_down(tmp_path):
     assert "stopped by SIGTERM" in out and "taking the lab down" in out, out
     left = pids_mentioning(str(lab_dir))
     assert left == {}, left
+
+
+def test_a_sigterm_handled_during_an_import_does_not_kill_the_demo_at_exit(tmp_path):
+    """The cause of the -2 above, found with the kernel's signal trace (the demo sent itself SIGINT): the
+    SIGTERM landed while a module built a dataclass (`exec` of a string). The demo's own handler runs
+    there; the process, run with -m like `fleetheal lab demo`, must still end with the demo's code."""
+    (tmp_path / "stopped_in_exec.py").write_text(
+        "import os, signal, threading\n"
+        "from fleetheal.lab.demo import _interrupt\n"
+        "signal.signal(signal.SIGTERM, _interrupt)\n"
+        "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "try:\n"
+        "    exec('import time\\nfor _ in range(200): time.sleep(0.05)')\n"
+        "except KeyboardInterrupt as exc:\n"
+        "    print(exc)\n"
+        "raise SystemExit(1)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "stopped_in_exec"], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    assert (done.returncode, done.stdout) == (1, "stopped by SIGTERM\n"), done
 
 
 def test_down_leaves_nothing_behind(lab, scenarios):
