@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from fleetheal.errors import UsageError
@@ -17,7 +20,8 @@ def register(sub: Any) -> None:
         help="classify an Xid, a log line or a log file",
         description="Classify faults with the taxonomy. Exit 0 also when nothing is found.",
         epilog='examples: fleetheal classify --xid 79 | fleetheal classify "NVRM: Xid (PCI:0000:b1:00): 79, ..." '
-        "| fleetheal classify --file /var/log/kern.log --json | fleetheal classify --coverage",
+        "| fleetheal classify --file /var/log/kern.log --json | fleetheal classify --coverage "
+        "| fleetheal classify --score my-labelled-lines.yaml --rules my-rules.yaml",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("line", nargs="?", help="one log line")
@@ -28,6 +32,12 @@ def register(sub: Any) -> None:
         action="store_true",
         help="check the rules against every emitter's message catalog (policies/message-catalog.yaml) and print "
         "which formats map to which fault, which are ignored and why; exit 1 on a mismatch",
+    )
+    src.add_argument(
+        "--score",
+        metavar="YAML",
+        help="score the rules on labelled lines (a list of {line, kind, fault, class}, as in tests/corpus/"
+        "log-lines.yaml): right class per kind and per fault, benign lines kept quiet, every miss",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list of events")
     p.add_argument(
@@ -92,9 +102,106 @@ def coverage(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+#: What `--score` reads of each labelled line (the corpus's other keys are allowed and ignored).
+SCORE_KEYS = ("line", "kind", "fault", "class")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One labelled line and what the rules said of it. An Xid line is right when the Xid code and the
+    GPU are; any other line when the class is (`none` for a line that announces no fault)."""
+
+    line: str
+    kind: str
+    want_fault: str
+    want_class: str
+    got_fault: str
+    got_class: str
+    right: bool
+
+
+def score_lines(entries: Iterable[Mapping[str, Any]], parser: Any) -> list[Scored]:
+    """Score `parser` (a logparse.LogParser) on labelled lines; ValueError names the first malformed entry."""
+    from fleetheal.agent.backends import normalize_pci
+
+    def gpu(bus: str | None) -> str | None:
+        return None if bus is None else normalize_pci(bus) or bus
+
+    out = []
+    for number, e in enumerate(entries, start=1):
+        if not isinstance(e, Mapping) or any(not isinstance(e.get(k), str) or not e.get(k) for k in SCORE_KEYS):
+            raise ValueError(f"entry {number}: needs the strings {', '.join(SCORE_KEYS)}; got {e!r:.200}")
+        events = parser.parse_line(e["line"])
+        got = events[0] if events else None
+        fault, cls = (got.fault.id, got.fault.fault_class) if got else ("none", "none")
+        if e["kind"] == "xid" and e.get("xid") is not None:
+            right = got is not None and (got.xid, gpu(got.pci_bus_id)) == (e["xid"], gpu(e.get("gpu")))
+        else:
+            right = cls == e["class"]
+        out.append(Scored(e["line"], e["kind"], e["fault"], e["class"], fault, cls, right))
+    return out
+
+
+def score_table(results: list[Scored], title: str) -> str:
+    """Right share per kind, per wanted fault and for the benign lines, then every miss."""
+
+    def row(name: str, group: list[Scored]) -> str:
+        right = sum(r.right for r in group)
+        return f"  {name:28}{len(group):>6}{right:>7}{right / len(group):>8.1%}"
+
+    faults = [r for r in results if r.want_fault != "none"]
+    benign = [r for r in results if r.want_fault == "none"]
+    by_kind: dict[str, list[Scored]] = defaultdict(list)
+    by_fault: dict[str, list[Scored]] = defaultdict(list)
+    for r in faults:
+        by_kind[r.kind].append(r)
+        by_fault[r.want_fault].append(r)
+    head = f"  {'':28}{'lines':>6}{'right':>7}{'share':>8}"
+    out = [f"{title}: {len(results)} labelled lines", "", head]
+    if faults:
+        out.append(row("fault lines", faults))
+        non_xid = [r for r in faults if r.kind != "xid"]
+        if non_xid:
+            out.append(row("  other than Xid records", non_xid))
+    if benign:
+        out.append(row("benign lines (no event)", benign))
+    out += ["", "  by kind", *(row(k, g) for k, g in sorted(by_kind.items()))]
+    out += ["", "  by wanted fault", *(row(f, g) for f, g in sorted(by_fault.items()))]
+    misses = [r for r in results if not r.right]
+    if misses:
+        out += ["", f"{len(misses)} miss(es):"]
+        out += [f"  {r.kind:8} want {r.want_fault} ({r.want_class}), got {r.got_fault} ({r.got_class}): {r.line[:150]}"
+                for r in misses]  # fmt: skip
+    return "\n".join(out)
+
+
+def score(args: argparse.Namespace) -> int:
+    import yaml
+
+    from fleetheal.logparse import LogRulesError, load_parser
+
+    try:
+        entries = yaml.safe_load(Path(args.score).read_text(encoding="utf-8"))
+        if not isinstance(entries, list):
+            raise ValueError("expected a YAML list of labelled lines")
+        results = score_lines(entries, load_parser(args.rules, log=args.log))
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.score}: {exc.strerror}") from exc
+    except (yaml.YAMLError, ValueError, LogRulesError) as exc:
+        raise UsageError(f"{args.score}: {exc}") from exc
+    if args.json:
+        json.dump([asdict(r) for r in results], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(score_table(results, args.score))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.coverage:
         return coverage(args)
+    if args.score:
+        return score(args)
     found = list(events(args))
     if args.json:
         json.dump(found, sys.stdout, indent=2)

@@ -69,7 +69,7 @@ def test_unknown_xid_is_observed_not_an_error() -> None:
             ["classify", "--file", "/nonexistent/kern.log"],
             "cannot read /nonexistent/kern.log: No such file or directory",
         ),
-        (["classify"], "one of the arguments line --xid --file --coverage is required"),
+        (["classify"], "one of the arguments line --xid --file --coverage --score is required"),
         (["classify", "--xid", "abc"], "invalid int value: 'abc'"),
         (["classify", "--xid", "0"], "--xid must be a positive Xid code, got 0"),
         (["classify", "--xid", "79", "a line"], "not allowed with argument"),
@@ -101,3 +101,50 @@ def test_coverage_lists_every_emitter_and_fails_on_a_mismatch(tmp_path: Path) ->
     out = fleetheal("classify", "--coverage", "--rules", str(rules))
     assert out.returncode == 1
     assert "!! linux hung-task: the rules give none (rule None), the catalog says kernel-hung-task" in out.stdout
+
+
+def test_score_reports_the_right_share_and_every_miss(tmp_path: Path) -> None:
+    """`--score`: how the rules (shipped or an operator's) do on lines labelled by their meaning."""
+    import yaml
+
+    labelled = [
+        {"line": "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.", "kind": "xid", "fault": "xid-79",
+         "class": "hardware", "xid": 79, "gpu": "0000:3b:00"},
+        {"line": "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.", "kind": "xid", "fault": "xid-79",
+         "class": "hardware", "xid": 79, "gpu": "0000:5e:00"},  # the wrong GPU is a miss
+        {"line": "NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>", "kind": "nccl", "fault": "none", "class": "none"},
+        {"line": "something the rules were never told about", "kind": "host", "fault": "host-oom", "class": "user"},
+    ]  # fmt: skip
+    path = tmp_path / "labelled.yaml"
+    path.write_text(yaml.safe_dump(labelled))
+    out = fleetheal("classify", "--score", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "4 labelled lines" in out.stdout
+    rows = {line[:30].strip(): line[30:].split() for line in out.stdout.splitlines()}
+    assert rows["fault lines"] == ["3", "1", "33.3%"]
+    assert rows["benign lines (no event)"] == ["1", "1", "100.0%"]
+    assert "2 miss(es)" in out.stdout and "want host-oom (user), got none (none)" in out.stdout
+    rows = json.loads(fleetheal("classify", "--score", str(path), "--json").stdout)
+    assert [r["right"] for r in rows] == [True, False, True, False]
+
+    path.write_text(yaml.safe_dump([{"line": "x", "kind": "host", "fault": "host-oom"}]))
+    out = fleetheal("classify", "--score", str(path))
+    assert out.returncode == 2 and "entry 1: needs the strings line, kind, fault, class" in out.stderr
+    out = fleetheal("classify", "--score", str(tmp_path / "missing.yaml"))
+    assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """`fleetheal classify --file big.log | head`: the pipe closes under the output."""
+    line = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetheal", "classify", "--file", "-"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(line * 20000)
+    proc.stdin.close()
+    proc.stdout.readline()
+    proc.stdout.close()  # like `head -1`
+    assert proc.wait(60) == 141
+    assert "Traceback" not in proc.stderr.read()
