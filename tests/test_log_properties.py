@@ -14,10 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetheal import logcatalog
+from fleetheal.agent.backends import normalize_pci
 from fleetheal.logparse import FaultEvent, LogParser
-from tests.test_log_corpus import corpus, verdict
+from tests.test_log_corpus import corpus
 
 PARSER = LogParser()
+
+
+def verdict(events: list[FaultEvent]) -> tuple[str, str, int | None, str | None]:
+    """(fault id, class, xid, GPU in one spelling) of what the parser said; ("none", "none", ...) for nothing."""
+    if not events:
+        return ("none", "none", None, None)
+    (e,) = events
+    bus = None if e.pci_bus_id is None else normalize_pci(e.pci_bus_id) or e.pci_bus_id
+    return (e.fault.id, e.fault.fault_class, e.xid, bus)
 
 #: What the pipelines in front of a log reader put before a line (one example each; the engine never
 #: anchors to the line start, so any of them, stacked, must do).
