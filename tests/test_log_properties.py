@@ -29,6 +29,7 @@ def verdict(events: list[FaultEvent]) -> tuple[str, str, int | None, str | None]
     bus = None if e.pci_bus_id is None else normalize_pci(e.pci_bus_id) or e.pci_bus_id
     return (e.fault.id, e.fault.fault_class, e.xid, bus)
 
+
 #: What the pipelines in front of a log reader put before a line (one example each; the engine never
 #: anchors to the line start, so any of them, stacked, must do).
 PREFIXES = {
