@@ -323,12 +323,16 @@ def run(args: argparse.Namespace) -> int:
     root: Path = args.root or CHECKOUT
     if not (root / "policies" / "faults.yaml").is_file():
         raise UsageError(f"{root} is not a fleetheal checkout (no policies/faults.yaml); pass --root")
+    try:  # a broken policy file (taxonomy, log rules, message catalog) is the user's to fix: say which
+        out_of_date = stale(root) if args.check else []
+        texts = {} if args.check else rendered()
+    except taxonomy.TaxonomyError as exc:
+        raise UsageError(str(exc)) from exc
     if args.check:
-        out_of_date = stale(root)
         for p in out_of_date:
             print(f"stale: {p} (run `fleetheal generate` or `make generate`)", file=sys.stderr)
         return 1 if out_of_date else 0
-    for path, text in rendered().items():
+    for path, text in texts.items():
         target = root / path
         target.parent.mkdir(parents=True, exist_ok=True)
         if not target.is_file() or target.read_text() != text:

@@ -122,3 +122,22 @@ def test_taxonomy_check_cli(shared: Path) -> None:
         timeout=60,
     )
     assert out.returncode == 2 and "cannot read /nonexistent.csv" in out.stderr
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_broken_policy_file_is_named_not_a_traceback(
+    repo: Path, monkeypatch: pytest.MonkeyPatch, check: bool
+) -> None:
+    """A message catalog (or log rules, or taxonomy) that does not load: `fleetheal generate` says why, as a
+    usage error, and writes nothing."""
+    import argparse
+
+    from fleetheal.errors import UsageError
+    from fleetheal.logcatalog import CatalogError
+
+    def broken() -> dict[str, str]:
+        raise CatalogError("message catalog: not valid YAML: line 428")
+
+    monkeypatch.setattr(generate, "rendered", broken)
+    with pytest.raises(UsageError, match="not valid YAML: line 428"):
+        generate.run(argparse.Namespace(root=repo, check=check))
