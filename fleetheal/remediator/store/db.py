@@ -90,7 +90,8 @@ class _Postgres:
             conn = self._psycopg.connect(self.url, autocommit=True, **PG_CONNECT_ARGS)
             try:
                 for name, value in PG_SESSION_SETTINGS.items():  # SET, not a startup option: poolers accept it
-                    conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+                    with contextlib.suppress(self._psycopg.errors.UndefinedObject):  # a server < 12 lacks one
+                        conn.execute("SELECT set_config(%s, %s, false)", (name, value))
             except BaseException:
                 conn.close()
                 raise
