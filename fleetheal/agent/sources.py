@@ -293,6 +293,16 @@ class TrainingReportServer:
                 p.unlink()
         if p.exists() or p.is_symlink():
             raise OSError(errno.EEXIST, "not a socket; refusing to replace it", self.path)
+        # The socket is made world-writable by path (chmod follows links): in a directory another user can
+        # write (and not sticky), that user could swap it for a link to any file between bind and chmod.
+        where = p.parent.stat()
+        others_write = where.st_mode & 0o002 or (where.st_mode & 0o020 and where.st_gid not in (0, os.getegid()))
+        if where.st_uid not in (0, os.geteuid()) or (others_write and not where.st_mode & stat.S_ISVTX):
+            raise OSError(
+                errno.EPERM,
+                "other users can write its directory; use one only root can write, as /run/fleetheal",
+                str(p.parent),
+            )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         # Bound under a private name and made writable before it takes its real name: a job that finds the

@@ -266,6 +266,21 @@ def test_the_training_socket_is_writable_by_every_user_from_the_moment_it_appear
     finally:
         server.sock.close()
     (tmp_path / "training.sock").unlink()
+    # A directory another user can write (not sticky) is refused: the socket there could be swapped for a link.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(OSError, match="other users can write its directory"):
+        sources.TrainingReportServer(str(shared / "t.sock"), lambda data, uid: None, lambda text: None).bind()
+    shared.chmod(0o775)  # group-writable, for root's own group (a umask of 002): fine
+    group = sources.TrainingReportServer(str(shared / "t.sock"), lambda data, uid: None, lambda text: None)
+    group.bind()
+    group.sock.close()
+    (shared / "t.sock").unlink()
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody else can replace this process's files
+    sticky = sources.TrainingReportServer(str(shared / "t.sock"), lambda data, uid: None, lambda text: None)
+    sticky.bind()
+    sticky.sock.close()
     (tmp_path / "training.sock").write_text("an operator's file")
     with pytest.raises(OSError, match="not a socket"):
         sources.TrainingReportServer(str(path), lambda data, uid: None, lambda text: None).bind()
