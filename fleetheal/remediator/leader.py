@@ -177,23 +177,33 @@ class LeaderElector:
                 self._renewed = now
                 log.info("leader election: leading", extra={"identity": self.identity, "transitions": self.transitions})
                 self.on_lead()
+                # Taking the lead can wait (the database's write lock, still held for a replica cut off in the
+                # middle of a write until the server ends its session): renew at once, so that wait does not
+                # count against the renew deadline and the new leader does not step down as it starts.
+                self._renew(self.clock())
             return
         if self._store_down_since is not None and now - self._store_down_since >= self.cfg.renew_deadline_s:
             self._step_down(f"the database did not answer for {now - self._store_down_since:.1f} s", release=True)
             return
-        # No request of this renewal may end after the deadline of the last one (`_call` bounds each).
-        self._call_deadline = self._renewed + self.cfg.renew_deadline_s
-        try:
-            if now < self._call_deadline and self._try(now):
-                self._renewed = now
-                return
-        finally:
-            self._call_deadline = None
+        if self._renew(now):
+            return
         # By the clock now, not when the period began. The next period begins up to MAX_JITTER periods
         # from now: when that is past the deadline, step down now, so it happens by the deadline.
         late = self.clock() - self._renewed
         if late + self.cfg.retry_period_s * (1 + MAX_JITTER) >= self.cfg.renew_deadline_s:
             self._step_down(f"could not renew the lease for {late:.1f} s", release=False)
+
+    def _renew(self, now: float) -> bool:
+        """Renew the lease held; no request of it may end after the deadline of the last renewal (`_call`
+        bounds each)."""
+        self._call_deadline = self._renewed + self.cfg.renew_deadline_s
+        try:
+            if now < self._call_deadline and self._try(now):
+                self._renewed = now
+                return True
+            return False
+        finally:
+            self._call_deadline = None
 
     def _step_down(self, reason: str, *, release: bool) -> None:
         self._leading = False

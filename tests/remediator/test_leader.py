@@ -256,7 +256,7 @@ def test_a_leader_that_could_not_see_its_playbooks_gone_leaves_the_lease_to_expi
     db = {"ok": True}
     cfg, elector, stops = _elector(clock, api, stopped=False, store_ok=lambda: db["ok"])
     elector.step()
-    assert elector.leading and api.writes == ["a"]
+    assert elector.leading and api.writes == ["a", "a"]  # taken, and renewed once it has started
     db["ok"] = False
     while not stops:
         clock.t += cfg.retry_period_s
@@ -271,4 +271,28 @@ def test_a_leader_that_could_not_see_its_playbooks_gone_leaves_the_lease_to_expi
     elector2.step()
     elector2.demand_step_down("the store says another replica leads")
     elector2.step()
-    assert stops2 and api2.writes == ["a", None]
+    assert stops2 and api2.writes == ["a", "a", None]
+
+
+def test_a_new_leader_whose_start_waited_does_not_step_down_for_it():
+    """CI saw it (epoch 3 where 2 was due): taking the lead waited seconds for the database's write lock, still
+    held for the replica cut off in the middle of a write, and the new leader then stepped down for a renewal
+    it had not had the time to make, and took the lead again. It renews as soon as it has started."""
+    clock = Clock()
+    api = LeaseAPI(clock)
+    cfg = LeaderElectionConfig(enabled=True, namespace="default", lease_name="l", identity="a")
+    stops: list[str] = []
+
+    def slow_start() -> None:
+        clock.t += cfg.renew_deadline_s - 1  # within the deadline, but later than the next period
+
+    elector = LeaderElector(
+        cfg, on_lead=slow_start, on_stop=lambda reason: stops.append(reason) or True,
+        store_ok=lambda: True, api=api, clock=clock,
+    )  # fmt: skip
+    elector.step()
+    for _ in range(10):
+        clock.t += cfg.retry_period_s * (1 + MAX_JITTER)
+        elector.step()
+    assert elector.leading and stops == [], stops
+    assert api.writes.count(None) == 0 and set(api.writes) == {"a"}

@@ -47,9 +47,10 @@ PG_CONNECT_ARGS: dict[str, Any] = {
 #: write lock (_PG_WRITE_LOCK) for its transaction: a leader cut off in the middle of one left the server
 #: holding that lock, for TCP's two hours, and no other replica could take over (CI saw "no leader within
 #: 60 s"). A transaction waits for its own client only between statements, for milliseconds; after
-#: IDLE_IN_TRANSACTION_S the server ends the session and its locks go with it. The server's own TCP
-#: timeout covers a query whose answer cannot reach the client.
-IDLE_IN_TRANSACTION_S = 5
+#: IDLE_IN_TRANSACTION_S the server ends the session and its locks go with it. It stays below the leader's
+#: renew deadline (4 s by default): the next leader's first write waits at most that long for the lock.
+#: The server's own TCP timeout covers a query whose answer cannot reach the client.
+IDLE_IN_TRANSACTION_S = 2
 PG_SESSION_SETTINGS: dict[str, str] = {
     "idle_in_transaction_session_timeout": f"{IDLE_IN_TRANSACTION_S * 1000}",
     "tcp_user_timeout": "9000",
