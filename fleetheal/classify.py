@@ -120,13 +120,15 @@ class Scored:
     right: bool
 
 
-def score_lines(entries: Iterable[Mapping[str, Any]], parser: Any) -> list[Scored]:
-    """Score `parser` (a logparse.LogParser) on labelled lines; ValueError names the first malformed entry."""
+def gpu_id(bus: str | None) -> str | None:
+    """One spelling of a PCI bus id ("0000:3b:00" and "00000000:3B:00.0" are one GPU)."""
     from fleetheal.agent.backends import normalize_pci
 
-    def gpu(bus: str | None) -> str | None:
-        return None if bus is None else normalize_pci(bus) or bus
+    return None if bus is None else normalize_pci(bus) or bus
 
+
+def score_lines(entries: Iterable[Mapping[str, Any]], parser: Any) -> list[Scored]:
+    """Score `parser` (a logparse.LogParser) on labelled lines; ValueError names the first malformed entry."""
     out = []
     for number, e in enumerate(entries, start=1):
         if not isinstance(e, Mapping) or any(not isinstance(e.get(k), str) or not e.get(k) for k in SCORE_KEYS):
@@ -135,7 +137,7 @@ def score_lines(entries: Iterable[Mapping[str, Any]], parser: Any) -> list[Score
         got = events[0] if events else None
         fault, cls = (got.fault.id, got.fault.fault_class) if got else ("none", "none")
         if e["kind"] == "xid" and e.get("xid") is not None:
-            right = got is not None and (got.xid, gpu(got.pci_bus_id)) == (e["xid"], gpu(e.get("gpu")))
+            right = got is not None and (got.xid, gpu_id(got.pci_bus_id)) == (e["xid"], gpu_id(e.get("gpu")))
         else:
             right = cls == e["class"]
         out.append(Scored(e["line"], e["kind"], e["fault"], e["class"], fault, cls, right))

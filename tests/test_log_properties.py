@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetheal import logcatalog
-from fleetheal.agent.backends import normalize_pci
+from fleetheal.classify import gpu_id
 from fleetheal.logparse import FaultEvent, LogParser
 from tests.test_log_corpus import corpus
 
@@ -26,8 +26,7 @@ def verdict(events: list[FaultEvent]) -> tuple[str, str, int | None, str | None]
     if not events:
         return ("none", "none", None, None)
     (e,) = events
-    bus = None if e.pci_bus_id is None else normalize_pci(e.pci_bus_id) or e.pci_bus_id
-    return (e.fault.id, e.fault.fault_class, e.xid, bus)
+    return (e.fault.id, e.fault.fault_class, e.xid, gpu_id(e.pci_bus_id))
 
 
 #: What the pipelines in front of a log reader put before a line (one example each; the engine never
