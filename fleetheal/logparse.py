@@ -379,6 +379,8 @@ class LogParser:
             if len(self._candidates) >= 4096:  # bounded, whatever the log holds
                 self._candidates.clear()
             candidates = tuple(r for i, r in enumerate(self.rules) if mask >> i & 1)
+            if all(r.fault == NONE for r in candidates):  # whichever matches, the line raises nothing
+                candidates = ()
             self._candidates[mask] = candidates
         text = line.strip()
         if "  " in text or "\t" in text or "\r" in text:  # cheaper to test than to normalise every line

@@ -174,6 +174,48 @@ def test_a_process_name_in_a_kernel_message_cannot_drain_a_node_or_requeue_a_job
     assert harmful == [], f"{len(harmful)} process names raise a harmful fault:\n" + "\n".join(harmful[:15])
 
 
+#: Kernel records that print text a local user chooses beyond a process name: the file name of a mapping
+#: (NAME_MAX, 255 bytes; print_vma_addr, with the offset on newer kernels), a path's last four components, a
+#: command line, an audit record's fields. `{name}` is the user's text.
+USER_TEXT_LINES = [
+    "python3[4242]: segfault at 0 ip 00007f206e40b000 sp 00007ffce1239c68 error 4 in {name}[0,7f206e40b000+1000]"
+    " likely on CPU 1 (core 1, socket 0)",
+    "python3[4242]: segfault at 0 ip 00007f00deadbeef sp 00007ffc00000000 error 4 in {name}[7f00+1c0000]",
+    "traps: python3[4242] general protection fault ip:7f00deadbeef sp:7ffc00000000 error:0 in {name}[7f00+1c0000]",
+    "python3[4242] trap invalid opcode ip:7f00deadbeef sp:7ffc00000000 error:0 in {name}[7f00+1c0000]",
+    # The continued part as a record of its own (another CPU printed between the two parts).
+    " in {name}[0,7f206e40b000+1000] likely on CPU 1 (core 1, socket 0)",
+    " in {name}[7f00+1c0000]",
+    "process '{name}' started with executable stack",
+    "process 'a/b/c/{name}",  # cut before its closing words
+    'ptrace attach of "{name}"[4242] was attempted by "{name}"[4243]',
+    'audit: type=1400 audit(1764410400.000:42): apparmor="DENIED" operation="open" profile="snap" name="{name}"'
+    ' pid=4242 comm="python3" requested_mask="r" denied_mask="r" fsuid=1000 ouid=1000',
+]
+NAME_MAX = 255
+
+
+def test_a_file_name_path_or_command_line_in_a_kernel_record_cannot_drain_a_node_or_requeue_a_job() -> None:
+    """The attack: a local user names a file after a whole fault record ("NVRM: Xid (PCI:0000:3b:00): 79, ...
+    GPU has fallen off the bus") and crashes a process in it; the kernel prints the name (issue 46).
+    Every corpus line that the agent's kernel rules turn into a draining or requeuing fault, as the user's text
+    in every such record, must raise nothing harmful."""
+    kernel = LogParser(log="kernel")
+    names = set()
+    for line in lines():
+        events = kernel.parse_line(line)
+        if events and _harmful(events[0]):
+            names.add(" ".join(line.split())[:NAME_MAX])
+    assert len(names) > 50  # the corpus holds many: the test is not vacuous
+    harmful = []
+    for name in sorted(names):
+        for template in USER_TEXT_LINES:
+            got = [e for e in kernel.parse_line(template.format(name=name)) if _harmful(e)]
+            if got:
+                harmful.append(f"{template[:40]!r} with {name[:80]!r} -> {got[0].fault.id} (rule {got[0].rule})")
+    assert harmful == [], f"{len(harmful)} user texts raise a harmful fault:\n" + "\n".join(harmful[:15])
+
+
 #: The parser with each rule's whole pattern, tried on every candidate line.
 PLAIN = LogParser(PARSER.tx, tuple(dataclasses.replace(r, alternatives=(((), r.pattern),)) for r in PARSER.rules))
 

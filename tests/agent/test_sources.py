@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from fleetheal.agent.sources import MAX_REPORT, KernelLogFollower, TrainingReportServer, decode_kmsg_record
+from fleetheal.logparse import LogParser
 
 
 def _wait(pred, timeout=5.0):
@@ -192,3 +200,72 @@ def test_a_restart_resumes_dev_kmsg_after_the_last_record_read(tmp_path):
     halt()
     mine = [line.split(tag, 1)[1].strip() for line in lines if tag in line]
     assert mine == ["two, while down", "three"]
+
+
+def _crash_in(path: str, uid: int) -> int:
+    """As user `uid`, map the file `path` as code and run it: it reads address 0 and crashes, so the kernel reports
+    the segfault with the file's name (arch/x86/mm/fault.c, mm/memory.c print_vma_addr). Returns the wait status."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns: it dies of SIGSEGV, or exits 1
+        try:
+            faulthandler.disable()  # pytest's: a handled SIGSEGV is not reported by the kernel
+            signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+            os.setgid(uid)
+            os.setuid(uid)
+            fd = os.open(path, os.O_RDONLY)
+            libc = ctypes.CDLL(None)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            code = libc.mmap(None, 4096, 5, 2, fd, 0)  # PROT_READ|PROT_EXEC, MAP_PRIVATE
+            ctypes.CFUNCTYPE(ctypes.c_long)(code)()
+        finally:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1]
+
+
+def test_a_local_users_crash_in_a_file_named_like_an_xid_record_raises_nothing():
+    """Issue 46, the attack on the real kernel: a user (uid 65534) crashes a process in a file named like an Xid 79
+    record. The kernel prints the name in its segfault record; the agent's follower reads it from /dev/kmsg and
+    its kernel rules must raise nothing. The same words written by the driver (here: root, through /dev/kmsg) are
+    an Xid 79: the parser is live."""
+    if not (os.access("/dev/kmsg", os.R_OK | os.W_OK) and os.geteuid() == 0):
+        pytest.skip(
+            "SKIPPED: needs root and a readable /dev/kmsg to crash a user's process and read the kernel's record"
+        )
+    if open("/proc/sys/debug/exception-trace").read().strip() == "0":
+        pytest.skip("SKIPPED: this kernel does not report user crashes (debug.exception-trace = 0)")
+    marker = uuid.uuid4().hex[:8]
+    record = f"NVRM: Xid (PCI:0000:3b:00): 79, pid={marker}, name=x, GPU has fallen off the bus"
+    where = Path(tempfile.mkdtemp(prefix="fleetheal-crash-"))  # pytest's own tmp is root's alone
+    where.chmod(0o755)
+    code = where / record
+    code.write_bytes((bytes.fromhex("488b042500000000") + b"\xc3").ljust(4096, b"\x90"))  # mov rax,[0]; ret
+    code.chmod(0o755)
+    kernel = LogParser(log="kernel")
+    lines, errors = [], []
+    stop = threading.Event()
+    f = KernelLogFollower("/dev/kmsg", lines.append, errors.append, poll_s=0.01)
+    t = threading.Thread(target=f.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        assert f.ready.wait(5)
+        status = _crash_in(str(code), 65534)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
+        with open("/dev/kmsg", "w") as kmsg:
+            kmsg.write(f"{record}\n")
+        _wait(lambda: sum(marker in line for line in lines) >= 2)
+    finally:
+        stop.set()
+        t.join(5)
+        shutil.rmtree(where)
+    crashed, written = [line for line in lines if marker in line][:2]
+    assert "segfault at 0 ip" in crashed and record in crashed
+    assert kernel.parse_line(crashed) == []
+    assert [e.fault.id for e in kernel.parse_line(written)] == ["xid-79"]
