@@ -24,6 +24,7 @@ BOTTOM_MODULES = (
     "fleetheal.wait",  # the one poll loop
     "fleetheal.rate",  # the one token bucket
     "fleetheal.httpjson",  # JSON over HTTP, standard library
+    "fleetheal.connguard",  # the servers' guard against slow and idle clients
     "fleetheal.tools",  # where `make tools` puts its programs
 )
 #: The top layer: the lab (it drives every part) and the `fleetheal` command (it dispatches to every part).

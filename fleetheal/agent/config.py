@@ -60,6 +60,10 @@ class MetricsConfig:
     listen: str = "0.0.0.0"  # noqa: S104 - scraped by Prometheus from another host
     #: Port of the Prometheus endpoint; 0 disables it.
     port: int = 9479
+    #: Connections held at most (more evict the one that has waited longest for its request head).
+    max_connections: int = 64
+    #: Seconds a connection has to send its request head, and to take its answer.
+    header_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,8 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         "thresholds.power_cap_ratio": cfg.thresholds.power_cap_ratio,
         "fastpath.slurm.timeout_s": cfg.fastpath.slurm.timeout_s,
         "kernel_log.max_backlog_bytes": cfg.kernel_log.max_backlog_bytes,
+        "metrics.max_connections": cfg.metrics.max_connections,
+        "metrics.header_timeout_s": cfg.metrics.header_timeout_s,
         "job_files.interval_s": cfg.job_files.interval_s,
         "job_files.max_bytes": cfg.job_files.max_bytes,
         "fastpath.kubernetes.timeout_s": cfg.fastpath.kubernetes.timeout_s,

@@ -176,6 +176,22 @@ class AgentMetrics:
             registry=r,
         )
 
+        self.connections_open = Gauge(
+            "fleetheal_agent_metrics_connections_open",
+            "Connections to the metrics endpoint open now (at most metrics.max_connections).",
+            registry=r,
+        )
+        self.connections_closed = Counter(
+            "fleetheal_agent_metrics_connections_closed",
+            "Connections the metrics endpoint closed to protect itself: limit (every connection busy), evicted "
+            "(waited longest for a request when a new one came at the limit), header_timeout.",
+            ("reason",),
+            registry=r,
+        )
+
+    def connection_closed(self, reason: str) -> None:
+        self.connections_closed.labels(reason).inc()
+
     def gpu_children(self, node: str, gpu: str) -> dict[str, Any]:
         """Sample key -> the labelled gauge child it is exported to, for one GPU (built once per GPU)."""
         out: dict[str, Any] = {key: gauge.labels(node, gpu) for key, gauge in self.gpu.items()}

@@ -1,6 +1,6 @@
 """What the agent publishes besides its log: the Prometheus exporter and the health file.
 
-`Exporter` serves the metrics endpoint and keeps the per-GPU and per-rank series in step with what the
+`Exporter` serves the metrics endpoint (`MetricsServer`) and keeps the per-GPU and per-rank series in step with what the
 service sees (only changed values are written; series of forgotten ranks are removed). `HealthFile` holds
 "ok" or the id of the fault that makes the node unhealthy, for whoever cannot scrape (a prolog, a probe).
 The service (fleetheal.agent.service) calls both under its lock.
@@ -8,9 +8,12 @@ The service (fleetheal.agent.service) calls both under its lock.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gzip
 import logging
 import os
+import threading
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fleetheal.agent.backends import GpuSample
 from fleetheal.agent.health import ActiveFault
 from fleetheal.agent.training import Report
+from fleetheal.connguard import ConnectionGuard
 from fleetheal.contracts import JOB_OUTPUT_SOURCE
 
 if TYPE_CHECKING:
@@ -40,17 +44,15 @@ class Exporter:
         self._suspects: set[tuple[str, str]] = set()
         self._http: Any = None
 
-    def serve(self, listen: str, port: int) -> None:
-        """Start the metrics endpoint (port 0: none)."""
+    def serve(self, listen: str, port: int, max_connections: int = 64, header_timeout_s: float = 5.0) -> None:
+        """Start the metrics endpoint (port 0: none); OSError when it cannot listen."""
         if port:
-            from prometheus_client import start_http_server
-
-            self._http, _ = start_http_server(port, listen, registry=self.metrics.registry)
+            self._http = MetricsServer(self.metrics, max_connections, header_timeout_s)
+            self._http.start(listen, port)
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
 
     def sample(self, s: GpuSample, health: Callable[[str], int]) -> None:
@@ -132,3 +134,135 @@ class HealthFile:
             self._written = text
         except OSError as exc:
             log.error("cannot write the health file", extra={"path": self.path, "error": str(exc)})
+
+
+#: The longest request head the metrics endpoint reads (a scrape's is a few hundred bytes).
+MAX_REQUEST_HEAD = 16 << 10
+
+
+class MetricsServer:
+    """The agent's Prometheus endpoint: one thread with an asyncio loop, every connection behind the shared
+    ConnectionGuard (fleetheal/connguard.py): at most `max_connections`, each with `header_timeout_s` to send
+    its request head and as long again to take the answer; one answer per connection. prometheus_client's own
+    server (a thread per connection, no read timeout, a listen backlog of 5) let a flood of idle connections
+    from any peer of the node cut accepts to a few a second and time the scrapes out (issue 46)."""
+
+    def __init__(self, metrics: AgentMetrics, max_connections: int, header_timeout_s: float) -> None:
+        self.metrics = metrics
+        self.guard = ConnectionGuard(max_connections, header_timeout_s, metrics)
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, listen: str, port: int) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            server = loop.run_until_complete(
+                loop.create_server(self.guard.wrap(lambda: _MetricsProtocol(self)), listen or None, port, backlog=1024)
+            )
+        except OSError:
+            loop.close()
+            raise
+        self.port = server.sockets[0].getsockname()[1]
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, args=(server,), name="metrics-http", daemon=True)
+        self._thread.start()
+
+    def _run(self, server: asyncio.Server) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+            for transport in list(self.guard._open):
+                transport.abort()
+            self._loop.run_until_complete(asyncio.sleep(0))
+            self._loop.close()
+
+    def close(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop = self._thread = None
+
+    def answer(self, head: bytes) -> bytes:
+        """The whole HTTP response to one request head."""
+        from prometheus_client.exposition import choose_encoder
+
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return _response(400, b"bad request\n")
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return _response(405, b"GET /metrics\n")
+        if target not in ("/", "/metrics"):
+            return _response(404, b"GET /metrics\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        body = encoder(self.metrics.registry)
+        extra = {}
+        if "gzip" in headers.get("accept-encoding", ""):
+            body, extra = gzip.compress(body, compresslevel=1), {"Content-Encoding": "gzip"}
+        return _response(200, b"" if method == "HEAD" else body, content_type, len(body), extra)
+
+
+def _response(
+    status: int,
+    body: bytes,
+    content_type: str = "text/plain; charset=utf-8",
+    length: int | None = None,
+    extra: dict[str, str] | None = None,
+) -> bytes:
+    reason = {
+        200: "OK",
+        400: "Bad Request",
+        404: "Not Found",
+        405: "Method Not Allowed",
+        431: "Request Header Fields Too Large",
+    }[status]
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(body) if length is None else length}",
+        "Connection: close",
+    ]
+    head += [f"{k}: {v}" for k, v in (extra or {}).items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _MetricsProtocol(asyncio.Protocol):
+    """One connection to the metrics endpoint: its request head, then one answer, then close."""
+
+    def __init__(self, server: MetricsServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.head = bytearray()
+        self.answered = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a TCP stream transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.answered or self.transport is None:
+            return
+        self.head += data
+        end = self.head.find(b"\r\n\r\n")
+        if end < 0 and len(self.head) <= MAX_REQUEST_HEAD:
+            return
+        self.answered = True
+        with self.server.guard.serving(self.transport):  # its head is in: no deadline while it is answered
+            if end < 0:
+                response = _response(431, b"request head too large\n")
+            else:
+                try:
+                    response = self.server.answer(bytes(self.head[:end]))
+                except Exception:  # a bug must not kill the endpoint's loop
+                    log.exception("metrics endpoint: cannot answer")
+                    response = _response(400, b"bad request\n")
+            self.transport.write(response)
+        # Closed once it is sent; a client that does not read it is aborted by the guard's deadline.
+        self.transport.close()

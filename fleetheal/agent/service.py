@@ -222,7 +222,9 @@ class Agent:
         """Open the backend and start every thread; returns at once."""
         cfg = self.cfg
         self.open_backend()
-        self.exporter.serve(cfg.metrics.listen, cfg.metrics.port)
+        self.exporter.serve(
+            cfg.metrics.listen, cfg.metrics.port, cfg.metrics.max_connections, cfg.metrics.header_timeout_s
+        )
         self._spawn("fastpath", self._fastpath_loop)
         self._spawn("gpu-events", self._event_loop)
         if cfg.kernel_log.enabled:

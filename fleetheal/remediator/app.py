@@ -9,7 +9,7 @@
 - `GET /metrics`: Prometheus text format (see metrics.py).
 
 `Service` wires config, store, engine, runner and metrics together; serve.py starts it and runs it until
-SIGTERM, connections.py guards it against slow clients.
+SIGTERM, fleetheal/connguard.py guards it against slow clients.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from aiohttp import web
 
 from fleetheal import steps
 from fleetheal import taxonomy as taxmod
+from fleetheal.connguard import ConnectionGuard
 from fleetheal.fleet import config as fleetcfg
 from fleetheal.fleet import failover as failmod
 from fleetheal.remediator import alerts
 from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
-from fleetheal.remediator.connections import ConnectionGuard
 from fleetheal.remediator.engine import Engine
 from fleetheal.remediator.leader import LeaderElector, Probe, api_client
 from fleetheal.remediator.lifecycle import LifecycleError

@@ -1,7 +1,9 @@
-"""The webhook's guard against slow and idle clients: a connection limit and a deadline for each request head.
+"""The one guard of fleetheal's servers against slow and idle clients: a connection limit and a deadline for
+each request head.
 
-aiohttp bounds neither; `ConnectionGuard` wraps its protocol (serve.listen) and the service's middleware
-tells it when a request starts and ends (app.Service._guard).
+The remediator's webhook (aiohttp bounds neither: `ConnectionGuard` wraps its protocol in serve.listen and the
+service's middleware tells it when a request starts and ends, app.Service._guard) and the agent's metrics
+endpoint (agent.outputs.MetricsServer) both serve behind it.
 """
 
 from __future__ import annotations
@@ -9,8 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
-from fleetheal.remediator.metrics import Metrics
+
+class GuardMetrics(Protocol):
+    """What the guard counts in its server's metrics: a gauge of open connections and why it closed one."""
+
+    connections_open: Any  # a prometheus_client Gauge
+
+    def connection_closed(self, reason: str) -> None: ...
+
 
 _REFUSED = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 25\r\n"
@@ -38,7 +48,7 @@ class ConnectionGuard:
     server of aiohttp) are left alone.
     """
 
-    def __init__(self, limit: int, header_timeout_s: float, metrics: Metrics) -> None:
+    def __init__(self, limit: int, header_timeout_s: float, metrics: GuardMetrics) -> None:
         self.limit = limit
         self.header_timeout_s = header_timeout_s
         self.metrics = metrics
@@ -104,7 +114,7 @@ class ConnectionGuard:
 
 
 class _GuardedConnection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, admitted and timed by a ConnectionGuard."""
+    """A server's protocol for one connection (aiohttp's, the agent's), admitted and timed by a ConnectionGuard."""
 
     def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
         self.guard = guard
