@@ -12,10 +12,10 @@ Copy this file next to a training script or import it from the fleetheal package
     reporter.end()
 
 Each report is one small JSON datagram on the agent's Unix socket (`$FLEETHEAL_TRAINING_SOCKET`, default
-`/run/fleetheal/training.sock`); see `fleetheal.agent.training` for the protocol. Sending never blocks
-and never raises into the training loop: when the agent is not running, reports are dropped and
-counted in `dropped`. Reports are sent at most every `min_interval_s` (except NaN/Inf losses, which
-always go), so calling `report` every step costs a clock read.
+`/run/fleetheal/training.sock`); see `fleetheal.agent.training` for the protocol. Sending never raises
+into the training loop and waits at most SEND_WAIT_S (the agent's queue full): when the agent is not
+running, reports are dropped and counted in `dropped`. Reports are sent at most every `min_interval_s`
+(except NaN/Inf losses, which always go), so calling `report` every step costs a clock read.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import socket
 import time
 from collections.abc import Mapping
@@ -30,6 +31,8 @@ from collections.abc import Mapping
 DEFAULT_SOCKET = "/run/fleetheal/training.sock"
 #: Longest line of the job's output one report carries; `line` cuts a longer one.
 MAX_OUTPUT_LINE = 1024
+#: Longest a report waits for room in the agent's queue (full while a local user floods it).
+SEND_WAIT_S = 0.05
 
 
 def _env_int(env: Mapping[str, str], *names: str) -> int | None:
@@ -64,11 +67,7 @@ class TrainingReporter:
         self.dropped = 0
         self._last_sent = -math.inf
         self._sock: socket.socket | None = None
-        try:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.setblocking(False)
-        except OSError:
-            self._sock = None
+        self._connected = False
 
     @staticmethod
     def _physical_gpu(env: Mapping[str, str]) -> int | None:
@@ -126,21 +125,50 @@ class TrainingReporter:
             self.dropped += 1
 
     def _send(self, doc: dict[str, object]) -> bool:
-        if self._sock is None:
+        """Send one datagram. The socket is connected to the agent's, so that when the agent's queue is full (a
+        local user flooding it) the report waits up to SEND_WAIT_S for room, woken as soon as the agent reads,
+        instead of being dropped at once; a training step never waits longer."""
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        deadline = None
+        while True:
+            try:
+                if not self._connected:
+                    self._reopen()
+                assert self._sock is not None
+                self._sock.send(data)
+            except BlockingIOError:
+                now = time.monotonic()
+                deadline = now + SEND_WAIT_S if deadline is None else deadline
+                if now < deadline and self._wait_for_room(deadline - now):
+                    continue
+            except OSError:  # agent not running, socket missing or replaced (a restart): reconnect next time
+                self._connected = False
+            else:
+                self.sent += 1
+                return True
             self.dropped += 1
             return False
-        try:
-            self._sock.sendto(json.dumps(doc, separators=(",", ":")).encode(), self.socket_path)
-        except OSError:  # agent not running, socket missing, buffer full
-            self.dropped += 1
-            return False
-        self.sent += 1
-        return True
+
+    def _reopen(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._sock.connect(self.socket_path)
+        self._connected = True
+
+    def _wait_for_room(self, timeout_s: float) -> bool:
+        """True when the agent's queue has room again (the poll wakes when the agent reads a report)."""
+        assert self._sock is not None
+        poller = select.poll()
+        poller.register(self._sock, select.POLLOUT)
+        return bool(poller.poll(max(1, int(timeout_s * 1000))))
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._connected = False
 
     def __enter__(self) -> TrainingReporter:
         return self

@@ -66,6 +66,10 @@ if TYPE_CHECKING:
 KERNEL_LOG = "kernel_log"
 #: Lines no log rule knows that the agent writes to its own log per minute (all are counted).
 UNKNOWN_LOG_PER_MINUTE = 10
+#: Read errors logged a minute per source (each counted in fleetheal_agent_read_errors_total).
+READ_ERRORS_LOGGED_PER_MINUTE = 10
+#: Training reports of one uid refused a second before the rest of that second's are dropped unread.
+REFUSALS_PER_UID_S = 100
 log = logging.getLogger("fleetheal.agent")
 
 
@@ -162,6 +166,10 @@ class Agent:
         self.clock = clock
         self.parser = load_parser(cfg.kernel_log.rules_file or None, self.tx, log=KERNEL_RULES)
         self._unknown_logged: tuple[float, int] = (0.0, 0)  # (window start, lines logged in it)
+        #: source -> (window start, read errors logged in it, not logged since the last one logged)
+        self._read_errors_logged: dict[str, tuple[float, int, int]] = {}
+        #: uid -> (window start, training reports refused in the window)
+        self._refusals: dict[int | None, tuple[float, int]] = {}
         self._runs_refused_logged = float("-inf")  # when a line over MAX_RUNS_PER_JOB was last logged (monotonic)
         self.tracker = HealthTracker(self.tx, cfg.health)
         self.training = TrainingMonitor(cfg.training)
@@ -323,8 +331,20 @@ class Agent:
     # ---- sources -----------------------------------------------------------------------------
 
     def read_error(self, source: str, why: str) -> None:
+        """Count a failed or refused read, and log it: at most READ_ERRORS_LOGGED_PER_MINUTE a minute per source,
+        the rest counted in the next line logged (a local user refused as fast as it can send must not flood the
+        agent's log: 116 MB in 22 s, issue 46; the counter counts every one)."""
         self.metrics.read_errors.labels(source).inc()
-        _log(logging.WARNING, "read error", source=source, error=why)
+        now = time.monotonic()
+        start, logged, suppressed = self._read_errors_logged.get(source, (now, 0, 0))
+        if now - start >= 60.0:
+            start, logged = now, 0
+        if logged < READ_ERRORS_LOGGED_PER_MINUTE:
+            extra = {"suppressed": suppressed} if suppressed else {}
+            _log(logging.WARNING, "read error", source=source, error=why, **extra)
+            self._read_errors_logged[source] = (start, logged + 1, 0)
+        else:
+            self._read_errors_logged[source] = (start, logged, suppressed + 1)
 
     def kernel_line(self, text: str) -> None:
         for ev in self.parser.parse_line(text):
@@ -352,7 +372,19 @@ class Agent:
         self._unknown_logged = (start, logged + 1)
 
     def training_report(self, data: bytes, uid: int | None) -> None:
-        """One datagram from the training socket, sent by a process of `uid` (None: unknown, refused)."""
+        """One datagram from the training socket, sent by a process of `uid` (None: unknown, refused). A uid refused
+        more than REFUSALS_PER_UID_S times in a second (other than root and the trusted uids) has the rest of its
+        reports of that second dropped unread:
+        a flood costs the agent a counter, so it keeps reading faster than one sender can fill the socket's queue,
+        and other users' reports get through (issue 46)."""
+        now_s = time.monotonic()
+        start, refusals = self._refusals.get(uid, (now_s, 0))
+        if now_s - start >= 1.0:
+            start, refusals = now_s, 0
+        if refusals >= REFUSALS_PER_UID_S and uid not in self.job_owners.trusted:
+            self._refusals[uid] = (start, refusals + 1)
+            self.metrics.read_errors.labels(TRAINING).inc()
+            return
         try:
             report = parse_report(data)
             why = self.job_owners.refuse(uid, slurm_job_id(report.job))
@@ -369,6 +401,9 @@ class Agent:
                 rank = self.training.jobs.get(report.job, {}).get(report.rank)
                 self.exporter.report(report, None if rank is None else rank.last_progress)
         except ReportRefused as exc:
+            if len(self._refusals) >= 4096:  # bounded, whoever sends
+                self._refusals.clear()
+            self._refusals[uid] = (start, refusals + 1)
             self.read_error(TRAINING, f"training report refused (uid {uid}): {exc}")
             return
         for det in detections:

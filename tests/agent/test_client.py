@@ -77,7 +77,7 @@ def test_client_uses_only_the_standard_library():
     tree = ast.parse(Path(client.__file__).read_text())
     modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert modules <= {"__future__", "json", "math", "os", "socket", "time", "collections"}
+    assert modules <= {"__future__", "json", "math", "os", "select", "socket", "time", "collections"}
 
 
 def test_the_example_training_script_reports_a_nan(server):
