@@ -197,6 +197,8 @@ LABEL_GPU_TYPE = K8S_PREFIX + "gpu-type"
 #: Slurm prolog and removed by the epilog so the agent can name the job a fault hits.
 AGENT_STATE_DIR = "/run/fleetheal"
 AGENT_HEALTH_FILE = AGENT_STATE_DIR + "/health"
+#: The path of the agent's metrics port that its readiness probe asks (200 while the endpoint answers).
+AGENT_READY_PATH = "/healthz"
 AGENT_JOBS_DIR = AGENT_STATE_DIR + "/jobs"
 
 # Pool membership of existing nodes (fleetheal.infra.nodepools -> fleetheal.remediator.membership).

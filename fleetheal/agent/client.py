@@ -32,7 +32,7 @@ DEFAULT_SOCKET = "/run/fleetheal/training.sock"
 #: Longest line of the job's output one report carries; `line` cuts a longer one.
 MAX_OUTPUT_LINE = 1024
 #: Longest a report waits for room in the agent's queue (full while a local user floods it).
-SEND_WAIT_S = 0.05
+SEND_WAIT_S = 0.1
 
 
 def _env_int(env: Mapping[str, str], *names: str) -> int | None:

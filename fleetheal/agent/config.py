@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from fleetheal import settings
 from fleetheal.agent.health import HealthConfig, Thresholds
 from fleetheal.agent.training import MonitorConfig
-from fleetheal.contracts import FLEET_BUDGET_NODES, FLEET_BUDGET_SHARE
+from fleetheal.contracts import AGENT_JOBS_DIR, FLEET_BUDGET_NODES, FLEET_BUDGET_SHARE
 from fleetheal.settings import ConfigError as ConfigError  # noqa: PLC0414 - re-exported: callers catch it here
 
 ENV_PREFIX = "FLEETHEAL_AGENT_"
@@ -93,6 +93,9 @@ class TrainingConfig(MonitorConfig):
     #: Besides root, uids whose reports are believed for any job name (for example a launcher outside
     #: Slurm). Anyone else may report only for a Slurm job it owns that runs on this node.
     trusted_uids: tuple[int, ...] = ()
+    #: Where the Slurm prolog writes a file per job it starts here, with the job's uid (`uid=`): who owns a
+    #: job, without a Slurm client ("" to ask Slurm only). Believed only when root owns it and its directory.
+    job_owners_dir: str = AGENT_JOBS_DIR
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -179,9 +180,14 @@ class JobOwners:
     by the kernel from the socket, SCM_CREDENTIALS). Anything else is refused: a local user must not raise
     a fault, let alone a requeue, for someone else's job or for a job that does not exist.
 
+    The owner comes first from the file the Slurm prolog writes for each job it starts on this node
+    (`jobs_dir/<job id>`, `uid=` line; fleetheal/infra/slurm_hooks.py), believed only when root owns it and its
+    directory and no one else may write either: that needs no Slurm client, so the agent's pod (which has
+    none) believes a job's owner too. Without that file, Slurm is asked.
+
     Answers are cached (an owner for `ttl_s`, a refusal for `negative_ttl_s`) and Slurm is asked at most
     `lookups_per_s` times a second, so a flood of reports for invented jobs costs slurmctld nothing more.
-    Without Slurm (`squeue=None`), only root and the trusted uids are believed."""
+    Without Slurm (`squeue=None`) and without a job file, only root and the trusted uids are believed."""
 
     def __init__(
         self,
@@ -189,6 +195,7 @@ class JobOwners:
         squeue: str | None = "squeue",
         *,
         trusted_uids: tuple[int, ...] = (),
+        jobs_dir: str | None = None,
         slurm_conf: str | None = None,
         timeout_s: float = 10.0,
         ttl_s: float = 300.0,
@@ -201,6 +208,7 @@ class JobOwners:
         self.node = node
         self.squeue = squeue
         self.trusted = frozenset((0, *trusted_uids))
+        self.jobs_dir = jobs_dir
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self.negative_ttl_s = negative_ttl_s
@@ -234,6 +242,10 @@ class JobOwners:
         hit = self._cache.get(job)
         if hit is not None and hit[0] > now:
             return hit[1], hit[2]
+        owner = self._prolog_owner(job)
+        if owner is not None:
+            self._cache[job] = (now + self.negative_ttl_s, owner, "")  # the epilog may remove it: asked again soon
+            return owner, ""
         if self.squeue is None:
             return None, "no Slurm to ask who owns the job (fastpath.slurm disabled): only trusted uids may report"
         if not self._lookups.take(now):
@@ -245,6 +257,29 @@ class JobOwners:
                 self._cache.pop(next(iter(self._cache)))
         self._cache[job] = (now + (self.ttl_s if owner is not None else self.negative_ttl_s), owner, why)
         return owner, why
+
+    def _prolog_owner(self, job: str) -> int | None:
+        """The uid in the prolog's file of `job`, when root wrote it where only root may write; else None."""
+        if not self.jobs_dir or not job.isdigit():
+            return None
+        try:
+            fd = os.open(os.path.join(self.jobs_dir, job), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            where, st = os.stat(self.jobs_dir), os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not _root_only(where) or not _root_only(st):
+                return None
+            text = os.read(fd, 4096).decode("utf-8", "replace")
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        for line in text.splitlines():
+            key, _, value = line.partition("=")
+            if key == "uid" and value.strip().isdigit():
+                return int(value.strip())
+        return None
 
     def _ask(self, job: str) -> tuple[int | None, str]:
         args = ("-h", "-j", job, "-w", self.node, "-t", "RUNNING,COMPLETING", "-o", "%U")
@@ -341,3 +376,8 @@ class KubeNodeTainter:
             except (OSError, ValueError, KeyError) as exc:
                 raise FastPathError(f"kubernetes: {exc}") from exc
         raise FastPathError("kubernetes: the Node kept changing (3 conflicts)")
+
+
+def _root_only(st: os.stat_result) -> bool:
+    """Owned by root and writable by no one else."""
+    return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)

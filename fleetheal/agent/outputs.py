@@ -22,7 +22,7 @@ from fleetheal.agent.backends import GpuSample
 from fleetheal.agent.health import ActiveFault
 from fleetheal.agent.training import Report
 from fleetheal.connguard import ConnectionGuard
-from fleetheal.contracts import JOB_OUTPUT_SOURCE
+from fleetheal.contracts import AGENT_READY_PATH, JOB_OUTPUT_SOURCE
 
 if TYPE_CHECKING:
     from fleetheal.agent.metrics import AgentMetrics
@@ -196,6 +196,8 @@ class MetricsServer:
         method, target = parts[0], parts[1].split("?", 1)[0]
         if method not in ("GET", "HEAD"):
             return _response(405, b"GET /metrics\n")
+        if target == AGENT_READY_PATH:  # the DaemonSet's readiness probe: the endpoint answers
+            return _response(200, b"" if method == "HEAD" else b"ok\n", length=3)
         if target not in ("/", "/metrics"):
             return _response(404, b"GET /metrics\n")
         headers = {}

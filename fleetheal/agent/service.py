@@ -104,7 +104,12 @@ def make_job_owners(cfg: AgentConfig) -> JobOwners:
     if s.enabled:
         squeue = os.path.join(os.path.dirname(s.scontrol), "squeue") if os.sep in s.scontrol else "squeue"
     return JobOwners(
-        cfg.node, squeue, trusted_uids=cfg.training.trusted_uids, slurm_conf=s.slurm_conf, timeout_s=s.timeout_s
+        cfg.node,
+        squeue,
+        trusted_uids=cfg.training.trusted_uids,
+        jobs_dir=cfg.training.job_owners_dir or None,
+        slurm_conf=s.slurm_conf,
+        timeout_s=s.timeout_s,
     )
 
 

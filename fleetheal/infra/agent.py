@@ -54,7 +54,13 @@ def agent_config(port: int) -> dict[str, Any]:
     return {
         "health_file": contracts.AGENT_HEALTH_FILE,
         "metrics": {"listen": "0.0.0.0", "port": port},  # noqa: S104 - scraped by Prometheus
-        "training": {"socket": f"{contracts.AGENT_STATE_DIR}/training.sock"},
+        "training": {
+            "socket": f"{contracts.AGENT_STATE_DIR}/training.sock",
+            "job_owners_dir": contracts.AGENT_JOBS_DIR,
+        },
+        # The root filesystem is read-only: the kernel log's place lives in the state directory (a hostPath, so it
+        # outlives the pod; a reboot starts a new boot's log anyway).
+        "kernel_log": {"position_file": f"{contracts.AGENT_STATE_DIR}/kernel-log.position"},
         "fastpath": {"slurm": {"enabled": False}, "kubernetes": {"enabled": True}},
     }
 
@@ -147,7 +153,10 @@ class HealthAgent(pulumi.ComponentResource):
                         {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
                     ],
                     "ports": [{"name": "metrics", "containerPort": port, "hostPort": port}],
-                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 10},
+                    "readinessProbe": {
+                        "httpGet": {"path": contracts.AGENT_READY_PATH, "port": port},
+                        "periodSeconds": 10,
+                    },
                     "resources": {
                         "requests": {"cpu": "50m", "memory": "64Mi"},
                         "limits": {"cpu": "500m", "memory": "256Mi"},

@@ -60,8 +60,9 @@ if [[ -r "$health_file" && "$(head -c 200 "$health_file")" != ok* ]]; then
   exit 1
 fi
 mkdir -p "$jobs_dir"
-printf 'job_id=%s\\nrestart_count=%s\\ngpus=%s\\nuser=%s\\n' \\
+printf 'job_id=%s\\nrestart_count=%s\\ngpus=%s\\nuser=%s\\nuid=%s\\n' \\
   "${{SLURM_JOB_ID}}" "${{SLURM_JOB_RESTART_COUNT:-0}}" "${{SLURM_JOB_GPUS:-}}" "${{SLURM_JOB_USER:-}}" \\
+  "${{SLURM_JOB_UID:-}}" \\
   > "$jobs_dir/${{SLURM_JOB_ID}}.tmp"
 mv "$jobs_dir/${{SLURM_JOB_ID}}.tmp" "$jobs_dir/${{SLURM_JOB_ID}}"
 """

@@ -343,7 +343,8 @@ class Lab:
                     "from_start": False,
                     "position_file": str(nd / "kernel-log.position"),
                 },
-                "training": {"enabled": True, "socket": str(nd / "training.sock")},
+                # No prolog in the lab (slurmconf.py): the owners of jobs come from squeue.
+                "training": {"enabled": True, "socket": str(nd / "training.sock"), "job_owners_dir": ""},
                 "fastpath": {
                     "slurm": {"enabled": True, "slurm_conf": str(self.dir / "slurm" / "etc" / "slurm.conf")},
                     "kubernetes": {

@@ -8,7 +8,9 @@ and `FakeKubeApiServer` (the lab's Kubernetes API test double) stands in for the
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from fleetheal.agent.fastpath import (
     KEPT_FOREIGN,
     WOULD,
     FastPathError,
+    JobOwners,
     KubeNodeTainter,
     SlurmDrainer,
 )
@@ -124,3 +127,48 @@ def test_taint_dry_run_and_errors(kube, tmp_path):
         KubeNodeTainter("n1", api.url, str(bad)).taint("xid-79")
     with pytest.raises(FastPathError, match="404"):
         KubeNodeTainter("n9", api.url, token).taint("xid-79")
+
+
+def _prolog_file(jobs: Path, job: str, uid: int) -> Path:
+    jobs.mkdir(mode=0o755, exist_ok=True)
+    f = jobs / job
+    f.write_text(f"job_id={job}\nrestart_count=0\ngpus=0\nuser=u{uid}\nuid={uid}\n")
+    f.chmod(0o644)
+    return f
+
+
+def _no_squeue(argv, **kwargs):  # pragma: no cover - must not be called
+    raise AssertionError(f"Slurm asked: {argv}")
+
+
+def test_a_jobs_owner_comes_from_the_prologs_file_without_a_slurm_client(tmp_path):
+    """The agent's pod has no Slurm client: the prolog's job file (root's, in root's directory) names the owner."""
+    if os.geteuid() != 0:
+        pytest.skip("SKIPPED LOUDLY: the job files must be root's")
+    jobs = tmp_path / "jobs"
+    _prolog_file(jobs, "4242", 1000)
+    owners = JobOwners("n1", None, jobs_dir=str(jobs), run=_no_squeue)
+    assert owners.refuse(1000, "4242") is None
+    assert "does not own" in (owners.refuse(1001, "4242") or "")
+    assert owners.refuse(1000, "4243") is not None  # no file: not running here
+
+
+@pytest.mark.parametrize("attack", ["dir-writable", "file-writable", "file-not-root", "symlink"])
+def test_a_job_file_anyone_else_could_write_is_not_believed(tmp_path, attack):
+    """A local user who could write (or link) the job file would name themselves the owner of anyone's job."""
+    if os.geteuid() != 0:
+        pytest.skip("SKIPPED LOUDLY: the job files must be root's")
+    jobs = tmp_path / "jobs"
+    f = _prolog_file(jobs, "4242", 1000)
+    if attack == "dir-writable":
+        jobs.chmod(0o777)
+    elif attack == "file-writable":
+        f.chmod(0o666)
+    elif attack == "file-not-root":
+        os.chown(f, 1000, 1000)
+    else:
+        real = _prolog_file(tmp_path / "elsewhere", "4242", 1000)
+        f.unlink()
+        f.symlink_to(real)
+    owners = JobOwners("n1", None, jobs_dir=str(jobs), run=_no_squeue)
+    assert owners.refuse(1000, "4242") is not None

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetheal.agent.metrics import AgentMetrics
 from fleetheal.agent.outputs import Exporter
+from fleetheal.contracts import AGENT_READY_PATH
 
 
 @pytest.fixture
@@ -56,6 +57,13 @@ def test_a_scrape_reads_every_series_in_either_format(endpoint):
     assert headers["Content-Type"].startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
     status, headers, body = _scrape(port, **{"Accept-Encoding": "gzip"})
     assert headers["Content-Encoding"] == "gzip" and b"fleetheal_agent_gpu_count" in gzip.decompress(body)
+
+
+def test_the_readiness_probe_path_answers(endpoint):
+    """The DaemonSet's readiness probe asks this path of the metrics port (fleetheal/infra/agent.py)."""
+    port, _ = endpoint
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{AGENT_READY_PATH}", timeout=5) as r:
+        assert (r.status, r.read()) == (200, b"ok\n")
 
 
 def test_a_flood_of_idle_connections_does_not_stop_the_scrapes(endpoint):

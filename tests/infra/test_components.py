@@ -363,6 +363,41 @@ def test_agent_config_map_is_a_valid_agent_config(run_mocked: Runner, tmp_path: 
     ]
 
 
+def test_the_agent_pod_can_write_what_it_writes_and_believe_a_jobs_owner(run_mocked: Runner, tmp_path: Any) -> None:
+    """Issue 46: the rendered agent was inert in parts. Its root filesystem is read-only, yet it kept the kernel
+    log's place under /var/lib (a warning ten times a second, forever, and no resume after a restart); and with no
+    Slurm client in the pod every non-root training report was refused. Every path the agent writes is on a
+    writable mount, and it learns a job's owner from the prolog's job file on the shared state directory."""
+    from fleetheal.agent.config import load_config
+
+    cls, args = COMPONENTS["HealthAgent"]
+    records = run_mocked(lambda: cls("x", args))
+    (cm,) = by_kind(records, "ConfigMap")
+    (ds,) = by_kind(records, "DaemonSet")
+    path = tmp_path / "agent.yaml"
+    path.write_text(cm["data"]["agent.yaml"])
+    cfg = load_config(path, env={"FLEETHEAL_AGENT_NODE": "n1"})
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
+
+    def on_a_writable_mount(p: str) -> bool:
+        return any(p.startswith(w.rstrip("/") + "/") for w in writable)
+
+    for what, where in (
+        ("kernel_log.position_file", cfg.kernel_log.position_file),
+        ("training.socket", cfg.training.socket),
+        ("health_file", cfg.health_file),
+        ("training.job_owners_dir", cfg.training.job_owners_dir + "/x"),
+    ):
+        assert on_a_writable_mount(where), f"{what} {where} is not on a writable mount ({writable})"
+    # ... and the prolog writes the job files there, with the job's uid (slurm_hooks.prolog_script).
+    from fleetheal.infra.slurm_hooks import prolog_script
+
+    assert cfg.training.job_owners_dir == contracts.AGENT_JOBS_DIR and "uid=%s" in prolog_script()
+    assert "SLURM_JOB_UID" in prolog_script()
+
+
 def test_remediator_config_map_is_a_valid_remediator_config(run_mocked: Runner) -> None:
     import yaml
 
