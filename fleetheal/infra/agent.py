@@ -207,4 +207,17 @@ class HealthAgent(pulumi.ComponentResource):
             # depend on the Prometheus server's external labels.
             relabelings=[{"action": "replace", "targetLabel": "cluster", "replacement": a["cluster_name"]}],
         )
+        # Only Prometheus may reach the metrics port. The agent runs in the host's network: a CNI enforces this on
+        # such pods only where it applies policies to host endpoints (Cilium's host firewall, Calico's host
+        # endpoints); the endpoint's connection guard holds either way (fleetheal/connguard.py).
+        self.network_policy = common.network_policy(
+            name,
+            self,
+            name=NAME,
+            namespace=ns,
+            labels=labels,
+            selector=sel,
+            port=port,
+            sources=[common.PROMETHEUS_PODS],
+        )
         self.register_outputs({"daemonset": NAME})

@@ -77,6 +77,43 @@ def cluster_dns(service: str, namespace: str) -> str:
     return f"{service}.{namespace}.svc.cluster.local"
 
 
+#: Who may reach fleetheal's ports: Prometheus pods (scrapes), Alertmanager pods (the remediator's webhook), and
+#: pods in namespaces an operator labels as theirs. The Prometheus operator labels its pods with these names.
+PROMETHEUS_PODS = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+ALERTMANAGER_PODS = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "alertmanager"}},
+}
+OPERATOR_NAMESPACES = {"namespaceSelector": {"matchLabels": {"fleetheal.io/operators": "true"}}}
+
+
+def network_policy(
+    resource_name: str,
+    parent: Any,
+    *,
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    selector: Mapping[str, str],
+    port: int,
+    sources: list[Mapping[str, Any]],
+) -> Any:
+    """A NetworkPolicy admitting only `sources` to `port` of the pods `selector` picks (and nothing else in)."""
+    import pulumi
+    import pulumi_kubernetes as k8s
+
+    return k8s.networking.v1.NetworkPolicy(
+        f"{resource_name}-netpol",
+        metadata={"name": name, "namespace": namespace, "labels": dict(labels)},
+        spec={
+            "podSelector": {"matchLabels": dict(selector)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [dict(s) for s in sources], "ports": [{"protocol": "TCP", "port": port}]}],
+        },
+        opts=pulumi.ResourceOptions(parent=parent),
+    )
+
+
 def metrics_service(
     resource_name: str,
     parent: Any,

@@ -323,6 +323,17 @@ class Remediator(pulumi.ComponentResource):
             spec={"selector": sel, "ports": [{"name": "webhook", "port": PORT, "targetPort": PORT}]},
             opts=child,
         )
+        # The webhook from Alertmanager, /metrics from Prometheus, /healthz and the API from operators' namespaces.
+        self.network_policy = common.network_policy(
+            name,
+            self,
+            name=NAME,
+            namespace=ns,
+            labels=labels,
+            selector=sel,
+            port=PORT,
+            sources=[common.ALERTMANAGER_PODS, common.PROMETHEUS_PODS, common.OPERATOR_NAMESPACES],
+        )
         self.register_outputs({"webhook_url": self.webhook_url})
 
     def _role(

@@ -12,6 +12,7 @@ One validator function per rule, grouped by what it guards:
 - agent_rules: pinned images and the node agent (its resources, its reach over GPU NodeSets);
 - pool_rules: GPU pools (warm standby, membership, failure domains) and checkpoint storage;
 - remediator_rules: the remediator (RBAC, authenticated alerts, replicas and their store);
+- access_rules: what the agent's and the remediator's accounts are bound to, and who may reach their pods;
 - slurm_rules: Slurm (job requeue) and the Slurm federation (cluster names, accounting).
 Thresholds come from each policy's config schema; every violation says what is wrong, why it matters
 and how to fix it.
@@ -30,6 +31,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
+from .access_rules import validate_service_accounts_bound_to_own_roles, validate_workloads_behind_network_policy
 from .agent_rules import AGENT_SCHEMA, validate_agent_resources, validate_gpu_nodesets_run_agent, validate_images_pinned
 from .pool_rules import (
     FAILURE_DOMAIN_SCHEMA,
@@ -105,6 +107,18 @@ def policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
             validate=validate_remediator_rbac,
             enforcement_level=mandatory,
             config_schema=REMEDIATOR_SCHEMA,
+        ),
+        StackValidationPolicy(
+            name="service-accounts-bound-to-own-roles",
+            description="The agent's and the remediator's ServiceAccounts are bound only to their own declared roles.",
+            validate=validate_service_accounts_bound_to_own_roles,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="workloads-behind-network-policy",
+            description="Every agent and remediator workload is behind a NetworkPolicy admitting named sources only.",
+            validate=validate_workloads_behind_network_policy,
+            enforcement_level=mandatory,
         ),
         StackValidationPolicy(
             name="remediator-replicas-need-shared-store",

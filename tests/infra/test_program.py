@@ -52,12 +52,13 @@ def test_example_stack_objects_all_validate(
         "ResourceFlavor",
         "ClusterQueue",
         "LocalQueue",
+        "NetworkPolicy",
     ):
         assert kinds[kind] >= 1, kind
     assert kinds["NodeSet"] == 2 and kinds["CustomResourceDefinition"] == 6
     # Existing nodes are one membership ConfigMap per GPU pool, never an object per node.
     assert "Node" not in kinds
-    assert checked == sum(kinds.values()) == 65
+    assert checked == sum(kinds.values()) == 67
 
 
 def test_object_names_are_unique_per_kind_and_namespace(
@@ -327,7 +328,7 @@ def test_a_highly_available_remediator_on_the_in_cluster_postgres(
     assert_all_valid(k8s_schemas, records)
     kinds = Counter(o["kind"] for o in objects(records))
     # the state PVC goes; the database, its Service, the store Secret, the PDB and two Roles with bindings come
-    assert sum(kinds.values()) == 65 - 1 + 8
+    assert sum(kinds.values()) == 67 - 1 + 8
     deploy = next(o for o in by_kind(records, "Deployment") if o["metadata"]["name"] == "fleetheal-remediator")
     assert deploy["spec"]["replicas"] == 2
     sts = next(o for o in by_kind(records, "StatefulSet") if o["metadata"]["name"] == "fleetheal-remediator-db")

@@ -870,7 +870,7 @@ def test_checkpoint_storage_missing() -> None:
 def test_pack_names_descriptions_and_config_schemas() -> None:
     pols = policy.policies()
     names = [p.name for p in pols]
-    assert len(names) == len(set(names)) == 16
+    assert len(names) == len(set(names)) == 18
     for p in pols:
         assert p.name == p.name.lower() and " " not in p.name and "_" not in p.name
         assert p.description.endswith(".") and p.description.count(". ") == 0
@@ -982,6 +982,31 @@ def _mutate(
             "fleetheal-remediator",
             lambda p: p["spec"].update(replicas=2),
             "remediator-replicas-need-shared-store",
+        ),
+        # Issue 46: the least-privilege rule read only the roles labelled as the remediator's.
+        (
+            "ClusterRoleBinding",
+            "fleetheal-remediator",
+            lambda p: p["roleRef"].update(name="cluster-admin"),
+            "service-accounts-bound-to-own-roles",
+        ),
+        (
+            "ClusterRoleBinding",
+            "fleetheal-agent",
+            lambda p: p["roleRef"].update(name="cluster-admin"),
+            "service-accounts-bound-to-own-roles",
+        ),
+        (
+            "NetworkPolicy",
+            "fleetheal-remediator",
+            lambda p: p["spec"]["ingress"][0].pop("from"),
+            "workloads-behind-network-policy",
+        ),
+        (
+            "NetworkPolicy",
+            "fleetheal-agent",
+            lambda p: p["spec"]["podSelector"]["matchLabels"].update({"app.kubernetes.io/name": "other"}),
+            "workloads-behind-network-policy",
         ),
     ],
 )
