@@ -46,6 +46,8 @@ from fleetheal.remediator.store import IngestResult, Store, StoreError, incident
 log = logging.getLogger("fleetheal.remediator")
 
 WEBHOOK_PATH = "/webhook"
+#: Seconds /healthz reuses its counts of incidents (a probe every few seconds sees them fresh).
+HEALTH_COUNTS_S = 1.0
 #: The operators' node API: a node's repair is done (fleetheal nodes repaired NODE).
 NODE_REPAIRED_PATH = "/api/v1/nodes/{node}/repaired"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -132,6 +134,8 @@ class Service:
         #: The lead is taken in the database too (its epoch written) and the engine acts: what `/healthz`
         #: calls leader. The lease alone comes first, while the epoch is still being written.
         self._acting = False
+        self._health_lock = asyncio.Lock()
+        self._health_cache: tuple[float, tuple[int, int]] = (float("-inf"), (0, 0))
         self._roles_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._elector_stop = threading.Event()
@@ -447,8 +451,7 @@ class Service:
     async def healthz(self, request: web.Request) -> web.Response:
         """200 while the database answers and incidents move; 503 with the reasons otherwise."""
         try:
-            unfinished = len(self.store.unfinished())
-            held = self.store.held_count()
+            unfinished, held = await self._health_counts()
         except StoreError as exc:
             return _error(503, f"database: {exc}")
         degraded = self.engine.health()
@@ -468,6 +471,20 @@ class Service:
             },
             status=503 if degraded else 200,
         )
+
+    async def _health_counts(self) -> tuple[int, int]:
+        """(unfinished incidents, incidents held at the gate), counted by the database off the event loop and
+        at most once every HEALTH_COUNTS_S, however many ask. /healthz loaded every unfinished incident on the
+        event loop, so anyone who reached it slowed the webhook (18,900 held incidents: 0.005 s -> 3-5 s) and
+        the readiness probe could fail mid-storm (issue 46)."""
+        async with self._health_lock:
+            cached_at, counts = self._health_cache
+            if time.monotonic() - cached_at >= HEALTH_COUNTS_S:
+                counts = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: (self.store.unfinished_count(), self.store.held_count())
+                )
+                self._health_cache = (time.monotonic(), counts)
+            return counts
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         body = await asyncio.get_running_loop().run_in_executor(None, self.metrics.render)

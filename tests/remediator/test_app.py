@@ -19,7 +19,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from fleetheal.remediator import alerts
-from fleetheal.remediator.app import Service
+from fleetheal.remediator.app import HEALTH_COUNTS_S, Service
 from fleetheal.remediator.store import Store
 from fleetheal.wait import WaitTimeout, wait_until
 from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config, nodes
@@ -165,6 +165,37 @@ def test_healthz_and_metrics(cfg):
             "fleetheal_remediator_webhook_duration_seconds_bucket",
         ):
             assert name in text, name
+
+    with_client(cfg, scenario)
+
+
+def test_healthz_counts_in_the_database_once_a_second_however_many_ask(cfg):
+    """Issue 46: /healthz loaded every unfinished incident on the event loop, so anyone who reached it slowed the
+    webhook (18,900 held incidents: 0.005 s -> 3-5 s) and the readiness probe could fail mid-storm. It counts in
+    the database now, off the event loop, and a crowd of requests shares one count."""
+
+    async def scenario(client, service):
+        await client.post("/webhook", data=body(alert(node="gpu-001")), headers=AUTH)
+        await service.engine.wait_idle()
+
+        def never(*args, **kwargs):
+            raise AssertionError("/healthz loaded the incidents")
+
+        counted = []
+        count = service.store.unfinished_count
+
+        def counting():
+            counted.append(1)
+            return count()
+
+        service.store.unfinished = never
+        service.store.unfinished_count = counting
+        started = time.monotonic()
+        answers = await asyncio.gather(*(client.get("/healthz") for _ in range(100)))
+        took = time.monotonic() - started
+        assert {a.status for a in answers} == {200}
+        assert len(counted) <= 1 + took / HEALTH_COUNTS_S, f"{len(counted)} counts for 100 requests in {took:.1f} s"
+        assert (await answers[0].json())["unfinished_incidents"] == 0
 
     with_client(cfg, scenario)
 

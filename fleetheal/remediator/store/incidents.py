@@ -272,6 +272,9 @@ class Incidents(Database):
         rows = self._query("SELECT state, class, count(*) AS n FROM incidents GROUP BY state, class")
         return [(r["state"], r["class"], int(r["n"])) for r in rows]
 
+    def unfinished_count(self) -> int:
+        return self._count("SELECT count(*) AS n FROM incidents WHERE state NOT IN ('done', 'failed')")
+
     def held_count(self) -> int:
         return self._count("SELECT count(*) AS n FROM incidents WHERE state = 'classified' AND hold_reason IS NOT NULL")
 
