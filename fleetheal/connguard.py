@@ -95,6 +95,13 @@ class ConnectionGuard:
         if conn.transport is not None:
             self._open.pop(conn.transport, None)
 
+    def abort_all(self) -> None:
+        """Close every connection now (the server is stopping)."""
+        for conn in list(self._open.values()):
+            self.release(conn)
+            if conn.transport is not None:
+                conn.transport.abort()
+
     @contextlib.contextmanager
     def serving(self, transport: asyncio.BaseTransport | None) -> Iterator[None]:
         """A request is in progress on `transport` (its head is in): no head deadline, never evicted."""

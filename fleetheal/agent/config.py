@@ -189,6 +189,7 @@ def _validate(cfg: AgentConfig, actions: frozenset[str]) -> None:
         "training.loss_spike_factor": cfg.training.loss_spike_factor,
         "training.job_expiry_s": cfg.training.job_expiry_s,
         "training.max_jobs": cfg.training.max_jobs,
+        "training.max_jobs_per_user": cfg.training.max_jobs_per_user,
         "health.debounce_polls": cfg.health.debounce_polls,
         "health.clear_polls": cfg.health.clear_polls,
         "thresholds.power_cap_ratio": cfg.thresholds.power_cap_ratio,

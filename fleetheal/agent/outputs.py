@@ -174,8 +174,7 @@ class MetricsServer:
             self._loop.run_forever()
         finally:
             server.close()
-            for transport in list(self.guard._open):
-                transport.abort()
+            self.guard.abort_all()
             self._loop.run_until_complete(asyncio.sleep(0))
             self._loop.close()
 

@@ -175,6 +175,8 @@ class Agent:
         self._read_errors_logged: dict[str, tuple[float, int, int]] = {}
         #: uid -> (window start, training reports refused in the window)
         self._refusals: dict[int | None, tuple[float, int]] = {}
+        #: Slurm jobs whose prolog file was seen (`training.job_owners_dir`): gone again means the job left.
+        self._job_files_seen: set[str] = set()
         self._runs_refused_logged = float("-inf")  # when a line over MAX_RUNS_PER_JOB was last logged (monotonic)
         self.tracker = HealthTracker(self.tx, cfg.health)
         self.training = TrainingMonitor(cfg.training)
@@ -402,7 +404,8 @@ class Agent:
                 self.job_line(report.job, report.line, run_label(report.requeues, report.run), now)
                 return
             with self.lock:  # the polling thread reads the same jobs and series
-                detections = self.training.ingest(report, now)
+                owner = None if uid in self.job_owners.trusted else uid
+                detections = self.training.ingest(report, now, owner)
                 rank = self.training.jobs.get(report.job, {}).get(report.rank)
                 self.exporter.report(report, None if rank is None else rank.last_progress)
         except ReportRefused as exc:
@@ -469,6 +472,21 @@ class Agent:
         with self.lock:
             self._apply(self.tracker.event(det, now), now)
 
+    def _forget_jobs_gone(self) -> None:
+        """Stop tracking a Slurm job whose prolog file was here and is gone (the epilog removed it: the job left
+        the node), instead of keeping it for training.job_expiry_s (an hour) after a crash or a cancel."""
+        where = self.cfg.training.job_owners_dir
+        if not where:
+            return
+        for job in list(self.training.jobs):
+            if not slurm_job_id(job):
+                continue
+            if os.path.exists(os.path.join(where, job)):
+                self._job_files_seen.add(job)
+            elif job in self._job_files_seen:
+                self.training.forget(job)  # its series go with the next poll's tracked ranks
+        self._job_files_seen &= self.training.jobs.keys()
+
     def poll_once(self) -> None:
         """One polling cycle: every GPU's counters, the GPU count, training judgements, expiry."""
         started = time.perf_counter()
@@ -479,6 +497,7 @@ class Agent:
         if self.backend_ok:
             detections = self._poll_gpus()
         with self.lock:
+            self._forget_jobs_gone()
             training_detections, suspects = self.training.check(now)
             changes = self.tracker.poll(self.src, detections, now)
             changes += self.tracker.poll(TRAINING, training_detections, now, debounce=1)

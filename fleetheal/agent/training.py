@@ -99,6 +99,8 @@ def parse_report(data: bytes) -> Report:
         job = str(job)
     if not isinstance(job, str) or not _JOB.fullmatch(job):
         raise MalformedReport(f"job must be 1-64 characters [A-Za-z0-9_.:-], got {job!r}")
+    if _SLURM_JOB_ID.fullmatch(job):  # one spelling per Slurm job: "05002" and "5002" are one job
+        job = "_".join(str(int(part)) for part in job.split("_"))
 
     def integer(name: str, required: bool, most: int) -> int | None:
         value = doc.get(name)
@@ -188,6 +190,9 @@ class MonitorConfig:
     job_expiry_s: float = 3600.0
     #: Jobs tracked at once on this node; reports for more are refused (a flood of invented names).
     max_jobs: int = 64
+    #: Of those, jobs one user (other than root and the trusted uids) may have tracked: no user fills the table
+    #: and switches training-fault detection off for everyone else on the node.
+    max_jobs_per_user: int = 16
 
 
 @dataclass
@@ -201,22 +206,35 @@ class TrainingMonitor:
     #: Smoothing of the running loss mean (exponential moving average weight of a new value).
     loss_alpha: float = 0.1
     jobs: dict[str, dict[int, _Rank]] = field(default_factory=dict)
+    #: The uid whose reports made each job tracked (None: root or a trusted uid, who have no share).
+    owners: dict[str, int | None] = field(default_factory=dict)
 
-    def ingest(self, report: Report, now: float) -> list[Detection]:
-        """Record one report; returns the event detections it causes (NaN loss, loss spike).
-        ReportRefused when it would track more than max_jobs jobs or max_ranks ranks of one job."""
-        if report.job not in self.jobs and not report.end and len(self.jobs) >= self.config.max_jobs:
-            raise ReportRefused(
-                f"already tracking {self.config.max_jobs} jobs (training.max_jobs); job {report.job} ignored"
-            )
+    def ingest(self, report: Report, now: float, owner: int | None = None) -> list[Detection]:
+        """Record one report, sent by `owner` (None: root or a trusted uid); returns the event detections it
+        causes (NaN loss, loss spike). ReportRefused when it would track more than max_jobs jobs, more than
+        max_jobs_per_user of one owner's, or more than max_ranks ranks of one job."""
+        if report.job not in self.jobs and not report.end:
+            if len(self.jobs) >= self.config.max_jobs:
+                raise ReportRefused(
+                    f"already tracking {self.config.max_jobs} jobs (training.max_jobs); job {report.job} ignored"
+                )
+            if owner is not None:
+                mine = sum(1 for o in self.owners.values() if o == owner)
+                if mine >= self.config.max_jobs_per_user:
+                    raise ReportRefused(
+                        f"uid {owner} already has {mine} jobs tracked here (training.max_jobs_per_user); "
+                        f"job {report.job} ignored"
+                    )
         ranks = self.jobs.get(report.job, {})
         if report.rank not in ranks and not report.end and len(ranks) >= self.max_ranks:
             raise ReportRefused(f"job {report.job} already has {self.max_ranks} ranks here; rank {report.rank} ignored")
+        if report.job not in self.jobs and not report.end:
+            self.owners[report.job] = owner
         ranks = self.jobs.setdefault(report.job, ranks)
         if report.end:
             ranks.pop(report.rank, None)
             if not ranks:
-                del self.jobs[report.job]
+                self.forget(report.job)
             return []
         r = ranks.get(report.rank)
         if r is None:
@@ -260,6 +278,11 @@ class TrainingMonitor:
                 r.loss_n += 1
         return out
 
+    def forget(self, job: str) -> None:
+        """Stop tracking `job` (it ended, it expired, or it left the node)."""
+        self.jobs.pop(job, None)
+        self.owners.pop(job, None)
+
     def last_step(self, job: str) -> int | None:
         """The furthest step any rank of `job` reported on this node, or None when none did."""
         ranks = self.jobs.get(job)
@@ -280,7 +303,7 @@ class TrainingMonitor:
             for j, ranks in self.jobs.items()
             if all(now - r.last_report >= self.config.job_expiry_s for r in ranks.values())
         ]:
-            del self.jobs[job]
+            self.forget(job)
         out: list[Detection] = []
         suspects: dict[str, RankProgress] = {}
         for job, ranks in self.jobs.items():

@@ -46,14 +46,14 @@ def validate_service_accounts_bound_to_own_roles(args: StackValidationArgs, repo
             if subject.get("kind") != "ServiceAccount":
                 continue
             account = (str(subject.get("namespace") or _namespace(r.props)), str(subject.get("name", "")))
-            component = accounts.get(account)
-            if component is None or roles.get((ref_kind, where, ref_name)) == component:
+            owner = accounts.get(account)
+            if owner is None or roles.get((ref_kind, where, ref_name)) == owner:
                 continue
             report(
-                f"{kind} '{_name(r.props)}' gives the {component}'s ServiceAccount {account[0]}/{account[1]} the "
-                f"{ref_kind} '{ref_name}', which the stack does not declare as the {component}'s: its rules escape "
-                f"the least-privilege checks (a binding to cluster-admin would pass). Fix: bind the {component}'s "
-                f"ServiceAccount only to the roles labelled {COMPONENT_LABEL}={component} that the stack declares.",
+                f"{kind} '{_name(r.props)}' gives the {owner}'s ServiceAccount {account[0]}/{account[1]} the "
+                f"{ref_kind} '{ref_name}', which the stack does not declare as the {owner}'s: its rules escape "
+                f"the least-privilege checks (a binding to cluster-admin would pass). Fix: bind the {owner}'s "
+                f"ServiceAccount only to the roles labelled {COMPONENT_LABEL}={owner} that the stack declares.",
                 None,
             )
 

@@ -621,3 +621,20 @@ def test_a_users_flood_of_refused_reports_neither_floods_the_log_nor_drowns_anot
         agent.stop()
         thread.join(10)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_a_job_that_left_the_node_is_forgotten_when_its_prolog_file_goes(setup, tmp_path):
+    """Issue 46: a job that crashed or was cancelled (no `end` report) stayed in the 64-job table for
+    training.job_expiry_s, an hour. The epilog removes its prolog file when it leaves the node: then it goes."""
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    agent, _, _ = setup(FLEETHEAL_AGENT_TRAINING__JOB_OWNERS_DIR=str(jobs))
+    (jobs / "4242").write_text("job_id=4242\nuid=0\n")
+    for job in ("4242", "4243"):  # 4243 never had a file (no prolog here): it stays until it expires
+        agent.training_report(json.dumps({"job": job, "rank": 0, "step": 1}).encode(), 0)
+    agent.poll_once()
+    assert set(agent.training.jobs) == {"4242", "4243"}
+    (jobs / "4242").unlink()  # the epilog
+    agent.poll_once()
+    assert set(agent.training.jobs) == {"4243"}
+    assert _value(agent, "fleetheal_agent_training_step", node="n1", job="4242", rank="0") is None

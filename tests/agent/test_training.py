@@ -159,3 +159,28 @@ def test_the_monitor_tracks_a_bounded_number_of_jobs_and_ranks():
     m.ingest(Report("c", 0, 1, end=True), 0.0)  # a job that ends makes room
     m.ingest(Report("d", 0, 1), 0.0)
     assert sorted(m.jobs) == ["a", "b", "d"]
+
+
+def test_one_slurm_job_has_one_spelling():
+    """Issue 46: "05002" and "5002" were two entries of the 64-job table (and two jobs to the owner check)."""
+    for sent, kept in (("05002", "5002"), ("5002", "5002"), ("007_03", "7_3"), ("local", "local"), ("0x1", "0x1")):
+        assert parse_report(json.dumps({"job": sent, "rank": 0, "step": 1}).encode()).job == kept
+
+
+def test_no_user_fills_the_job_table_for_everyone_else():
+    """Issue 46: one user's jobs (or one user's invented names, without Slurm) filled the 64-job table and every
+    other job's training faults went unseen on the node. A user has training.max_jobs_per_user of it; root and the
+    trusted uids (owner None) only the table's size."""
+    m = TrainingMonitor(MonitorConfig(max_jobs=64, max_jobs_per_user=16))
+    for i in range(16):
+        m.ingest(Report(job=str(1000 + i), rank=0, step=1), 0.0, owner=1000)
+    with pytest.raises(ReportRefused, match="max_jobs_per_user"):
+        m.ingest(Report(job="2000", rank=0, step=1), 0.0, owner=1000)
+    m.ingest(Report(job="1000", rank=1, step=1), 0.0, owner=1000)  # its own jobs' other ranks still count
+    m.ingest(Report(job="3000", rank=0, step=1), 0.0, owner=1001)  # another user still gets in
+    for i in range(47):
+        m.ingest(Report(job=f"root-{i}", rank=0, step=1), 0.0, owner=None)
+    assert len(m.jobs) == 64
+    m.ingest(Report(job="1000", rank=0, step=0, end=True), 0.0, owner=1000)
+    m.ingest(Report(job="1000", rank=1, step=0, end=True), 0.0, owner=1000)
+    m.ingest(Report(job="2000", rank=0, step=1), 0.0, owner=1000)  # one of its jobs ended: room again
