@@ -224,6 +224,7 @@ def _response(
         404: "Not Found",
         405: "Method Not Allowed",
         431: "Request Header Fields Too Large",
+        500: "Internal Server Error",
     }[status]
     head = [
         f"HTTP/1.1 {status} {reason}",
@@ -263,7 +264,7 @@ class _MetricsProtocol(asyncio.Protocol):
                     response = self.server.answer(bytes(self.head[:end]))
                 except Exception:  # a bug must not kill the endpoint's loop
                     log.exception("metrics endpoint: cannot answer")
-                    response = _response(400, b"bad request\n")
+                    response = _response(500, b"cannot answer\n")
             self.transport.write(response)
         # Closed once it is sent; a client that does not read it is aborted by the guard's deadline.
         self.transport.close()
