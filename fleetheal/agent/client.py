@@ -68,6 +68,11 @@ class TrainingReporter:
         self._last_sent = -math.inf
         self._sock: socket.socket | None = None
         self._connected = False
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+        except OSError:
+            self._sock = None
 
     @staticmethod
     def _physical_gpu(env: Mapping[str, str]) -> int | None:
@@ -128,13 +133,16 @@ class TrainingReporter:
         """Send one datagram. The socket is connected to the agent's, so that when the agent's queue is full (a
         local user flooding it) the report waits up to SEND_WAIT_S for room, woken as soon as the agent reads,
         instead of being dropped at once; a training step never waits longer."""
+        if self._sock is None:
+            self.dropped += 1
+            return False
         data = json.dumps(doc, separators=(",", ":")).encode()
         deadline = None
         while True:
             try:
-                if not self._connected:
-                    self._reopen()
-                assert self._sock is not None
+                if not self._connected:  # (re)connecting a datagram socket is allowed: no socket is replaced
+                    self._sock.connect(self.socket_path)
+                    self._connected = True
                 self._sock.send(data)
             except BlockingIOError:
                 now = time.monotonic()
@@ -148,14 +156,6 @@ class TrainingReporter:
                 return True
             self.dropped += 1
             return False
-
-    def _reopen(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        self._sock.connect(self.socket_path)
-        self._connected = True
 
     def _wait_for_room(self, timeout_s: float) -> bool:
         """True when the agent's queue has room again (the poll wakes when the agent reads a report)."""
