@@ -340,7 +340,8 @@ def test_component_outputs_resolve_under_the_test_decorator() -> None:
     body()
 
 
-def test_agent_config_map_is_a_valid_agent_config(run_mocked: Runner, tmp_path: Any) -> None:
+def _rendered_agent(run_mocked: Runner, tmp_path: Any) -> tuple[Any, dict[str, Any]]:
+    """The agent's config as its DaemonSet's pods load it (node name from the downward API), and the DaemonSet."""
     from fleetheal.agent.config import load_config
 
     cls, args = COMPONENTS["HealthAgent"]
@@ -350,7 +351,12 @@ def test_agent_config_map_is_a_valid_agent_config(run_mocked: Runner, tmp_path: 
     path = tmp_path / "agent.yaml"
     path.write_text(cm["data"]["agent.yaml"])
     env = {e["name"]: "gpu-node-7" for e in ds["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e}
-    cfg = load_config(path, env=env)
+    return load_config(path, env=env), ds
+
+
+def test_agent_config_map_is_a_valid_agent_config(run_mocked: Runner, tmp_path: Any) -> None:
+    cfg, ds = _rendered_agent(run_mocked, tmp_path)
+    _, args = COMPONENTS["HealthAgent"]
     assert cfg.node == "gpu-node-7"
     assert cfg.health_file == contracts.AGENT_HEALTH_FILE
     assert cfg.metrics.port == args["port"]
@@ -368,15 +374,7 @@ def test_the_agent_pod_can_write_what_it_writes_and_believe_a_jobs_owner(run_moc
     log's place under /var/lib (a warning ten times a second, forever, and no resume after a restart); and with no
     Slurm client in the pod every non-root training report was refused. Every path the agent writes is on a
     writable mount, and it learns a job's owner from the prolog's job file on the shared state directory."""
-    from fleetheal.agent.config import load_config
-
-    cls, args = COMPONENTS["HealthAgent"]
-    records = run_mocked(lambda: cls("x", args))
-    (cm,) = by_kind(records, "ConfigMap")
-    (ds,) = by_kind(records, "DaemonSet")
-    path = tmp_path / "agent.yaml"
-    path.write_text(cm["data"]["agent.yaml"])
-    cfg = load_config(path, env={"FLEETHEAL_AGENT_NODE": "n1"})
+    cfg, ds = _rendered_agent(run_mocked, tmp_path)
     (container,) = ds["spec"]["template"]["spec"]["containers"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
