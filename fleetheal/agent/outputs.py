@@ -18,6 +18,8 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client.exposition import choose_encoder
+
 from fleetheal.agent.backends import GpuSample
 from fleetheal.agent.health import ActiveFault
 from fleetheal.agent.training import Report
@@ -44,7 +46,7 @@ class Exporter:
         self._suspects: set[tuple[str, str]] = set()
         self._http: Any = None
 
-    def serve(self, listen: str, port: int, max_connections: int = 64, header_timeout_s: float = 5.0) -> None:
+    def serve(self, listen: str, port: int, max_connections: int, header_timeout_s: float) -> None:
         """Start the metrics endpoint (port 0: none); OSError when it cannot listen."""
         if port:
             self._http = MetricsServer(self.metrics, max_connections, header_timeout_s)
@@ -186,8 +188,6 @@ class MetricsServer:
 
     def answer(self, head: bytes) -> bytes:
         """The whole HTTP response to one request head."""
-        from prometheus_client.exposition import choose_encoder
-
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
