@@ -149,6 +149,10 @@ TAIL_S = 0.2
 #: Bytes one read of the command's output takes at most, and how long the copy waits after a short read.
 READ_BYTES = 256 << 10
 COALESCE_S = 0.005
+#: Seconds the launcher waits, once its command has ended, for the rules to finish loading (about 0.3 s on an
+#: idle node, many times that on a loaded one) before its last lines are judged; the judging itself then has
+#: `OutputWatch.drain`'s timeout.
+RULES_LOAD_S = 60.0
 
 
 class OutputWatch:
@@ -173,6 +177,8 @@ class OutputWatch:
         self.skipped = 0
         self.sent = 0
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(WATCH_QUEUE)
+        #: Set once the judge has loaded the rules (or given up on them).
+        self._ready = threading.Event()
         self._pumps: list[threading.Thread] = []
         now = time.monotonic()
         self._sends = TokenBucket(LINES_PER_S, now)
@@ -218,18 +224,23 @@ class OutputWatch:
 
     def drain(self, timeout: float = 5.0) -> None:
         """Wait until the command's output is copied and judged, a bounded time: a daemon the command left
-        may hold its pipes open, and the rules take a moment to load."""
+        may hold its pipes open. The rules' loading has its own bound (RULES_LOAD_S): on a loaded node it may
+        not be done when the command ends, and the last lines, a crash's, are the ones that matter."""
         deadline = time.monotonic() + timeout
         for pump in self._pumps:
             pump.join(max(0.0, deadline - time.monotonic()))
         for tail in set(self._tails.values()):
             with contextlib.suppress(OSError):
                 tail.poll(final=True)  # its last lines, whatever the budget: a crash's come after the flood
+        if not self._ready.is_set():
+            self._ready.wait(RULES_LOAD_S)
+            deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def _pump(self, out: IO[bytes], dst: int) -> None:
         writable = True
+        unjudged = b""  # the last read, when it was skipped over the budget
         while chunk := _read(out.fileno()):
             view = memoryview(chunk)
             while writable and view:  # the job's own output first, whole
@@ -241,13 +252,19 @@ class OutputWatch:
                     writable = False  # our own stdout is gone: keep reading, so the job is never blocked
             if self._spend(len(chunk)):
                 self._put(dst, chunk)
+                unjudged = b""
             else:
                 self.skipped += len(chunk)
                 self._put(dst, b"")
+                unjudged = chunk
             if len(chunk) < READ_BYTES // 4:
                 # A job printing steadily: let a few milliseconds of its output gather in the pipe (which holds
                 # PIPE_BYTES), so that it is copied in a few large reads a second, not thousands of small ones.
                 time.sleep(COALESCE_S)
+        if unjudged:  # the command's last lines (a crash's after a flood): judged whatever the budget
+            self.skipped -= len(unjudged)
+            self._spend(len(unjudged), force=True)
+            self._put(dst, unjudged, wait_s=RULES_LOAD_S)
         with contextlib.suppress(OSError):
             out.close()  # through its file object, which would otherwise close the number again, reused by then
 
@@ -261,10 +278,11 @@ class OutputWatch:
             self._budget.spend(now, n)
             return True
 
-    def _put(self, stream: int, chunk: bytes) -> None:
-        """Hand a read to the judge; b"": output it does not see (the stream resumes at a new line)."""
+    def _put(self, stream: int, chunk: bytes, wait_s: float = 0.0) -> None:
+        """Hand a read to the judge; b"": output it does not see (the stream resumes at a new line). `wait_s`:
+        how long to wait for room (the command's last lines); otherwise a full queue drops the read (counted)."""
         try:
-            self._queue.put_nowait((stream, chunk))
+            self._queue.put((stream, chunk), block=wait_s > 0, timeout=wait_s or None)
         except queue.Full:
             self.skipped += len(chunk)
             with contextlib.suppress(queue.Full):
@@ -277,10 +295,12 @@ class OutputWatch:
             parser = load_parser(log=APPLICATION)
         except Exception as exc:  # the rules cannot load: the job runs on, unwatched
             _say(f"job output not watched: cannot load the log rules: {exc}")
+            self._ready.set()
             while True:
                 self._queue.get()
                 self._queue.task_done()
         cutters = {1: LineCutter(), 2: LineCutter()}
+        self._ready.set()
         while True:
             stream, chunk = self._queue.get()
             try:
@@ -322,6 +342,8 @@ class _Tail:
         self.stream = stream
         self.fd = os.open(f"/proc/self/fd/{stream}", os.O_RDONLY | os.O_CLOEXEC)
         self.pos = os.fstat(self.fd).st_size
+        #: Where the last read handed to the judge ended: what lies between it and `pos` was skipped.
+        self.judged = self.pos
         self._lock = threading.Lock()
 
     def run(self) -> None:
@@ -336,8 +358,14 @@ class _Tail:
         with self._lock:
             size = os.fstat(self.fd).st_size
             if size < self.pos:  # truncated: from its new end
-                self.pos = size
+                self.pos = self.judged = size
                 self.watch._put(self.stream, b"")
+            if final and self.pos > (start := max(self.judged, size - READ_BYTES)):
+                # Skipped over the budget, maybe just after the command ended, by the last ordinary poll: the
+                # last lines (a crash's) are read again, from a new line.
+                self.watch.skipped -= self.pos - start
+                self.pos = start
+                self.watch._put(self.stream, b"", wait_s=RULES_LOAD_S)
             while self.pos < size:
                 if final and size - self.pos > READ_BYTES:
                     self._skip(size - READ_BYTES)  # the last lines first
@@ -350,7 +378,8 @@ class _Tail:
                 if not chunk:
                     return
                 self.pos += len(chunk)
-                self.watch._put(self.stream, chunk)
+                self.judged = self.pos
+                self.watch._put(self.stream, chunk, wait_s=RULES_LOAD_S if final else 0.0)
 
     def _skip(self, to: int) -> None:
         self.watch.skipped += to - self.pos

@@ -83,6 +83,42 @@ def test_a_flood_of_output_is_neither_changed_nor_held(tmp_path, agent_socket):
     assert took < 120
 
 
+def test_a_fault_line_after_a_flood_through_a_pipe_is_judged(tmp_path, agent_socket):
+    """The same through a pipe: the read holding the command's last lines is judged whatever the budget."""
+    path, sock = agent_socket
+    run = launch(tmp_path, f"seq 1 500000 | sed 's/$/ loss=2.3/'; echo '{NCCL}'; exit 1", sock=path)
+    assert run.returncode == 1 and run.stdout.endswith(NCCL.encode() + b"\n")
+    assert NCCL[:1024] in [r["line"] for r in received(sock)]
+
+
+#: The launcher with its rules loading slowly, as on a node busy with a job's data loaders: the command ends
+#: long before the judge is ready.
+SLOW_RULES = (
+    "import sys, time\n"
+    "import fleetheal.logparse as lp\n"
+    "load, delay = lp.load_parser, float(sys.argv.pop(1))\n"
+    "lp.load_parser = lambda **kw: (time.sleep(delay), load(**kw))[1]\n"
+    "from fleetheal.cli import main\n"
+    "raise SystemExit(main())\n"
+)
+
+
+@pytest.mark.parametrize("to_file", [False, True], ids=["pipe", "file"])
+def test_the_last_lines_are_judged_when_the_rules_load_after_the_command_ended(tmp_path, agent_socket, to_file):
+    """The command prints its fault and ends at once; the rules take longer to load than the launcher's drain
+    timeout (5 s): the line still reaches the agent (it was lost on a loaded CI machine)."""
+    path, sock = agent_socket
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "FLEETHEAL_TRAINING_SOCKET": str(path)}
+    argv = [sys.executable, "-c", SLOW_RULES, "7", "launch", "--", "sh", "-c", f"echo '{NCCL}'; exit 1"]
+    if to_file:
+        with open(tmp_path / "job.out", "wb") as fh:
+            run = subprocess.run(argv, env=env, stdout=fh, stderr=fh, timeout=120, check=False)
+    else:
+        run = subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False)
+    assert run.returncode == 1
+    assert [r["line"] for r in received(sock)] == [NCCL]
+
+
 def test_no_watch_uses_no_pipes(tmp_path, agent_socket):
     path, sock = agent_socket
     run = launch(
