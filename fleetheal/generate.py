@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,13 @@ COVERAGE_DOCS = Path("docs/log-coverage.md")
 def alert_name(fault_id: str) -> str:
     """`xid-149-reset-gpu` -> `FleethealXid149ResetGpu`."""
     return "Fleetheal" + "".join(part.capitalize() for part in fault_id.split("-"))
+
+
+def health_rule_groups() -> list[dict[str, Any]]:
+    """The hand-written rule groups on fleetheal's own health (`policies/health-rules.yml`): the standby pool's
+    shortfall and the healing's blind spots; the stack ships them beside the generated ones."""
+    doc = yaml.safe_load(resources.files(__package__).joinpath("health-rules.yml").read_text("utf-8"))
+    return list(doc["groups"])
 
 
 def alert_rule_groups(tx: taxonomy.Taxonomy | None = None) -> list[dict[str, Any]]:

@@ -79,17 +79,17 @@ def test_promtool_checks_and_unit_tests_the_rules(repo: Path) -> None:
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) missing: run scripts/bootstrap.sh")
-def test_promtool_checks_and_unit_tests_the_remediator_rules(repo: Path) -> None:
-    """The hand-written rules on the remediator's own metrics (the standby pool's shortfall)."""
+def test_promtool_checks_and_unit_tests_the_health_rules(repo: Path) -> None:
+    """The hand-written rules on fleetheal's own health: the standby shortfall and the healing's blind spots."""
     check = subprocess.run(
-        [PROMTOOL, "check", "rules", str(repo / "policies" / "remediator-rules.yml")],
+        [PROMTOOL, "check", "rules", str(repo / "policies" / "health-rules.yml")],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert check.returncode == 0, check.stdout + check.stderr
     tests = subprocess.run(
-        [PROMTOOL, "test", "rules", "remediator-rules.test.yml"],
+        [PROMTOOL, "test", "rules", "health-rules.test.yml"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -96,6 +96,14 @@ class AgentMetrics:
             ("source",),
             registry=r,
         )
+        self.source_up = Gauge(
+            "fleetheal_agent_log_source_up",
+            "1 while a log source is read: open, and its reader took its last record or waited for one within "
+            "the last agent.sources.STALLED_S; 0 when it cannot be read or its reader is stuck (alert "
+            "FleethealAgentLogSourceDown). Faults it would carry are not seen.",
+            ("source",),
+            registry=r,
+        )
         self.backend_up = Gauge(
             "fleetheal_agent_backend_up",
             "1 when the GPU backend is usable; 0 is 'no NVML' (library or driver missing).",

@@ -254,6 +254,7 @@ class Agent:
                 max_backlog=cfg.kernel_log.max_backlog_bytes,
             )
             self._spawn("kernel-log", lambda: follower.run(self.stop_event))
+            self.metrics.source_up.labels(KERNEL_LOG).set_function(lambda: float(follower.up()))
             follower.ready.wait(2.0)
         if cfg.training.enabled:
             from fleetheal.agent.sources import TrainingReportServer
@@ -264,8 +265,10 @@ class Agent:
             try:
                 server.bind()
             except OSError as exc:  # the other sources still run; the error is counted and logged
+                self.metrics.source_up.labels(TRAINING).set(0)
                 self.read_error(TRAINING, f"cannot listen on {cfg.training.socket}: {exc}")
             else:
+                self.metrics.source_up.labels(TRAINING).set(1)
                 self._spawn("training", lambda: server.run(self.stop_event))
         if cfg.job_files.enabled and cfg.fastpath.slurm.enabled:
             self._spawn("job-files", self._job_files_loop)

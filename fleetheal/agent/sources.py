@@ -25,6 +25,10 @@ from typing import BinaryIO
 MAX_LINE = 64 * 1024
 #: Largest training report accepted.
 MAX_REPORT = 4096
+#: Seconds a log's reader may go without taking a record or finishing a wait for one before the source counts as
+#: down (`KernelLogFollower.up`): it waits at most its poll_s (0.1 s), and a line is judged in microseconds, so
+#: this long means stuck, in a rule's regular expression or a hung read.
+STALLED_S = 30.0
 
 
 def decode_kmsg_record(record: bytes) -> str | None:
@@ -112,6 +116,16 @@ class KernelLogFollower:
         self.position = LogPosition(position, path) if position else None
         self.max_backlog = max_backlog
         self.ready = threading.Event()
+        #: The log is open (False until it is, and after a read of it failed).
+        self.reading = False
+        #: When the reader last took a record or finished waiting for one (time.monotonic()).
+        self.alive_at = time.monotonic()
+
+    def up(self, now: float | None = None) -> bool:
+        """True while the log is read: open, and the reader neither failed nor stuck (in a rule's regular
+        expression, say) for STALLED_S. Exported as fleetheal_agent_log_source_up."""
+        now = time.monotonic() if now is None else now
+        return self.reading and now - self.alive_at < STALLED_S
 
     def is_kmsg(self) -> bool:
         try:
@@ -128,6 +142,7 @@ class KernelLogFollower:
                     else:
                         self._follow_file(stop)
                 except OSError as exc:
+                    self.reading = False
                     self.on_error(f"cannot read {self.path}: {exc}")
                     self.ready.set()
                     stop.wait(5.0)  # the log may appear later (a file created by syslog); keep trying
@@ -163,9 +178,11 @@ class KernelLogFollower:
                 after = -1  # a new boot: every record in the ring is of this boot and unread
             elif not self.from_start:
                 os.lseek(fd, 0, os.SEEK_END)  # /dev/kmsg: skip to the next record written
+            self.reading = True
             self.ready.set()
             first = True
             while not stop.is_set():
+                self.alive_at = time.monotonic()
                 try:
                     record = os.read(fd, 8192)
                 except BlockingIOError:
@@ -238,9 +255,11 @@ class KernelLogFollower:
             ino = os.fstat(fh.fileno()).st_ino
             self._start_offset(fh, ino)
             self.from_start = True  # after a rotation, read the new file from its start
+            self.reading = True
             self.ready.set()
             pending = b""
             while not stop.is_set():
+                self.alive_at = time.monotonic()
                 chunk = fh.readline(MAX_LINE + 1)
                 if chunk:
                     pending += chunk

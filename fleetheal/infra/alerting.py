@@ -1,5 +1,7 @@
-"""AlertRouting: the PrometheusRule generated from the fault taxonomy and the AlertmanagerConfig that
-routes fleetheal alerts to the remediator, authenticated with a bearer token read from a Secret."""
+"""AlertRouting: the PrometheusRule generated from the fault taxonomy, the PrometheusRule on fleetheal's own
+health (its blind spots: `policies/health-rules.yml`), and the AlertmanagerConfig that routes fault alerts to the
+remediator, authenticated with a bearer token read from a Secret; the health alerts go to the operators'
+receivers (Alertmanager's own routes), never to the remediator."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class AlertRoutingArgs(TypedDict):
     """Namespace of the PrometheusRule and AlertmanagerConfig (the fleetheal system namespace)."""
     rule_groups: list[dict[str, Any]]
     """Prometheus rule groups (fleetheal.generate.alert_rule_groups())."""
+    health_rule_groups: list[dict[str, Any]]
+    """Prometheus rule groups on fleetheal's own health (fleetheal.generate.health_rule_groups())."""
     webhook_url: str
     """The remediator's webhook URL."""
     token_secret: str
@@ -33,11 +37,16 @@ class AlertRoutingArgs(TypedDict):
 class AlertRouting(pulumi.ComponentResource):
     def __init__(self, name: str, args: AlertRoutingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         a: dict[str, Any] = dict(args)
-        common.require(a, COMPONENT, ("namespace", "rule_groups", "webhook_url", "token_secret", "monitoring_labels"))
+        common.require(
+            a,
+            COMPONENT,
+            ("namespace", "rule_groups", "health_rule_groups", "webhook_url", "token_secret", "monitoring_labels"),
+        )
         ns = common.dns_label(COMPONENT, "namespace", a["namespace"])
         common.dns_label(COMPONENT, "token_secret", a["token_secret"], 253)
-        if not a["rule_groups"] or not all(g.get("rules") for g in a["rule_groups"]):
-            raise common.ComponentArgError(f"{COMPONENT}.rule_groups: need at least one group, each with rules")
+        for key in ("rule_groups", "health_rule_groups"):
+            if not a[key] or not all(g.get("rules") for g in a[key]):
+                raise common.ComponentArgError(f"{COMPONENT}.{key}: need at least one group, each with rules")
         if not str(a["webhook_url"]).startswith(("http://", "https://")):
             raise common.ComponentArgError(
                 f"{COMPONENT}.webhook_url: {a['webhook_url']!r} is not accepted; use an http(s) URL"
@@ -54,6 +63,14 @@ class AlertRouting(pulumi.ComponentResource):
             spec={"groups": a["rule_groups"]},
             opts=child,
         )
+        self.health_rule = k8s.apiextensions.CustomResource(
+            f"{name}-health-rules",
+            api_version="monitoring.coreos.com/v1",
+            kind="PrometheusRule",
+            metadata={"name": f"{NAME}-health", "namespace": ns, "labels": labels},
+            spec={"groups": a["health_rule_groups"]},
+            opts=child,
+        )
         self.alertmanager_config = k8s.apiextensions.CustomResource(
             f"{name}-amconfig",
             api_version="monitoring.coreos.com/v1alpha1",
@@ -62,7 +79,11 @@ class AlertRouting(pulumi.ComponentResource):
             spec={
                 "route": {
                     "receiver": RECEIVER,
-                    "matchers": [{"name": "alertname", "matchType": "=~", "value": ALERT_NAME_REGEX}],
+                    # Faults only: the health alerts (FleethealAgentNotScraped...) have no fault to act on.
+                    "matchers": [
+                        {"name": "alertname", "matchType": "=~", "value": ALERT_NAME_REGEX},
+                        {"name": "fault_id", "matchType": "=~", "value": ".+"},
+                    ],
                     "groupBy": ["cluster", "node", "fault_id"],
                     # Isolation is urgent: no batching delay for the first notification.
                     "groupWait": "0s",

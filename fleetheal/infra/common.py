@@ -114,6 +114,38 @@ def network_policy(
     )
 
 
+def service_monitor(
+    resource_name: str,
+    parent: Any,
+    *,
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    selector: Mapping[str, str],
+    port: str,
+    relabelings: list[dict[str, Any]],
+    depends_on: list[Any],
+) -> Any:
+    """A ServiceMonitor scraping /metrics on the named `port` of the Services matching `selector` every 15 s;
+    `labels` must include the ones that make the Prometheus operator select it. The scrape's `job` label is
+    the Service's name (the health rules name it: `policies/health-rules.yml`)."""
+    import pulumi
+    import pulumi_kubernetes as k8s
+
+    return k8s.apiextensions.CustomResource(
+        f"{resource_name}-servicemonitor",
+        api_version="monitoring.coreos.com/v1",
+        kind="ServiceMonitor",
+        metadata={"name": name, "namespace": namespace, "labels": dict(labels)},
+        spec={
+            "selector": {"matchLabels": dict(selector)},
+            "namespaceSelector": {"matchNames": [namespace]},
+            "endpoints": [{"port": port, "path": "/metrics", "interval": "15s", "relabelings": relabelings}],
+        },
+        opts=pulumi.ResourceOptions(parent=parent, depends_on=depends_on),
+    )
+
+
 def metrics_service(
     resource_name: str,
     parent: Any,
@@ -143,26 +175,15 @@ def metrics_service(
         },
         opts=pulumi.ResourceOptions(parent=parent),
     )
-    monitor = k8s.apiextensions.CustomResource(
-        f"{resource_name}-servicemonitor",
-        api_version="monitoring.coreos.com/v1",
-        kind="ServiceMonitor",
-        metadata={"name": name, "namespace": namespace, "labels": {**labels, **monitoring_labels}},
-        spec={
-            "selector": {"matchLabels": dict(selector)},
-            "namespaceSelector": {"matchNames": [namespace]},
-            "endpoints": [
-                {
-                    "port": "metrics",
-                    "path": "/metrics",
-                    "interval": "15s",
-                    "relabelings": [
-                        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
-                        *relabelings,
-                    ],
-                }
-            ],
-        },
-        opts=pulumi.ResourceOptions(parent=parent, depends_on=[service]),
+    monitor = service_monitor(
+        resource_name,
+        parent,
+        name=name,
+        namespace=namespace,
+        labels={**labels, **monitoring_labels},
+        selector=selector,
+        port="metrics",
+        relabelings=[{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}, *relabelings],
+        depends_on=[service],
     )
     return service, monitor

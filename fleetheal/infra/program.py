@@ -269,6 +269,7 @@ def build(cfg: StackConfig) -> Fleet:
         "replicas": cfg.remediator_replicas,
         "store": remediator_store(cfg),
         "membership": cfg.node_provider == "existing",
+        "monitoring_labels": dict(cfg.monitoring_labels),
     }
     if cfg.federation.fleet_file:  # a federation member: cross-cluster failover by the fleet file
         remediator_args["fleet_configmap"] = FLEET_CONFIGMAP
@@ -280,6 +281,7 @@ def build(cfg: StackConfig) -> Fleet:
         {
             "namespace": cfg.system_namespace,
             "rule_groups": generate.alert_rule_groups(),
+            "health_rule_groups": generate.health_rule_groups(),
             "webhook_url": remediator.webhook_url,
             "token_secret": cfg.remediator_token_secret,
             "monitoring_labels": dict(cfg.monitoring_labels),

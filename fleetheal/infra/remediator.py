@@ -64,6 +64,9 @@ class RemediatorArgs(TypedDict):
     fleet_configmap: NotRequired[str]
     """A federation member: the ConfigMap holding the fleet file (key fleet.yaml). The remediator mounts it and
     runs its cross-cluster failover stage (failover.enabled, slurm_cluster = cluster_name)."""
+    monitoring_labels: dict[str, str]
+    """Labels that make the Prometheus operator select the remediator's ServiceMonitor (its /metrics: the
+    health alerts FleethealRemediatorUnreachable, ...Degraded, NoRemediatorActs read it)."""
     membership: bool
     """Apply the GPU pools' membership ConfigMaps in `namespace` to the Nodes (existing-nodes provider):
     the remediator gets read access to ConfigMaps there and runs its membership controller."""
@@ -322,6 +325,17 @@ class Remediator(pulumi.ComponentResource):
             metadata={"name": NAME, "namespace": ns, "labels": labels},
             spec={"selector": sel, "ports": [{"name": "webhook", "port": PORT, "targetPort": PORT}]},
             opts=child,
+        )
+        self.service_monitor = common.service_monitor(
+            name,
+            self,
+            name=NAME,
+            namespace=ns,
+            labels={**labels, **a["monitoring_labels"]},
+            selector=sel,
+            port="webhook",  # /metrics is served beside the webhook
+            relabelings=[{"action": "replace", "targetLabel": "cluster", "replacement": a["cluster_name"]}],
+            depends_on=[self.service],
         )
         # The webhook from Alertmanager, /metrics from Prometheus, /healthz and the API from operators' namespaces.
         self.network_policy = common.network_policy(

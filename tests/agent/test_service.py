@@ -242,8 +242,33 @@ def test_a_training_socket_that_cannot_bind_is_counted_not_fatal(tmp_path):
         agent.poll_once()
         assert _value(agent, "fleetheal_agent_read_errors_total", source="training") == 1
         assert _value(agent, "fleetheal_agent_polls_total") == 1
+        assert _value(agent, "fleetheal_agent_log_source_up", source="training") == 0  # FleethealAgentLogSourceDown
     finally:
         agent.shutdown()
+
+
+def test_a_kernel_log_the_agent_cannot_read_is_exported_as_a_source_down(tmp_path):
+    """The blind spot alert FleethealAgentLogSourceDown reads this: a kernel log that cannot be opened (here a
+    directory) is 0; the same agent reading a real file is 1."""
+    (tmp_path / "kern.log").write_text("")
+    (tmp_path / "a-directory").mkdir()
+    for path, up in ((tmp_path / "a-directory", 0), (tmp_path / "kern.log", 1)):
+        env = {
+            "FLEETHEAL_AGENT_NODE": "n1",
+            "FLEETHEAL_AGENT_METRICS__PORT": "0",
+            "FLEETHEAL_AGENT_KERNEL_LOG__PATH": str(path),
+            "FLEETHEAL_AGENT_KERNEL_LOG__POSITION_FILE": "",
+            "FLEETHEAL_AGENT_TRAINING__ENABLED": "false",
+            "FLEETHEAL_AGENT_FASTPATH__SLURM__ENABLED": "false",
+            "FLEETHEAL_AGENT_BACKEND__KIND": "simulated",
+            "FLEETHEAL_AGENT_BACKEND__SIMULATED__STATE_FILE": str(tmp_path / "sim.json"),
+        }
+        agent = Agent(load_config(None, env=env))
+        agent.start()
+        try:
+            assert _value(agent, "fleetheal_agent_log_source_up", source="kernel_log") == up, path
+        finally:
+            agent.shutdown()
 
 
 def test_the_training_socket_is_writable_by_every_user_from_the_moment_it_appears(tmp_path, monkeypatch):

@@ -269,3 +269,50 @@ def test_a_local_users_crash_in_a_file_named_like_an_xid_record_raises_nothing()
     assert "segfault at 0 ip" in crashed and record in crashed
     assert kernel.parse_line(crashed) == []
     assert [e.fault.id for e in kernel.parse_line(written)] == ["xid-79"]
+
+
+def test_the_source_is_up_only_while_its_log_is_read_and_its_reader_is_not_stuck(tmp_path):
+    """fleetheal_agent_log_source_up (alert FleethealAgentLogSourceDown): a log that cannot be read, and a reader
+    stuck on one line (a rule's regular expression backtracking on a user-shaped record), both read as down."""
+    from fleetheal.agent.sources import STALLED_S
+
+    path = tmp_path / "kern.log"
+    path.write_text("")
+    release, taken = threading.Event(), []
+
+    def on_line(text: str) -> None:
+        taken.append(text)
+        if text == "stuck":
+            release.wait(30)
+
+    stop = threading.Event()
+    f = KernelLogFollower(str(path), on_line, lambda why: None, poll_s=0.01)
+    t = threading.Thread(target=f.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        assert f.ready.wait(5)
+        _wait(f.up)
+        with open(path, "a") as fh:
+            fh.write("stuck\n")
+        _wait(lambda: taken == ["stuck"])
+        assert not f.up(time.monotonic() + STALLED_S + 1)  # the reader has not come back for a wait or a record
+        release.set()
+        _wait(lambda: f.up(time.monotonic() + STALLED_S - 1))
+    finally:
+        release.set()
+        stop.set()
+        t.join(5)
+
+    broken = tmp_path / "not-a-log"
+    broken.mkdir()  # opening it fails: the reader retries every 5 s and reports the source down meanwhile
+    errors: list[str] = []
+    g = KernelLogFollower(str(broken), lambda text: None, errors.append, poll_s=0.01)
+    t = threading.Thread(target=g.run, args=(stop := threading.Event(),), daemon=True)
+    t.start()
+    try:
+        assert g.ready.wait(5)
+        _wait(lambda: errors)
+        assert not g.up() and "cannot read" in errors[0]
+    finally:
+        stop.set()
+        t.join(10)

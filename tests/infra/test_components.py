@@ -89,6 +89,7 @@ COMPONENTS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
         {
             "namespace": "sys",
             "rule_groups": RULES,
+            "health_rule_groups": RULES,
             "webhook_url": "http://r:9105/webhook",
             "token_secret": "tok",
             "monitoring_labels": {},
@@ -108,6 +109,7 @@ COMPONENTS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
             "replicas": 1,
             "store": {"kind": "sqlite"},
             "membership": True,
+            "monitoring_labels": {},
         },
     ),
     "KueueQueues": (

@@ -58,7 +58,7 @@ def test_example_stack_objects_all_validate(
     assert kinds["NodeSet"] == 2 and kinds["CustomResourceDefinition"] == 6
     # Existing nodes are one membership ConfigMap per GPU pool, never an object per node.
     assert "Node" not in kinds
-    assert checked == sum(kinds.values()) == 67
+    assert checked == sum(kinds.values()) == 69
 
 
 def test_object_names_are_unique_per_kind_and_namespace(
@@ -117,11 +117,30 @@ def test_controller_turns_requeue_on_and_wires_the_agent_hooks(
     )
 
 
-def test_prometheus_rule_is_the_taxonomy(run_mocked: Runner, dev_config: stack_model.StackConfig) -> None:
-    (rule,) = by_kind(_build(run_mocked, dev_config), "PrometheusRule")
-    assert rule["spec"]["groups"] == generate.alert_rule_groups()
-    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+def test_prometheus_rules_are_the_taxonomy_and_the_healings_own_health(
+    run_mocked: Runner, dev_config: stack_model.StackConfig
+) -> None:
+    records = _build(run_mocked, dev_config)
+    rules = {o["metadata"]["name"]: o for o in by_kind(records, "PrometheusRule")}
+    assert set(rules) == {"fleetheal-faults", "fleetheal-health"}
+    assert rules["fleetheal-faults"]["spec"]["groups"] == generate.alert_rule_groups()
+    exprs = [r["expr"] for g in rules["fleetheal-faults"]["spec"]["groups"] for r in g["rules"]]
     assert exprs and all(contracts.METRIC_FAULT_ACTIVE in e for e in exprs)
+    # The blind spots (issue 46) alert; every health alert has no fault_id, so the route below never sends
+    # it to the remediator.
+    health = [r for g in rules["fleetheal-health"]["spec"]["groups"] for r in g["rules"]]
+    names = {r["alert"] for r in health}
+    assert {"FleethealAgentNotScraped", "FleethealAgentLogSourceDown", "FleethealRemediatorUnreachable"} <= names
+    assert not [r for r in health if "fault_id" in r.get("labels", {})]
+    # Their `job` labels are the Services the ServiceMonitors scrape (Prometheus operator: job = Service name).
+    monitors = {o["metadata"]["name"]: o for o in by_kind(records, "ServiceMonitor")}
+    services = {o["metadata"]["name"] for o in by_kind(records, "Service")}
+    for job in ("fleetheal-agent", "fleetheal-remediator"):
+        assert job in monitors and job in services and any(f'job="{job}"' in r["expr"] for r in health), job
+    (endpoint,) = monitors["fleetheal-remediator"]["spec"]["endpoints"]
+    assert endpoint["port"] == "webhook" and endpoint["path"] == "/metrics"
+    labels = monitors["fleetheal-remediator"]["metadata"]["labels"]
+    assert dev_config.monitoring_labels.items() <= labels.items()
 
 
 def test_alertmanager_routes_to_the_remediator_with_the_secret_token(
@@ -129,6 +148,8 @@ def test_alertmanager_routes_to_the_remediator_with_the_secret_token(
 ) -> None:
     records = _build(run_mocked, dev_config)
     (amc,) = by_kind(records, "AlertmanagerConfig")
+    matchers = amc["spec"]["route"]["matchers"]
+    assert {"name": "fault_id", "matchType": "=~", "value": ".+"} in matchers  # faults only, not health alerts
     hook = amc["spec"]["receivers"][0]["webhookConfigs"][0]
     assert hook["url"] == "http://fleetheal-remediator.fleetheal-system.svc.cluster.local:9105/webhook"
     assert hook["httpConfig"]["authorization"]["credentials"] == {"name": "fleetheal-remediator-token", "key": "token"}
@@ -297,9 +318,9 @@ def test_prometheus_rule_groups_pass_promtool(
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("SKIPPED LOUDLY: promtool (Debian package prometheus) is not installed")
-    (rule,) = by_kind(_build(run_mocked, dev_config), "PrometheusRule")
+    groups = [g for rule in by_kind(_build(run_mocked, dev_config), "PrometheusRule") for g in rule["spec"]["groups"]]
     path = tmp_path / "rules.yml"
-    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    path.write_text(yaml.safe_dump({"groups": groups}))
     proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
@@ -328,7 +349,7 @@ def test_a_highly_available_remediator_on_the_in_cluster_postgres(
     assert_all_valid(k8s_schemas, records)
     kinds = Counter(o["kind"] for o in objects(records))
     # the state PVC goes; the database, its Service, the store Secret, the PDB and two Roles with bindings come
-    assert sum(kinds.values()) == 67 - 1 + 8
+    assert sum(kinds.values()) == 69 - 1 + 8
     deploy = next(o for o in by_kind(records, "Deployment") if o["metadata"]["name"] == "fleetheal-remediator")
     assert deploy["spec"]["replicas"] == 2
     sts = next(o for o in by_kind(records, "StatefulSet") if o["metadata"]["name"] == "fleetheal-remediator-db")

@@ -26,9 +26,9 @@ def test_render_writes_every_object_once_and_valid(
 ) -> None:
     out = tmp_path / "dev"
     assert cli.main(["render", "--stack", "dev", "--out", str(out)]) == 0
-    assert "wrote 67 objects for stack dev" in capsys.readouterr().out
+    assert "wrote 69 objects for stack dev" in capsys.readouterr().out
     files = sorted(p for p in out.rglob("*.yaml"))
-    assert len(files) == 67
+    assert len(files) == 69
     kinds = set()
     for path in files:
         text = path.read_text()
