@@ -1,7 +1,8 @@
 """Process and port helpers shared by everything that starts and stops daemons (the lab, its Slurm and
 monitoring harnesses, the remediator's clean-up of interrupted playbooks, tests and benchmarks).
 
-Processes are read through psutil; this module is the one place that looks at other processes.
+Processes are read through psutil (/proc directly where psutil is too slow or does not tell: the marked
+processes, start ticks, namespaces); this module is the one place that looks at other processes.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import contextlib
 import os
 import signal
 import socket
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import psutil
 
@@ -30,6 +32,18 @@ def start_time(pid: int) -> float | None:
     try:
         return float(psutil.Process(pid).create_time())
     except (psutil.Error, ValueError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat): exact and fixed for the
+    process's life, so a pid and this tell one process from a later one with the same pid, from any
+    process; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # fields from the 3rd on; the name may hold ")"
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -59,6 +73,83 @@ def pids_mentioning(text: str) -> dict[int, str]:
         if proc.pid != me and text in line:
             found[proc.pid] = line
     return found
+
+
+def _marked(name: str, accept: Callable[[str], bool]) -> dict[int, tuple[int, str]]:
+    """pid -> (start ticks, value) of what `marked` finds. Read from /proc directly: psutil takes five times
+    as long, and the run's end and every round of `terminate_marked` look."""
+    me = os.getpid()
+    needle = name.encode() + b"="
+    ticks: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()  # from the state on (the name may hold ")")
+            if fields[0] in (b"Z", b"X"):
+                continue
+            ticks[pid] = int(fields[19])
+            children.setdefault(int(fields[1]), []).append(pid)
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except (OSError, ValueError, IndexError):  # gone, or another user's
+            continue
+        if needle in env:
+            for item in env.split(b"\0"):
+                if item.startswith(needle):
+                    value = item[len(needle) :].decode(errors="replace")
+                    if accept(value):
+                        found[pid] = value
+                    break
+    below = list(found)
+    while below:
+        pid = below.pop()
+        for kid in children.get(pid, ()):
+            if kid not in found:
+                found[kid] = found[pid]
+                below.append(kid)
+    return {pid: (ticks[pid], value) for pid, value in found.items()}
+
+
+def marked(name: str, accept: Callable[[str], bool] = lambda value: True) -> dict[int, str]:
+    """Every other live process whose environment sets `name` to a value `accept` takes, and every process
+    below one of those, with that value (its marked ancestor's for one below).
+
+    A variable set when a process is started is inherited by everything it starts, through fork, exec,
+    setsid and double forks alike, unlike a process group or a parent: it marks a whole tree even once
+    parts of it detached. Only a process started with a cleared environment (`env -i`, sudo) drops it;
+    while its parent lives it is found below it. The environments of other users' processes are not
+    readable (nor are they this process's to signal)."""
+    return {pid: value for pid, (_, value) in _marked(name, accept).items()}
+
+
+def terminate_marked(
+    name: str, accept: Callable[[str], bool] = lambda value: True, grace: float = 3.0, timeout: float = 5.0
+) -> list[int]:
+    """Stop what `marked(name, accept)` finds: SIGTERM, and after `grace` seconds SIGKILL for what is still
+    there; the processes are looked for again until none is left (one started meanwhile is signalled too)
+    or `timeout` seconds after the SIGKILL. Returns the pids still there then ([] normally). A pid is
+    signalled only while its start time is the one seen when it was found (never a reused pid)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, timeout)):
+        deadline = time.monotonic() + wait
+        signalled: set[tuple[int, int]] = set()
+        while True:
+            found = _marked(name, accept)
+            if not found:
+                return []
+            for pid, (ticks, _) in found.items():
+                if ((pid, ticks) not in signalled or sig == signal.SIGKILL) and start_ticks(pid) == ticks:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, sig)
+                    signalled.add((pid, ticks))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    return sorted(marked(name, accept))
 
 
 def namespace_processes(pid: int) -> dict[int, str]:

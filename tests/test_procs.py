@@ -51,6 +51,45 @@ def test_a_zombie_counts_as_gone_and_wait_gone_leaves_it_to_its_parent():
     assert proc.wait(5) == 0  # not reaped by wait_gone: the exit status is still the parent's to read
 
 
+def test_marked_finds_a_tree_by_its_environment_and_terminate_marked_stops_it(tmp_path):
+    """A marked child starts a detached grandchild (setsid: another session, the mark inherited), one with a
+    cleared environment (found below its parent) and ignores SIGTERM itself (SIGKILL after the grace)."""
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "subprocess.Popen(['sleep', '61'], env={})\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    ready = tmp_path / "ready"
+    env = {**os.environ, "FLEETHEAL_TEST_MARK": f"mark:{tmp_path}"}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ready)], env=env)
+    try:
+        wait_until(ready.exists, 10, "the grandchildren")
+        found = procs.marked("FLEETHEAL_TEST_MARK", lambda v: v == f"mark:{tmp_path}")
+        assert proc.pid in found and set(found.values()) == {f"mark:{tmp_path}"}
+        assert sorted(procs.cmdline(pid) for pid in found if pid != proc.pid) == ["sleep 60", "sleep 61"]
+        assert os.getpid() not in procs.marked("FLEETHEAL_TEST_MARK") and not procs.marked("FLEETHEAL_NO_SUCH_MARK")
+        t0 = time.monotonic()
+        assert procs.terminate_marked("FLEETHEAL_TEST_MARK", lambda v: v == f"mark:{tmp_path}", grace=0.5) == []
+        assert 0.5 <= time.monotonic() - t0 < 5  # the child ignored SIGTERM: it took the SIGKILL
+        assert proc.wait(5) == -9 and procs.wait_gone(found, 5) == []
+    finally:
+        for pid in procs.marked("FLEETHEAL_TEST_MARK", lambda v: v == f"mark:{tmp_path}"):
+            os.kill(pid, 9)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_start_ticks_tell_a_process_apart():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    ticks = procs.start_ticks(proc.pid)
+    assert ticks is not None and ticks >= (procs.start_ticks(os.getpid()) or 0)
+    proc.wait(5)
+    assert procs.start_ticks(proc.pid) is None and procs.start_ticks(os.getpid()) == procs.start_ticks(os.getpid())
+
+
 def test_namespace_processes_include_this_one():
     assert os.getpid() in procs.namespace_processes(os.getpid())
 

@@ -28,6 +28,24 @@ Events are scrubbed of every known secret value (the bearer token, secret enviro
 site settings) before ansible-runner writes them; after the run every artifact file is scrubbed once more
 (what a careless task without `no_log` printed to `stdout`).
 
+The processes of a run: ansible-runner starts ansible-playbook in a session (and process group) of its
+own, and Ansible's workers each call setsid: a forked worker, the module it runs and the commands that
+module starts (a drain, a requeue) are in the worker's session, not ansible-playbook's. ansible-runner
+stops a canceled or timed-out run by SIGKILL of ansible-playbook's group alone, which leaves Ansible no
+chance to pass the signal on (its SIGTERM handler does): the workers and their commands ran on, orphaned,
+and nothing killed them later (their command lines do not name the run directory, so
+`rundirs.kill_leftovers` missed them). So every process of a run carries the environment variable
+`RUN_MARKER` (`<owner pid>@<owner start ticks>:<run directory>`, inherited through fork, exec and setsid);
+- a canceled (the engine's stop at SIGTERM, a lost lead) or timed-out run is stopped here, not by
+  ansible-runner: every marked process gets SIGTERM (Ansible's own hand-on then works), SIGKILL after
+  `STOP_GRACE_S`, and the run returns once none is left; whatever still carries the marker when a run
+  ends for any reason (an exception too) is stopped the same way;
+- after a crash (SIGKILL of the remediator: nothing of that ran), the next start-up (`AnsibleRunner()`)
+  stops every marked process under `runner.run_dir` whose owner, the remediator that started it, is gone
+  (pid and start time in clock ticks, so a reused pid does not pass for it). A live owner's runs (another
+  replica on the host) are never touched.
+Remediation playbooks leave no process behind on purpose (a daemon is the service manager's to start).
+
 Run directories are pruned (rundirs.py's `prune_run_dirs`, called by the engine at start-up and hourly):
 older than `runner.keep_runs_days` days or beyond the `runner.keep_runs` newest, never one of an
 unfinished incident. The secrets' handling is in scrub.py.
@@ -44,17 +62,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from fleetheal import procs
 from fleetheal.contracts import PLAYBOOK_VARS
 from fleetheal.remediator import config as cfgmod
 from fleetheal.remediator.scrub import (
@@ -73,6 +94,20 @@ from fleetheal.remediator.store import incident_ref
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}|")
 #: Environment ansible-runner sets for itself; kept when the runner set or changed it.
 _RUNNER_PREFIXES = ("ANSIBLE_", "AWX_", "RUNNER_", "ORIGINAL_STDOUT_CALLBACK")
+#: The environment variable every process of a run inherits: `<owner pid>@<owner start ticks>:<run dir>`.
+RUN_MARKER = "FLEETHEAL_PLAYBOOK_RUN"
+#: Seconds a stopped run's processes get between SIGTERM and SIGKILL. Short: a lost lead's fence
+#: (`leader_election.fence_timeout_s`, 2 s by default) waits for the runs to end, and the cancel flag is
+#: seen up to 0.5 s late (RUNNER_SETTINGS). A command that takes SIGTERM goes at once.
+STOP_GRACE_S = 1.0
+#: Seconds after the SIGKILL before a process still there is given up on (and logged).
+KILL_WAIT_S = 5.0
+
+#: ansible-runner's settings, in the run's `env/settings` (its `settings=` argument is dropped when that file
+#: does not exist): the cancel flag and the timeout are looked at every `pexpect_timeout` seconds (5 unset).
+RUNNER_SETTINGS = {"pexpect_timeout": 0.5, "suppress_ansible_output": True}
+
+log = logging.getLogger("fleetheal.remediator.runner")
 
 
 class RunnerInputError(ValueError):
@@ -155,6 +190,46 @@ class AnsibleRunner:
         self.secrets = environment_secrets(os.environ, [*secrets, *site_secrets], self.configured)
         if self.secret_vars:
             remove_stale_secret_files()
+        self.owner = f"{os.getpid()}@{procs.start_ticks(os.getpid())}"
+        self.stop_orphans()
+
+    def stop_orphans(self) -> list[int]:
+        """At start-up: stop what still runs of the playbook runs of a remediator that is gone (a crash, a
+        SIGKILL) under `runner.run_dir`; their steps are then resumed. Returns the pids that survived."""
+        root = os.path.join(os.path.abspath(self.cfg.run_dir), "")
+        owners: dict[str, bool] = {}
+
+        def orphaned(value: str) -> bool:
+            owner, _, run = value.partition(":")
+            if not run.startswith(root):
+                return False
+            if owner not in owners:
+                pid, _, ticks = owner.partition("@")
+                owners[owner] = pid.isdigit() and str(procs.start_ticks(int(pid))) != ticks
+            return owners[owner]
+
+        found = procs.marked(RUN_MARKER, orphaned)
+        if not found:
+            return []
+        runs = sorted({value.partition(":")[2] for value in found.values()})
+        log.warning("stopping the processes of interrupted playbook runs", extra={"pids": sorted(found), "runs": runs})
+        left = procs.terminate_marked(RUN_MARKER, orphaned, STOP_GRACE_S, KILL_WAIT_S)
+        if left:
+            log.error("processes of interrupted playbook runs survived SIGKILL", extra={"pids": left})
+        return left
+
+    def stop_run(self, run_dir: str | Path) -> list[int]:
+        """Stop every process of this remediator's run in `run_dir` (SIGTERM, SIGKILL after STOP_GRACE_S) and
+        return once none is left; returns the pids that survived SIGKILL (logged)."""
+        marker = self.marker(run_dir)
+        left = procs.terminate_marked(RUN_MARKER, marker.__eq__, STOP_GRACE_S, KILL_WAIT_S)
+        if left:
+            log.error("playbook processes survived SIGKILL", extra={"pids": left, "run_dir": str(run_dir)})
+        return left
+
+    def marker(self, run_dir: str | Path) -> str:
+        """The value of RUN_MARKER in the processes of this remediator's run in `run_dir`."""
+        return f"{self.owner}:{os.path.abspath(run_dir)}"
 
     def warm_up(self) -> None:
         """Import ansible_runner ahead of the first alert (it takes a few hundred milliseconds)."""
@@ -207,6 +282,7 @@ class AnsibleRunner:
         os.chmod(private.parent, 0o700)
         for path, doc in (
             (private / "env" / "extravars", self.plain_vars),  # the secret ones never come here
+            (private / "env" / "settings", RUNNER_SETTINGS),
             (private / "inventory" / "hosts.json", {INCIDENTS_GROUP: {"hosts": hosts}}),
         ):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -282,6 +358,22 @@ class AnsibleRunner:
                     cb(converted)
             return True  # keep the (scrubbed) event in the artifacts
 
+        # Stopping a canceled or timed-out run is ours (see the module's doc): ansible-runner is told to
+        # cancel only once every process of the run is gone.
+        stopped: list[str] = []
+        deadline = time.monotonic() + self.cfg.timeout_s
+
+        def stop_now() -> bool:
+            if not stopped:
+                if cancel():
+                    stopped.append("canceled")
+                elif time.monotonic() >= deadline:
+                    stopped.append("timeout")
+                else:
+                    return False
+                self.stop_run(private)
+            return True
+
         inventory = str(private / "inventory")
         try:
             rc = ansible_runner.RunnerConfig(
@@ -295,19 +387,19 @@ class AnsibleRunner:
                 cmdline=None if secret_file is None else f"-e {shlex.quote('@' + secret_file)}",
                 ident="run",
                 forks=len(hosts),
-                timeout=self.cfg.timeout_s,
                 quiet=True,
                 suppress_env_files=True,
-                settings={"pexpect_timeout": 0.5, "suppress_ansible_output": True},
             )
             rc.prepare()
             rc.env = self.scrub_env(rc.env, added)
-            runner = ansible_runner.Runner(config=rc, event_handler=handler, cancel_callback=cancel)
+            rc.env[RUN_MARKER] = self.marker(private)
+            runner = ansible_runner.Runner(config=rc, event_handler=handler, cancel_callback=stop_now)
             runner.run()
         finally:
+            self.stop_run(private)  # normally nothing is left (after an exception: all of the run)
             forget_secret_file()
             scrub_tree(private, secrets)
-        status = str(runner.status)
+        status = stopped[0] if stopped else str(runner.status)
         together = f" (one run for {len(hosts)} incidents)" if len(hosts) > 1 else ""
         for i, (request, _) in enumerate(runs):
             if outcomes[i] is None:

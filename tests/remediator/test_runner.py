@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +19,15 @@ from fleetheal import taxonomy
 from fleetheal.procs import cmdline
 from fleetheal.remediator.config import ConfigError
 from fleetheal.remediator.rundirs import kill_leftovers, prune_run_dirs
-from fleetheal.remediator.runner import AnsibleRunner, RunnerInputError, StepRequest, check_extravars, run_dir_for
+from fleetheal.remediator.runner import (
+    RUN_MARKER,
+    STOP_GRACE_S,
+    AnsibleRunner,
+    RunnerInputError,
+    StepRequest,
+    check_extravars,
+    run_dir_for,
+)
 from fleetheal.remediator.scrub import remove_stale_secret_files, scrub_tree, secret_site_vars, secret_vars_dir
 from fleetheal.wait import wait_until
 from tests.remediator.conftest import TOKEN, make_config
@@ -146,7 +157,8 @@ def test_artifacts_keep_no_secret_and_not_the_whole_environment(tmp_path, secret
     assert "FLEETHEAL_UNRELATED" not in env and "AWS_SECRET_ACCESS_KEY" not in env
     assert "FLEETHEAL_REMEDIATOR_TOKEN" not in env
     assert env["FLEETHEAL_TEST_RECORD"] == str(tmp_path / "record.jsonl")  # configured on purpose
-    assert set(env) <= set(cfg.runner.env_passthrough) | {"FLEETHEAL_TEST_RECORD"} | {
+    assert env[RUN_MARKER] == runner.marker(run_dir)  # no secret: who started the run, and where
+    assert set(env) <= set(cfg.runner.env_passthrough) | {"FLEETHEAL_TEST_RECORD", RUN_MARKER} | {
         k for k in env if k.startswith(("ANSIBLE_", "AWX_", "RUNNER_", "ORIGINAL_STDOUT_CALLBACK"))
     }
     assert oct((run_dir / "env" / "extravars").stat().st_mode & 0o777) == "0o600"
@@ -174,6 +186,7 @@ def test_a_run_past_its_timeout_is_killed(tmp_path):
     outcome = AnsibleRunner(cfg.runner).run(request(), lambda e: None, lambda: False)
     assert outcome.status == "timeout" and outcome.detail == "playbook killed after 2 s"
     assert time.monotonic() - t0 < 20
+    assert run_processes(tmp_path) == {}  # stopped like a canceled run: all of it
 
 
 def test_a_failing_playbook_reports_the_failed_task(tmp_path):
@@ -235,6 +248,161 @@ def test_leftovers_of_an_interrupted_step_are_killed(tmp_path):
             proc.kill()
     other = tmp_path / "runs" / "inc-000001" / "step3-attempt10"  # a prefix must not match
     assert kill_leftovers(str(other)) == []
+
+
+# --- the processes of a stopped or crashed run ---------------------------------------------------------------
+
+#: A playbook like a remediation step mid-way: a task left a detached process (setsid, reparented to init),
+#: and a command runs (a drain). Every process of a run carries the run's RUN_MARKER, which tells them apart.
+HOLD_PLAYBOOK = """\
+- name: Hold like a long remediation step
+  hosts: fleetheal_incidents
+  gather_facts: false
+  tasks:
+    - name: Leave a detached process
+      ansible.builtin.shell: "setsid sleep 301 </dev/null >/dev/null 2>&1 &"
+      changed_when: true
+    - name: Run a long command
+      ansible.builtin.command: sleep 300
+      changed_when: true
+"""
+
+
+def hold_config(tmp_path: Path):
+    (tmp_path / "playbooks").mkdir(exist_ok=True)
+    (tmp_path / "playbooks" / "hold.yml").write_text(HOLD_PLAYBOOK)
+    return make_config(tmp_path, runner={"playbook_dir": str(tmp_path / "playbooks")})
+
+
+def hold_request(incident: int = 1) -> StepRequest:
+    r = request(incident=incident, step=incident)
+    return StepRequest(r.incident_id, r.step_id, r.attempt, r.action, "hold.yml", r.extravars)
+
+
+def run_processes(root: Path) -> dict[int, str]:
+    """Live processes whose RUN_MARKER names a run under `root`, with their command lines: read from /proc
+    directly, not through fleetheal.procs, which these tests check."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                line = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        value = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(f"{RUN_MARKER}=".encode())), "")
+        if str(root) in value and state != b"Z":
+            found[int(entry)] = line
+    return found
+
+
+def sleeping(root: Path) -> list[str]:
+    """The two `sleep`s of the hold playbook's runs under `root`, once both run."""
+    return sorted(line for line in run_processes(root).values() if line.startswith("sleep "))
+
+
+@pytest.fixture
+def reaper(tmp_path):
+    """Whatever a test started, SIGKILLed at its end even when it failed: every process of a run under
+    `tmp_path` (found as run_processes finds them) and the processes the test hands to `reaper.append`."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    deadline = time.monotonic() + 10
+    while (left := run_processes(tmp_path)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def start_in_thread(runner: AnsibleRunner, req: StepRequest) -> tuple[threading.Thread, threading.Event, list]:
+    cancel = threading.Event()
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(runner.run(req, lambda e: None, cancel.is_set)), daemon=True)
+    thread.start()
+    return thread, cancel, out
+
+
+def sessions(pids) -> set[int]:
+    out = set()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            out.add(os.getsid(pid))
+    return out
+
+
+def test_a_canceled_run_leaves_no_process_behind(tmp_path, reaper):
+    """SIGTERM of the remediator cancels its runs (engine.stop sets the cancel flag): every process of the
+    run goes, the worker Ansible forked into a session of its own and what a task detached included."""
+    cfg = hold_config(tmp_path)
+    thread, cancel, out = start_in_thread(AnsibleRunner(cfg.runner), hold_request())
+    try:
+        wait_until(lambda: sleeping(tmp_path) == ["sleep 300", "sleep 301"], 90, "the playbook's commands")
+        # The cause: Ansible's worker (and so the command it runs) is not in ansible-playbook's session,
+        # which is all ansible-runner's cancel kills, and the detached `sleep 301` is in neither.
+        assert len(sessions(run_processes(tmp_path))) >= 3, run_processes(tmp_path)
+        t0 = time.monotonic()
+        cancel.set()
+        thread.join(STOP_GRACE_S + 30)
+        took = time.monotonic() - t0
+    finally:
+        cancel.set()
+        thread.join(30)
+    (outcome,) = out
+    assert outcome.status == "canceled" and outcome.detail == "playbook canceled"
+    assert run_processes(tmp_path) == {}  # nothing of the run survives: the run returned after they all went
+    assert took < STOP_GRACE_S + 5  # a lost lead's fence waits for this (2 s by default; slack for a busy CI)
+
+
+CRASHING_RUNNER = """\
+import sys
+from pathlib import Path
+from tests.remediator.test_runner import AnsibleRunner, hold_config, hold_request
+cfg = hold_config(Path(sys.argv[1]))
+AnsibleRunner(cfg.runner).run(hold_request(), lambda e: None, lambda: False)
+"""
+
+
+def test_the_next_start_stops_what_a_crashed_remediators_run_left(tmp_path, reaper):
+    """The remediator is SIGKILLed mid-run (nothing of its own clean-up runs): ansible-playbook, its worker
+    and their commands run on. The next start (an AnsibleRunner) stops them all, and never a run of a
+    remediator that is still alive (another replica on the host; here this test process)."""
+    cfg = hold_config(tmp_path)
+    crashed = subprocess.Popen(
+        [sys.executable, "-c", CRASHING_RUNNER, str(tmp_path)], cwd=Path(__file__).resolve().parents[2]
+    )
+    reaper.append(crashed)
+    live_root = tmp_path / "runs" / "inc-000002"
+    thread, cancel, out = start_in_thread(AnsibleRunner(cfg.runner), hold_request(incident=2))
+    try:
+        orphan_root = tmp_path / "runs" / "inc-000001"
+        wait_until(lambda: sleeping(orphan_root) == ["sleep 300", "sleep 301"], 90, "the crashing run's commands")
+        wait_until(lambda: sleeping(live_root) == ["sleep 300", "sleep 301"], 90, "the live run's commands")
+        crashed.send_signal(signal.SIGKILL)
+        assert crashed.wait(10) == -signal.SIGKILL
+        time.sleep(0.5)
+        left = run_processes(orphan_root)
+        assert sleeping(orphan_root) == ["sleep 300", "sleep 301"], left  # the leak a crash leaves
+        assert any("ansible-playbook" in line for line in left.values()), left
+        live = run_processes(live_root)
+
+        assert AnsibleRunner(cfg.runner).stop_orphans() == []  # what the constructor did: nothing left to stop
+        assert run_processes(orphan_root) == {}
+        assert run_processes(live_root) == live  # this process's run is untouched
+    finally:
+        cancel.set()
+        thread.join(STOP_GRACE_S + 30)
+    (outcome,) = out
+    assert outcome.status == "canceled" and run_processes(tmp_path) == {}
 
 
 def test_scrub_tree_masks_secret_values(tmp_path):
