@@ -3,9 +3,11 @@
 - `POST /webhook`: Alertmanager's webhook. Bearer token (else 401, nothing read), body size limit (413),
   strict validation (400 with the reason), persist in SQLite, then 202; the work happens afterwards in
   the engine. A payload mixing valid and invalid alerts is accepted for the valid ones (202, the body
-  lists the rejected ones); one without any valid alert is a 400.
+  lists the rejected ones); one without any valid alert is a 400. A firing alert that is already over
+  (its resolution arrived first, or its endsAt is past) is counted and logged, and never acts.
 - `GET /healthz`: 200 while the database answers and incidents move; 503 "degraded" with the reasons when
-  workers stopped, incidents wait to retry after database errors, or the queue stalled.
+  workers stopped, incidents wait to retry after database errors, the queue stalled, or the database's
+  disk is too full to record an action's outcome (no action starts then: store/space.py).
 - `GET /metrics`: Prometheus text format (see metrics.py).
 
 `Service` wires config, store, engine, runner and metrics together; serve.py starts it and runs it until
@@ -126,6 +128,7 @@ class Service:
         if self.ansible:  # the real playbooks act through Slurm and Kubernetes: wait for them before a retry
             self._settings = steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars)
         self.engine = self._new_engine()
+        self.metrics.degraded.set_function(lambda: float(bool(self.engine.health())))
         self.ingest = GroupCommit(self.store, self._committed)
         self.connections = ConnectionGuard(cfg.listen.max_connections, cfg.listen.header_timeout_s, self.metrics)
         #: Leader election (several replicas on a shared store): None when off (this process always acts).
@@ -434,6 +437,8 @@ class Service:
                 "duplicates": result.duplicates,
                 "resolved": [incident_ref(i) for i in result.resolved],
                 "resolved_unknown": result.resolved_unknown,
+                "already_resolved": result.already_resolved,
+                "stale": result.stale,
                 "rejected": rejected,
             },
             status=202,
@@ -444,6 +449,11 @@ class Service:
         self.metrics.alerts("duplicate", result.duplicates)
         self.metrics.alerts("resolved", len(result.resolved))
         self.metrics.alerts("resolved_unknown", result.resolved_unknown)
+        self.metrics.alerts("already_resolved", result.already_resolved)
+        self.metrics.alerts("stale", result.stale)
+        for a, why in result.not_acted:  # a firing alert already over: no incident, no action
+            facts = {"fingerprint": a.fingerprint, "starts_at": a.starts_at, "node": a.node, "fault_id": a.fault_id}
+            log.warning("webhook: firing alert not acted on", extra={"reason": why, **facts})
         if self.leading:  # a follower only persists: the leader polls the shared store
             self.engine.submit(result.created)
             self.engine.resolved(result.resolved)

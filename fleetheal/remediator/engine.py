@@ -156,6 +156,9 @@ class Engine:
         """Resume unfinished incidents, then start the workers and the gate's tick."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        problem = self.store.room_problem()  # makes the reserve for outcomes (store/space.py) where it is missing
+        if problem is not None:
+            log.warning("no action starts until space is freed", extra={"reason": problem})
         resumed = [inc.id for inc in self.store.unfinished() if inc.hold_reason is None]
         if resumed:
             log.info("resuming unfinished incidents", extra={"count": len(resumed)})
@@ -226,6 +229,9 @@ class Engine:
     def health(self) -> list[str]:
         """Why incidents are not moving, if they are not (empty when healthy): /healthz says degraded."""
         why = []
+        disk = self.store.room_problem()  # a full disk: no action starts (store/space.py)
+        if disk is not None:
+            why.append(disk)
         alive = sum(1 for t in self._tasks if t.get_name().startswith("engine-worker") and not t.done())
         if self._tasks and alive < self._workers and not self._stopping:
             why.append(f"{self._workers - alive} of {self._workers} workers have stopped")

@@ -118,6 +118,12 @@ class Metrics:
             "1 while this replica acts (the leader, or the only instance), 0 while it follows.",
             registry=r,
         )
+        self.degraded = Gauge(
+            f"{NS}_degraded",
+            "1 while incidents are not moving (the engine's workers stopped, database errors, a queue nobody "
+            "takes): /healthz says degraded and the pod is unready (alert FleethealRemediatorDegraded).",
+            registry=r,
+        )
         self.webhook_requests = Counter(
             f"{NS}_webhook_requests_total", "Webhook requests by HTTP status code.", ["code"], registry=r
         )
@@ -129,7 +135,8 @@ class Metrics:
         )
         self.alerts_total = Counter(
             f"{NS}_alerts_total",
-            "Alerts in webhook payloads by result: accepted, duplicate, rejected, resolved, resolved_unknown.",
+            "Alerts in webhook payloads by result: accepted, duplicate, rejected, resolved, resolved_unknown, "
+            "already_resolved (firing after its own resolution), stale (firing with an endsAt past).",
             ["result"],
             registry=r,
         )

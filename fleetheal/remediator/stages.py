@@ -50,7 +50,7 @@ from fleetheal.remediator.metrics import Metrics
 from fleetheal.remediator.responder import FirstResponder
 from fleetheal.remediator.rundirs import kill_leftovers, process_start_time
 from fleetheal.remediator.runner import Run, RunnerEvent, RunnerInputError, StepOutcome, StepRequest, run_dir_for
-from fleetheal.remediator.store import TERMINAL, Incident, NotLeader, Step, Store, StoreError
+from fleetheal.remediator.store import TERMINAL, DiskFull, Incident, NotLeader, Step, Store, StoreError
 
 log = logging.getLogger("fleetheal.remediator.engine")
 
@@ -132,6 +132,8 @@ class Stages:
                 if not self._gate(inc):
                     return False  # held
             elif inc.state == "gated":
+                # No action starts whose outcome could not be recorded (a full disk: DiskFull, retried later).
+                self.store.ensure_room()
                 # The node takes the action's lifecycle state before the action starts (again on resume:
                 # the transition is idempotent), never after.
                 self._lifecycle_hook("allowed", inc)
@@ -207,6 +209,7 @@ class Stages:
             try:
                 # Not yet lost in Slurm's eyes: nothing is recorded; the held incident's next look asks again.
                 if await asyncio.get_running_loop().run_in_executor(self._failover_pool, stage.node_lost, inc.node):
+                    self.store.ensure_room()
                     await self._run_failover(inc, lambda: stage.while_held(inc.node, dry_run=dry))
             except StoreError as exc:
                 log.warning("failover: database error; tried again when the incident is looked at", extra={
@@ -238,18 +241,20 @@ class Stages:
 
         def record(result: Any) -> None:
             results.append(result.outcome)
-            self.store.add_event(inc.id, "first_step", f"{result.step} {result.outcome}: {result.detail}", sid)
+            self._add_event(inc, "first_step", f"{result.step} {result.outcome}: {result.detail}", sid)
 
         try:
             await self.responder.respond(inc, record)
         except Exception as exc:
             log.warning("first response failed; the playbook takes over", extra={"incident": inc.ref})
             record_detail = f"{type(exc).__name__}: {str(exc)[:300]}"
-            self.store.end_step(sid, "failed", f"first response failed, left to the playbook: {record_detail}")
+            self.store.end_step(
+                sid, "failed", f"first response failed, left to the playbook: {record_detail}", reserve=True
+            )
             self._observe_step(FIRST_STEP, inc.action, "failed", self.clock() - started)
             return
         result = "failed" if "failed" in results else "ok"
-        self.store.end_step(sid, result, f"{len(results)} steps: {', '.join(results)}")
+        self.store.end_step(sid, result, f"{len(results)} steps: {', '.join(results)}", reserve=True)
         self._observe_step(FIRST_STEP, inc.action, result, self.clock() - started)
 
     async def _fail_over(self, inc: Incident) -> None:
@@ -280,18 +285,18 @@ class Stages:
             decisions = await asyncio.get_running_loop().run_in_executor(self._failover_pool, work)
         except Exception as exc:  # Slurm did not answer: recorded; the playbook and the gate go on
             detail = f"failover failed: {type(exc).__name__}: {str(exc)[:300]}"
-            self.store.end_step(sid, "failed", detail)
+            self.store.end_step(sid, "failed", detail, reserve=True)
             self._observe_step(FAILOVER_STEP, inc.action, "failed", self.clock() - started)
             return
         for d in decisions:
             where = f" to {d.target}" if d.target else ""
-            self.store.add_event(inc.id, "failover", f"job {d.job_id} {d.action}{where}: {d.reason}", sid)
+            self._add_event(inc, "failover", f"job {d.job_id} {d.action}{where}: {d.reason}", sid)
             if self.metrics is not None:
                 self.metrics.failovers.labels(d.action).inc()
         actions = {d.action for d in decisions}
         result = next((a for a in ("moved", "would-move", "noop", "refused", "failed") if a in actions), "none")
         summary = "; ".join(f"{d.job_id} {d.action}" + (f" to {d.target}" if d.target else "") for d in decisions)
-        self.store.end_step(sid, result, summary or "no job to move")
+        self.store.end_step(sid, result, summary or "no job to move", reserve=True)
         self._observe_step(FAILOVER_STEP, inc.action, result, self.clock() - started)
 
     async def _act(self, inc: Incident) -> None:
@@ -301,7 +306,7 @@ class Stages:
                 await self._interrupted(s)
         attempts = [s for s in self.store.steps(inc.id) if s.name == PLAYBOOK_STEP]
         if any(s.result == "successful" for s in attempts):
-            self.store.set_state(inc.id, "done", outcome=self._outcome(inc, "successful"))
+            self.store.set_state(inc.id, "done", outcome=self._outcome(inc, "successful"), reserve=True)
             self._finished(inc, "done")
             return
         failures = sum(1 for s in attempts if s.result not in ("interrupted", "successful"))
@@ -310,7 +315,7 @@ class Stages:
             why = "retries exhausted" if failures > self.cfg.runner.retries else "interrupted too often"
             last = attempts[-1].detail.strip() if attempts else ""
             outcome = f"playbook failed: {why} after {len(attempts)} attempts" + (f" (last: {last[:300]})" * bool(last))
-            self.store.set_state(inc.id, "failed", outcome=outcome)
+            self.store.set_state(inc.id, "failed", outcome=outcome, reserve=True)
             self._finished(inc, "failed")
             return
         if failures:
@@ -356,8 +361,12 @@ class Stages:
         detail = "interrupted (remediator stopped during the run); leftover processes killed"
         if left:
             detail += f", still alive: {left}"
-        self.store.end_step(step.id, "interrupted", detail)
-        self.store.add_event(step.incident_id, "interrupted", detail, step.id)
+        self.store.end_step(step.id, "interrupted", detail, reserve=True)
+        try:
+            self.store.add_event(step.incident_id, "interrupted", detail, step.id)
+        except DiskFull as exc:  # the step's end says it; the next attempt waits for room (_check_lead)
+            log.warning("disk full: the interruption's event is not recorded", extra={
+                "incident": step.incident_id, "error": str(exc)[:200]})  # fmt: skip
 
     async def _run_attempt(self, inc: Incident, attempt: int) -> None:
         playbook = self.taxonomy.actions[inc.action].playbook
@@ -390,19 +399,24 @@ class Stages:
         first_start: list[float] = []
 
         def on_event(event: RunnerEvent) -> None:
-            if event.kind == "process" and event.pid is not None:
-                self.store.set_step_process(step_id, event.pid, process_start_time(event.pid))
             if event.kind == "playbook_start" and not first_start:
                 first_start.append(self.clock())
                 if self.metrics is not None:
                     self.metrics.playbook_started(inc, first_start[0])
-            self.store.add_event(inc.id, event.kind, event.detail, step_id)
+            try:
+                if event.kind == "process" and event.pid is not None:
+                    self.store.set_step_process(step_id, event.pid, process_start_time(event.pid))
+                self.store.add_event(inc.id, event.kind, event.detail, step_id)
+            except DiskFull as exc:
+                # The run goes on and its outcome is recorded (the reserve); failing here would lose the outcome
+                # and run the playbook again. Its processes are still found by its run directory.
+                self._event_lost(inc, event.kind, exc)
 
         try:
             outcome = await self._play((request, on_event))
         except RunnerInputError as exc:
             detail = f"{playbook}: refused to run: {exc}"
-            self.store.end_step(step_id, "error", detail, (inc.id, "failed", {"outcome": detail}))
+            self.store.end_step(step_id, "error", detail, (inc.id, "failed", {"outcome": detail}), reserve=True)
             self._observe_step(PLAYBOOK_STEP, inc.action, "error", self.clock() - started)
             self._finished(inc, "failed")
             return
@@ -412,17 +426,23 @@ class Stages:
             log.exception("playbook run raised", extra={"incident": inc.ref})
             outcome = StepOutcome("error", None, f"runner error: {type(exc).__name__}: {str(exc)[:200]}")
         if outcome.status == "canceled" and self._canceled():
-            self.store.end_step(step_id, "interrupted", f"{playbook}: canceled at shutdown; resumed at the next start")
+            self.store.end_step(
+                step_id, "interrupted", f"{playbook}: canceled at shutdown; resumed at the next start", reserve=True
+            )
             return
         self._observe_step(PLAYBOOK_STEP, inc.action, outcome.status, self.clock() - started)
         detail = f"{playbook}: {outcome.detail}"
         if outcome.ok:
             self.store.end_step(
-                step_id, "successful", detail, (inc.id, "done", {"outcome": self._outcome(inc, "successful")})
+                step_id,
+                "successful",
+                detail,
+                (inc.id, "done", {"outcome": self._outcome(inc, "successful")}),
+                reserve=True,
             )
             self._finished(inc, "done")
         else:
-            self.store.end_step(step_id, outcome.status, detail)
+            self.store.end_step(step_id, outcome.status, detail, reserve=True)
 
     def _outcome(self, inc: Incident, status: str) -> str:
         fresh = self.store.get(inc.id) or inc
@@ -470,9 +490,25 @@ class Stages:
 
     def _check_lead(self) -> None:
         """Before an action starts: NotLeader unless this replica's lease is fresh (the store's fencing
-        epoch then refuses any write that comes later still)."""
+        epoch then refuses any write that comes later still); DiskFull unless its outcome can be recorded
+        (store/space.py: the incident waits, retried later, and /healthz says why)."""
         if not self._may_act():
             raise NotLeader("this replica's lease is not fresh: no action starts")
+        self.store.ensure_room()
+
+    def _add_event(self, inc: Incident, kind: str, detail: str, step_id: int) -> None:
+        """An event of an action in progress; on a full disk it is logged instead, and the action goes on."""
+        try:
+            self.store.add_event(inc.id, kind, detail, step_id)
+        except DiskFull as exc:
+            self._event_lost(inc, kind, exc)
+
+    @staticmethod
+    def _event_lost(inc: Incident, kind: str, exc: DiskFull) -> None:
+        log.warning(
+            "disk full: an event of an action in progress is not recorded",
+            extra={"incident": inc.ref, "kind": kind, "error": str(exc)[:200]},
+        )
 
     def _since(self, step_id: int) -> float:
         step = self.store.step(step_id)

@@ -75,6 +75,8 @@ def test_a_valid_alert_is_persisted_then_202_then_acted_on(cfg):
             "duplicates": 0,
             "resolved": [],
             "resolved_unknown": 0,
+            "already_resolved": 0,
+            "stale": 0,
             "rejected": [],
         }
         # Persisted before the answer: another connection to the database sees it.
@@ -392,6 +394,8 @@ def test_a_brief_database_write_failure_delays_incidents_and_never_stops_the_wor
         assert health.status == 503 and doc["status"] == "degraded", doc
         assert "waiting to retry after database errors" in doc["degraded"][0]
         assert "readonly database" in doc["degraded"][0]
+        text = await (await client.get("/metrics")).text()
+        assert "\nfleetheal_remediator_degraded 1.0\n" in text  # alert FleethealRemediatorDegraded
         service.store._db.execute("PRAGMA query_only = OFF")
         await service.engine.wait_idle(timeout=30)
         states = {service.store.get(i).state for i in created}
@@ -400,6 +404,7 @@ def test_a_brief_database_write_failure_delays_incidents_and_never_stops_the_wor
         assert health.status == 200 and (await health.json())["degraded"] == []
         text = await (await client.get("/metrics")).text()
         assert "fleetheal_remediator_engine_errors_total" in text
+        assert "\nfleetheal_remediator_degraded 0.0\n" in text
 
     with_client(cfg, scenario, runner)
 

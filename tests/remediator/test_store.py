@@ -798,3 +798,56 @@ def test_a_database_from_a_newer_version_is_refused_and_left_unchanged(backend, 
         db = sqlite3.connect(where)
         assert db.execute("SELECT id, state FROM incidents").fetchall() == [(iid, "received")]
         db.close()
+
+
+# --- resolutions that arrive before their firing alert (issue 46) ------------------------------------
+
+
+def test_early_resolutions_are_remembered_a_day_and_at_most_early_resolution_max(open_store, cfg, monkeypatch):
+    from fleetheal.remediator.store import incidents as incmod
+
+    monkeypatch.setattr(incmod, "EARLY_RESOLUTION_MAX", 3)
+    clock = Clock(start=1_797_000_000.0)  # after the fixtures' endsAt: every resolution's end is past
+    store = open_store(clock)
+    assert store.ingest([v(cfg, status="resolved", node="gpu-000")]).resolved_unknown == 1
+    assert store.early_resolutions() == 1
+    clock.now += incmod.EARLY_RESOLUTION_KEEP_S + 1
+    store.ingest([v(cfg, status="resolved", node="gpu-001")])
+    assert store.early_resolutions() == 1  # gpu-000's is forgotten after a day...
+    assert len(store.ingest([v(cfg, node="gpu-000")]).created) == 1  # ...and its firing alert then acts
+    for node in ("gpu-002", "gpu-003", "gpu-004", "gpu-005"):
+        store.ingest([v(cfg, status="resolved", node=node)])
+    assert store.early_resolutions() == 3  # the oldest go first
+    assert len(store.ingest([v(cfg, node="gpu-001")]).created) == 1
+    result = store.ingest([v(cfg, node="gpu-005"), v(cfg, node="gpu-003")])
+    assert (result.created, result.already_resolved, result.duplicates) == ([], 2, 0)
+    assert [a.node for a, _ in result.not_acted] == ["gpu-005", "gpu-003"]
+
+
+def test_a_version_1_database_is_upgraded_with_the_table_of_early_resolutions(backend, cfg):
+    from fleetheal.remediator.store.db import Tx, _Postgres
+    from fleetheal.remediator.store.schema import MIGRATIONS
+
+    kind, where = backend
+    if kind == "sqlite":  # as the code of version 1 left it
+        conn = sqlite3.connect(where, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("BEGIN")
+        MIGRATIONS[0](Tx(conn), kind)
+        conn.execute("PRAGMA user_version = 1")
+        conn.execute("COMMIT")
+        conn.close()
+    else:
+        pg = _Postgres(where)
+        MIGRATIONS[0](Tx(pg), kind)
+        pg.execute("CREATE TABLE schema_version (id BIGINT PRIMARY KEY CHECK (id = 1), version BIGINT NOT NULL)")
+        pg.execute("INSERT INTO schema_version (id, version) VALUES (1, 1)")
+        pg.close()
+    assert _version(kind, where) == 1
+    store = _open(kind, where)
+    try:
+        assert _version(kind, where) == VERSION == 2
+        assert store.ingest([v(cfg, status="resolved")]).resolved_unknown == 1
+        assert store.ingest([v(cfg)]).already_resolved == 1 and store.incidents() == []
+    finally:
+        store.close()

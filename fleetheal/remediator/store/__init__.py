@@ -12,7 +12,9 @@ One module per concern, all on one connection and one transaction discipline (db
 - incidents.py: incidents, steps, events (the state machine's records);
 - ledger.py: the gate's ledger (isolations, storm arrivals, job requeues) and its final decisions;
 - nodes.py: node lifecycles and the follow-up incidents they start;
-- audit.py, kv.py: the audit log; named values (the circuit breaker).
+- audit.py, kv.py: the audit log; named values (the circuit breaker);
+- space.py: room on SQLite's disk: no action starts whose outcome could not be recorded, and a reserve
+  that makes room for the outcome of one that did.
 
 A commit whose answer was lost is ambiguous: the engine then finds an attempt with no end and records it
 as interrupted, so a playbook never starts twice for one step.
@@ -20,7 +22,7 @@ as interrupted, so a playbook never starts twice for one step.
 
 from __future__ import annotations
 
-from fleetheal.remediator.store.db import PG_CONNECT_ARGS, NotLeader, SchemaError, StoreError
+from fleetheal.remediator.store.db import PG_CONNECT_ARGS, DiskFull, NotLeader, SchemaError, StoreError
 from fleetheal.remediator.store.incidents import (
     STATES,
     TERMINAL,
@@ -40,6 +42,7 @@ __all__ = [
     "PG_CONNECT_ARGS",
     "STATES",
     "TERMINAL",
+    "DiskFull",
     "Event",
     "FollowUp",
     "Incident",

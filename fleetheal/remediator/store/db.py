@@ -12,20 +12,26 @@ that lost the lease while cut off (from the API server or the database) can ther
 again, whatever its clocks say: its transaction fails with `NotLeader`.
 
 Every database error leaves as `StoreError` (retry later); a broken PostgreSQL connection is opened again
-at the next call.
+at the next call. A full disk is `DiskFull`; with SQLite, `room` (space.py) keeps a reserve so that the outcome
+of an action that started is still written (`write(..., reserve=True)`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from fleetheal.remediator.store.schema import MIGRATIONS, VERSION
+from fleetheal.remediator.store.space import Room
+
+log = logging.getLogger("fleetheal.remediator.store")
+T = TypeVar("T")
 
 #: A row: column name -> value (the same Python types from either backend).
 Row = dict[str, Any]
@@ -67,6 +73,26 @@ class NotLeader(StoreError):
 
 class SchemaError(StoreError):
     """The database's schema is newer than this code knows; it was left unchanged. Retrying will not help."""
+
+
+class DiskFull(StoreError):
+    """The database's disk is full (or too full for an action to start, space.py); nothing was written.
+    Retry once space was freed."""
+
+
+#: PostgreSQL's SQLSTATE disk_full.
+_PG_DISK_FULL = "53100"
+
+
+def store_error(exc: BaseException) -> StoreError:
+    """The StoreError of a database error: DiskFull when the disk is full (SQLite's SQLITE_FULL, also when its
+    shared-memory file cannot grow; PostgreSQL's disk_full)."""
+    text = f"{type(exc).__name__}: {exc}"
+    code = getattr(exc, "sqlite_errorcode", None)
+    full = isinstance(code, int) and (code & 0xFF == sqlite3.SQLITE_FULL or code == sqlite3.SQLITE_IOERR_SHMSIZE)
+    if full or getattr(exc, "sqlstate", None) == _PG_DISK_FULL:
+        return DiskFull(text)
+    return StoreError(text)
 
 
 class _Postgres:
@@ -189,6 +215,9 @@ class Database:
         #: n > 0: the leader of epoch n (take_leadership).
         self.epoch: int | None = None
         self._ingest_sync = synchronous.upper()
+        #: SQLite: the free space of its disk and the reserve for outcomes (space.py); None for PostgreSQL.
+        self.room: Room | None = None
+        self._writing_outcome = False  # a write(reserve=True) is in progress (it holds the lock)
         self._pg: _Postgres | None = None
         self._errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
         if url is not None:
@@ -202,7 +231,8 @@ class Database:
         try:
             self._open_sqlite(path)
         except sqlite3.Error as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+            raise store_error(exc) from exc
+        self.room = Room(path)
 
     def _open_sqlite(self, path: str) -> None:
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
@@ -262,6 +292,11 @@ class Database:
                 finally:
                     self._depth -= 1
                 return
+            if self.room is not None and not self._writing_outcome and self.room.exhausted():
+                raise DiskFull(
+                    "disk full: the reserve was used to record the outcome of an action; until space is freed "
+                    "only outcomes are written"
+                )
             try:
                 if self._pg is not None:
                     db.execute("BEGIN")
@@ -271,7 +306,7 @@ class Database:
             except self._errors as exc:
                 with contextlib.suppress(*self._errors):  # a live connection must not stay in the transaction
                     db.execute("ROLLBACK")
-                raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+                raise store_error(exc) from exc
             self._depth = 1
             try:
                 if fenced and self.epoch is not None:
@@ -287,17 +322,53 @@ class Database:
                 with contextlib.suppress(*self._errors):
                     db.execute("ROLLBACK")
                 if isinstance(exc, self._errors):
-                    raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+                    raise store_error(exc) from exc
                 raise
             finally:
                 self._depth = 0
+
+    def write(self, work: Callable[[Tx], T], *, reserve: bool = False) -> T:
+        """`work` in a write transaction (`tx`). `reserve`: it records the outcome of an action that started;
+        when the disk is full, the reserve is given up to make room for it and it is tried once more
+        (space.py), so that the action is never taken for an interrupted one and run again."""
+        with self._lock:
+            if not reserve or self._depth:  # inside another transaction: that one commits it, or fails
+                with self.tx() as db:
+                    return work(db)
+            self._writing_outcome = True
+            try:
+                try:
+                    with self.tx() as db:
+                        return work(db)
+                except DiskFull as exc:
+                    if self.room is None or not self.room.release():
+                        raise
+                    log.warning(
+                        "disk full: the reserve was given up to record an outcome; no action starts until space "
+                        "is freed",
+                        extra={"error": str(exc)[:200], "reserve": self.room.reserve_path},
+                    )
+                with self.tx() as db:
+                    return work(db)
+            finally:
+                self._writing_outcome = False
+
+    def room_problem(self) -> str | None:
+        """Why no action may start for lack of disk space (None: it may; always None for PostgreSQL)."""
+        return None if self.room is None else self.room.problem()
+
+    def ensure_room(self) -> None:
+        """Before an action starts: DiskFull unless its outcome can be recorded (space.py)."""
+        problem = self.room_problem()
+        if problem is not None:
+            raise DiskFull(problem)
 
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
         with self._lock:
             try:
                 return _rows(self._db.execute(sql, args))
             except self._errors as exc:
-                raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+                raise store_error(exc) from exc
 
     def _one(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
         rows = self._query(sql, args)
@@ -323,7 +394,7 @@ class Database:
             try:
                 probe.execute("SELECT 1 AS ok").fetchall()
             except probe.errors as exc:
-                raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+                raise store_error(exc) from exc
 
         return check
 

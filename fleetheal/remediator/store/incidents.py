@@ -3,11 +3,22 @@
 The same alert twice (fingerprint and start time) is one incident (a UNIQUE constraint, not a check in
 Python). Ingesting alerts is the one write any replica makes (followers persist webhooks and answer 202);
 every other write here is fenced (db.py).
+
+A firing alert does not become an incident (issue 46) when it is already over:
+
+- its own resolution came first: Alertmanager retries and reorders deliveries (two replicas send each
+  their own), so the resolution of an alert this store does not know yet is remembered (table
+  `early_resolutions`: fingerprint, start, end; kept EARLY_RESOLUTION_KEEP_S, at most EARLY_RESOLUTION_MAX
+  rows), and the firing alert that arrives after it (same fingerprint and start, the resolution's end
+  past) is `already_resolved`;
+- its endsAt is past (`stale`): Alertmanager sends a firing alert with the zero time (it hides an end not
+  reached yet); one whose end is past is a replayed or delayed delivery of an alert that ended.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import operator
 import sqlite3
 from collections.abc import Sequence
@@ -15,11 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetheal.remediator.alerts import Alert, AlertFacts
-from fleetheal.remediator.store.db import Database, Row, StoreError, Tx
+from fleetheal.remediator.store.db import Database, Row, Tx, store_error
 
 #: Incident states, in order (the state machine of stages.py).
 STATES = ("received", "classified", "gated", "acting", "done", "failed")
 TERMINAL = ("done", "failed")
+#: How long the resolution of an alert not known yet is remembered, waiting for a firing alert it came
+#: before: far longer than Alertmanager retries a notification or than its replicas' deliveries differ.
+EARLY_RESOLUTION_KEEP_S = 24 * 3600.0
+#: At most this many are remembered (the oldest go first).
+EARLY_RESOLUTION_MAX = 10_000
 
 
 def incident_ref(incident_id: int) -> str:
@@ -103,6 +119,12 @@ class IngestResult:
     duplicates: int = 0
     resolved: list[int] = field(default_factory=list)
     resolved_unknown: int = 0
+    #: Firing alerts whose resolution arrived first (their end is past): no incident, no action.
+    already_resolved: int = 0
+    #: Firing alerts whose endsAt is past (a replayed or delayed delivery): no incident, no action.
+    stale: int = 0
+    #: The alerts counted in already_resolved and stale, each with why it does not act (for the log).
+    not_acted: list[tuple[Alert, str]] = field(default_factory=list)
 
 
 def _columns(cls: type[Any], renamed: dict[str, str] | None = None) -> str:
@@ -158,18 +180,15 @@ class Incidents(Database):
                     if durable:
                         self._db.execute("PRAGMA synchronous=NORMAL")
             except sqlite3.Error as exc:
-                raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+                raise store_error(exc) from exc
         return results
 
     def _ingest(self, db: Tx, alerts: Sequence[Alert], now: float) -> IngestResult:
         result = IngestResult()
+        remembered = False
         for a in alerts:
             if a.status == "firing":
-                iid = self._create(db, a, now, f"alert {a.alertname or a.fault_id} firing since {a.starts_at}")
-                if iid is None:
-                    result.duplicates += 1
-                else:
-                    result.created.append(iid)
+                self._ingest_firing(db, a, now, result)
                 continue
             row = db.one(
                 "SELECT id, resolved_at FROM incidents WHERE fingerprint = ? AND starts_at = ?",
@@ -177,19 +196,72 @@ class Incidents(Database):
             )
             if row is None:
                 result.resolved_unknown += 1
+                if a.ends_at_ts is not None:  # its firing alert may still be on its way: remember the end
+                    db.execute(
+                        "INSERT INTO early_resolutions (fingerprint, starts_at, ends_at_ts, received_at) "
+                        "VALUES (?, ?, ?, ?) ON CONFLICT (fingerprint, starts_at) DO UPDATE SET "
+                        "ends_at_ts = excluded.ends_at_ts, received_at = excluded.received_at",
+                        (a.fingerprint, a.starts_at, a.ends_at_ts, now),
+                    )
+                    remembered = True
             elif row["resolved_at"] is None:
-                db.execute(
-                    "UPDATE incidents SET resolved_at = ?, ends_at_ts = ?, updated_at = ? WHERE id = ?",
-                    (now, a.ends_at_ts, now, row["id"]),
-                )
-                db.execute(
-                    "INSERT INTO events (incident_id, ts, kind, detail) VALUES (?, ?, 'resolved', ?)",
-                    (row["id"], now, "alert resolved in Alertmanager"),
-                )
+                self._resolve(db, int(row["id"]), a.ends_at_ts, now, "alert resolved in Alertmanager")
                 result.resolved.append(row["id"])
             else:
                 result.duplicates += 1
+        if remembered:
+            self._prune_early_resolutions(db, now)
         return result
+
+    def _ingest_firing(self, db: Tx, a: Alert, now: float, result: IngestResult) -> None:
+        if a.ends_at_ts is not None and a.ends_at_ts <= now:
+            result.stale += 1
+            result.not_acted.append((a, f"stale: its endsAt {_utc(a.ends_at_ts)} is past"))
+            return
+        early = db.one(
+            "SELECT ends_at_ts FROM early_resolutions WHERE fingerprint = ? AND starts_at = ?",
+            (a.fingerprint, a.starts_at),
+        )
+        if early is not None and early["ends_at_ts"] <= now:
+            result.already_resolved += 1
+            ended = _utc(early["ends_at_ts"])
+            result.not_acted.append((a, f"already resolved: its resolution (ended {ended}) arrived first"))
+            return
+        iid = self._create(db, a, now, f"alert {a.alertname or a.fault_id} firing since {a.starts_at}")
+        if iid is None:
+            result.duplicates += 1
+            return
+        result.created.append(iid)
+        if early is not None:  # resolved with an end still ahead of this clock: as if it came second
+            self._resolve(db, iid, early["ends_at_ts"], now, "alert resolved in Alertmanager (before it was received)")
+            result.resolved.append(iid)
+            db.execute(
+                "DELETE FROM early_resolutions WHERE fingerprint = ? AND starts_at = ?", (a.fingerprint, a.starts_at)
+            )
+
+    @staticmethod
+    def _resolve(db: Tx, iid: int, ends_at_ts: float | None, now: float, detail: str) -> None:
+        db.execute(
+            "UPDATE incidents SET resolved_at = ?, ends_at_ts = ?, updated_at = ? WHERE id = ?",
+            (now, ends_at_ts, now, iid),
+        )
+        db.execute(
+            "INSERT INTO events (incident_id, ts, kind, detail) VALUES (?, ?, 'resolved', ?)", (iid, now, detail)
+        )
+
+    @staticmethod
+    def _prune_early_resolutions(db: Tx, now: float) -> None:
+        """Forget resolutions older than EARLY_RESOLUTION_KEEP_S, and all but the EARLY_RESOLUTION_MAX newest."""
+        db.execute("DELETE FROM early_resolutions WHERE received_at < ?", (now - EARLY_RESOLUTION_KEEP_S,))
+        db.execute(
+            "DELETE FROM early_resolutions WHERE received_at < (SELECT received_at FROM early_resolutions "
+            "ORDER BY received_at DESC LIMIT 1 OFFSET ?)",  # older than the EARLY_RESOLUTION_MAX-th newest
+            (EARLY_RESOLUTION_MAX - 1,),
+        )
+
+    def early_resolutions(self) -> int:
+        """How many resolutions of alerts not known yet are remembered."""
+        return self._count("SELECT count(*) AS n FROM early_resolutions")
 
     def _create(
         self,
@@ -242,16 +314,17 @@ class Incidents(Database):
         )
         return [_incident(r) for r in rows]
 
-    def set_state(self, incident_id: int, state: str, **fields: Any) -> None:
-        """Move an incident to `state`, updating the named columns in the same transaction."""
+    def set_state(self, incident_id: int, state: str, *, reserve: bool = False, **fields: Any) -> None:
+        """Move an incident to `state`, updating the named columns in the same transaction. `reserve`: this
+        records the outcome of an action; a full disk gives up the reserve for it (db.Database.write)."""
         if state not in STATES:
             raise ValueError(f"unknown state {state!r}")
         allowed = {"decision", "hold_reason", "outcome", "run_job_id", "dry_run"}
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"cannot set {sorted(bad)}")
-        with self.tx() as db:
-            self._move(db, incident_id, state, fields, self.clock())
+        now = self.clock()
+        self.write(lambda db: self._move(db, incident_id, state, fields, now), reserve=reserve)
 
     @staticmethod
     def _move(db: Tx, incident_id: int, state: str, fields: dict[str, Any], now: float) -> None:
@@ -350,10 +423,15 @@ class Incidents(Database):
         result: str,
         detail: str | None = None,
         incident_state: tuple[int, str, dict[str, Any]] | None = None,
+        *,
+        reserve: bool = False,
     ) -> None:
-        """End a step; with `incident_state` (id, state, fields) the incident moves in the same transaction."""
+        """End a step; with `incident_state` (id, state, fields) the incident moves in the same transaction.
+        `reserve`: the step is an action (a playbook attempt, a first response, a failover) and this its
+        outcome; a full disk gives up the reserve for it (db.Database.write)."""
         now = self.clock()
-        with self.tx() as db:
+
+        def work(db: Tx) -> None:
             if detail is None:
                 db.execute("UPDATE steps SET ended_at = ?, result = ? WHERE id = ?", (now, result, step_id))
             else:
@@ -363,6 +441,8 @@ class Incidents(Database):
             if incident_state is not None:
                 iid, state, fields = incident_state
                 self._move(db, iid, state, fields, now)
+
+        self.write(work, reserve=reserve)
 
     def set_step_process(self, step_id: int, pid: int, pid_start: int | None, run_dir: str | None = None) -> None:
         with self.tx() as db:
@@ -393,3 +473,7 @@ class Incidents(Database):
     def events(self, incident_id: int) -> list[Event]:
         rows = self._query(f"SELECT {_EVENT} FROM events WHERE incident_id = ? ORDER BY id", (incident_id,))  # noqa: S608 - constant columns, bound values
         return [Event(**r) for r in rows]
+
+
+def _utc(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

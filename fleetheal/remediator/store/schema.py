@@ -166,6 +166,25 @@ def _v1_baseline(db: Tx, backend: str) -> None:
         db.execute("ALTER TABLE incidents ADD COLUMN parent_id INTEGER")
 
 
+def _v2_early_resolutions(db: Tx, backend: str) -> None:
+    """Version 2: resolutions of alerts not known yet, remembered for the firing alert they came before
+    (incidents.py; issue 46)."""
+    for stmt in statements(
+        """
+CREATE TABLE IF NOT EXISTS early_resolutions (
+    fingerprint  TEXT NOT NULL,
+    starts_at    TEXT NOT NULL,
+    ends_at_ts   REAL NOT NULL,
+    received_at  REAL NOT NULL,
+    PRIMARY KEY (fingerprint, starts_at)
+);
+CREATE INDEX IF NOT EXISTS early_resolutions_received ON early_resolutions(received_at);
+""",
+        backend,
+    ):
+        db.execute(stmt)
+
+
 #: Step n brings a database from version n - 1 to n. Append only.
-MIGRATIONS: tuple[Callable[[Tx, str], None], ...] = (_v1_baseline,)
+MIGRATIONS: tuple[Callable[[Tx, str], None], ...] = (_v1_baseline, _v2_early_resolutions)
 VERSION = len(MIGRATIONS)
