@@ -14,6 +14,10 @@ from collections.abc import Mapping
 from fleetheal.fleet.config import FleetConfig
 from fleetheal.fleet.queue_policy import (
     HEAD_FIELDS,
+    MAX_DURATION_S,
+    MAX_JOB_GPUS,
+    MAX_POOL_GPUS,
+    MAX_SUBMIT_S,
     Load,
     TraceError,
     decide,
@@ -86,8 +90,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="replay a job trace under fifo, EASY backfill and lending+aging",
         description="Compare fifo, EASY backfill and lending+aging on one trace and pool (docs/queues.md).",
     )
-    r.add_argument("trace", metavar="TRACE")
-    r.add_argument("--clusters", required=True, metavar="N:GPUS[,...]", help="nodes:GPUs per node, e.g. 4:8,8:8")
+    r.add_argument(
+        "trace",
+        metavar="TRACE",
+        help=f"the job trace; submit times above {MAX_SUBMIT_S:.0f} s, run times above {MAX_DURATION_S:.0f} s "
+        f"(10 years) or more than {MAX_JOB_GPUS} GPUs for one job are errors",
+    )
+    r.add_argument(
+        "--clusters",
+        required=True,
+        metavar="N:GPUS[,...]",
+        help=f"nodes:GPUs per node, e.g. 4:8,8:8 (at most {MAX_POOL_GPUS} GPUs a pool)",
+    )
     r.add_argument("--format", choices=("csv", "sacct"), default="csv")
     r.add_argument("--fleet", metavar="FILE", help="fleet file for the Queues thresholds (default: built-in)")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -108,12 +122,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _replay_cmd(args: argparse.Namespace) -> int:
     from fleetheal.errors import UsageError
     from fleetheal.fleet import config
+    from fleetheal.settings import ConfigError
 
     try:
         sizes = parse_clusters(args.clusters)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    fleet = config.load(args.fleet) if args.fleet else config.FleetConfig()
+    try:
+        fleet = config.load(args.fleet) if args.fleet else config.FleetConfig()
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     cfg, small_max = fleet.queues, fleet.placement.small_job_max_gpus
     try:
         with open(args.trace, encoding="utf-8") as fh:
@@ -123,9 +141,12 @@ def _replay_cmd(args: argparse.Namespace) -> int:
     except TraceError as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
     out = []
-    for nodes, gpn in sizes:
-        for r in replay(jobs, nodes * gpn, cfg, small_max):
-            out.append({"cluster": f"{nodes}:{gpn}", **r})
+    try:
+        for nodes, gpn in sizes:
+            for r in replay(jobs, nodes * gpn, cfg, small_max):
+                out.append({"cluster": f"{nodes}:{gpn}", **r})
+    except ValueError as exc:  # the fleet file's queue weights, which `simulate` checks
+        raise UsageError(f"{fleet.source or 'built-in defaults'}: {exc}") from None
     if args.json:
         print(json.dumps(out, indent=2))
     else:
