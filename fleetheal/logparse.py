@@ -8,6 +8,11 @@ must be cheap), the line's whitespace is normalised, and the first candidate who
 pattern is searched alternative by alternative, each only on a line that holds one of the literal strings its every
 match holds (`anchors`, derived from it): the same verdict, at a fraction of the regular expressions' cost.
 A line that announces trouble no rule knows is reported as the `unknown` fault, with the line.
+
+The patterns are Python regular expressions (`re` must compile them), matched by the `regex` module, which can stop
+a search: a pattern that backtracks without end on some line (`(a|aa)+b` on a line of a's), which an operator's rules
+file can hold and a local user can feed (a file name in a segfault record, a job's output), gives up on that line
+after MATCH_TIMEOUT and the line is reported as the `unknown` fault with that rule's id; the next line is read.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ import re._constants as sre_constants  # type: ignore[import-not-found]  # the r
 import re._parser as sre_parse  # type: ignore[import-not-found]
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import reduce
+from functools import lru_cache, reduce
 from importlib import resources
 from operator import itemgetter, or_
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import ahocorasick
+import regex
 import yaml
 
 from fleetheal.contracts import OWN_LOG_LINE
@@ -48,6 +54,18 @@ _CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
 _NVLINK5_REGS = re.compile(r"\((0x[0-9A-Fa-f]{1,8}) (0x[0-9A-Fa-f]{1,8})")
 _NVLINK5_SEV = re.compile(r"\b(Non-fatal|Nonfatal|Fatal)\b", re.IGNORECASE)
 _RECOVERY = re.compile(r"recovery action changed from \S+ \([^)]*\) to \S+ \((?P<to>[^)]*)\)", re.IGNORECASE)
+#: Seconds of CPU one pattern of a rule (or one of its `gpu` patterns or `fault.cases`) may spend searching one line:
+#: the shipped rules take microseconds on a real line, milliseconds on 4 KiB of words (a job's longest line judged).
+#: `regex` counts the process's CPU time (clock()), so a thread descheduled on a busy host is not cut short, and a
+#: search that backtracks without end still ends.
+MATCH_TIMEOUT = 0.1
+#: Most copies of its parts that a pattern's required repetitions may multiply out to: `regex` compiles them written
+#: out (`(?:a{1000}){1000}` takes it seconds and hundreds of MB, `re` a millisecond), so the rules would take that long
+#: to load. The shipped rules need a few hundred.
+MAX_UNROLLED = 10_000
+#: Flags that `re` and `regex` spell with the same bits (anchors() reads a pattern with `re`'s parser).
+_RE_FLAGS = re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
 
 
 class LogRulesError(TaxonomyError):
@@ -88,16 +106,16 @@ class Rule:
     log: str
     description: str
     keywords: tuple[str, ...]
-    pattern: re.Pattern[str]
+    pattern: regex.Pattern[str]
     #: A taxonomy fault id, NONE, FROM_XID, or (group, ((compiled case, fault id), ...)).
-    fault: str | tuple[str, tuple[tuple[re.Pattern[str], str], ...]]
-    gpu: tuple[re.Pattern[str], ...] = ()
+    fault: str | tuple[str, tuple[tuple[regex.Pattern[str], str], ...]]
+    gpu: tuple[regex.Pattern[str], ...] = ()
     #: Why the line alone justifies a destructive action (required of a rule that can raise one).
     evidence: str = ""
     #: The pattern's top-level alternatives, each compiled alone with the literal strings one of which its every
     #: match holds (`anchors`; empty: always tried). A line is searched only with the alternatives whose anchors
     #: it holds: the verdict of the whole pattern, at a fraction of the cost.
-    alternatives: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = ()
+    alternatives: tuple[tuple[tuple[str, ...], regex.Pattern[str]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.alternatives:  # a rule without them would never match: compile_rules always gives them
@@ -159,12 +177,13 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
         alternatives = raw_pattern if isinstance(raw_pattern, list) else [raw_pattern]
         if any(isinstance(a, str) and a.startswith("^") for a in alternatives):
             raise LogRulesError(f"{where}: 'pattern' must not anchor to the line start (log prefixes vary)")
-        pattern = _compile(raw_pattern, macros, f"{where}: 'pattern'")
-        pieces = _alternatives_of(raw_pattern, pattern, macros)
+        checked = _compile(raw_pattern, macros, f"{where}: 'pattern'")
+        pattern = _matcher(checked, f"{where}: 'pattern'")
+        pieces = _alternatives_of(raw_pattern, checked, pattern, macros, f"{where}: 'pattern'")
         gpu = entry.get("gpu", [])
         if not isinstance(gpu, list):
             raise LogRulesError(f"{where}: 'gpu' must be a list of patterns")
-        gpu_patterns = tuple(_compile(g, macros, f"{where}: 'gpu'") for g in gpu)
+        gpu_patterns = tuple(_matcher(_compile(g, macros, f"{where}: 'gpu'"), f"{where}: 'gpu'") for g in gpu)
         for g in gpu_patterns:
             if "gpu" not in g.groupindex:
                 raise LogRulesError(f"{where}: 'gpu' pattern {g.pattern!r} has no group named 'gpu'")
@@ -200,14 +219,14 @@ _MAX_ALTERNATIVES = 256
 _Alternatives = list[list[str | None]]
 
 
-def anchors(pattern: re.Pattern[str]) -> tuple[str, ...]:
+def anchors(pattern: re.Pattern[str] | regex.Pattern[str]) -> tuple[str, ...]:
     """Literal strings one of which every match of `pattern` contains (the longest literal run of each top-level
     alternative), or () when some alternative has no run of _MIN_ANCHOR characters. A cheap `in` test on them
     skips the regular expression on the many candidate lines a rule's keywords select but its pattern misses."""
     if pattern.flags & re.IGNORECASE:
         return ()
     try:
-        alternatives = _sequence(list(sre_parse.parse(pattern.pattern, pattern.flags)))
+        alternatives = _sequence(list(sre_parse.parse(pattern.pattern, pattern.flags & _RE_FLAGS)))
     except (re.error, _TooMany):
         return ()
     found: list[str] = []
@@ -221,11 +240,12 @@ def anchors(pattern: re.Pattern[str]) -> tuple[str, ...]:
 
 
 def _alternatives_of(
-    raw: Any, whole: re.Pattern[str], macros: Mapping[str, str]
-) -> tuple[tuple[tuple[str, ...], re.Pattern[str]], ...]:
+    raw: Any, checked: re.Pattern[str], whole: regex.Pattern[str], macros: Mapping[str, str], where: str
+) -> tuple[tuple[tuple[str, ...], regex.Pattern[str]], ...]:
     """The top-level alternatives of a rule's pattern (its list items, each split at its top-level `|`), compiled
-    alone with their anchors; the whole pattern alone where it carries flags of its own."""
-    if whole.flags & ~re.UNICODE:
+    alone with their anchors; the whole pattern alone where it carries flags of its own. `checked`: the whole as `re`
+    compiled it (_checked; each alternative is a part of it, so within its bounds), `whole`: as the matcher did."""
+    if checked.flags & ~re.UNICODE:
         return (((), whole),)
     texts = raw if isinstance(raw, list) else [raw]
     expanded = [_MACRO.sub(lambda m: macros[m.group(1)], t) for t in texts]
@@ -233,8 +253,8 @@ def _alternatives_of(
     try:
         compiled = [re.compile(piece) for piece in pieces]
     except re.error:
-        return ((anchors(whole), whole),)
-    return tuple((anchors(rx), rx) for rx in compiled)
+        return ((anchors(checked), whole),)
+    return tuple((anchors(rx), _matcher(rx, where)) for rx in compiled)  # a whole of one piece: from regex's cache
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -296,7 +316,55 @@ def _faults_of(fault: Any) -> tuple[str, ...]:
     return () if fault in (NONE, FROM_XID) else (fault,)
 
 
+def _checked(text: str, flags: int = 0) -> re.Pattern[str]:
+    """`text` compiled by `re`, once shown to be what the rules file promises: a Python regular expression (`regex`,
+    the matcher, reads more than `re` does, and anchors() reads patterns with `re`'s parser), whose required
+    repetitions multiply out to at most MAX_UNROLLED copies of its parts. Raises re.error saying what is wrong."""
+    try:
+        compiled = re.compile(text, flags)
+        unrolled = _unrolled(sre_parse.parse(text, flags))
+    except RecursionError:
+        raise re.error("nested too deeply") from None
+    if unrolled > MAX_UNROLLED:
+        raise re.error(
+            f"its required repetitions multiply out to {unrolled:,} copies of its parts (at most {MAX_UNROLLED:,}: "
+            "the matcher compiles them written out); require fewer (x{1,} rather than x{1000,})"
+        )
+    return compiled
+
+
+def _matcher(pattern: re.Pattern[str], where: str) -> regex.Pattern[str]:
+    """A pattern _checked passed, compiled by `regex` for matching: a search of it can be stopped (MATCH_TIMEOUT)."""
+    try:
+        return regex.compile(pattern.pattern, pattern.flags & _RE_FLAGS | regex.V0)  # V0: `re`'s own semantics
+    except (regex.error, RecursionError) as exc:
+        raise LogRulesError(f"{where}: the matcher (regex) cannot compile {pattern.pattern!r}: {exc}") from exc
+
+
+def _unrolled(items: Any) -> int:
+    """About how many parts `regex` compiles a parsed pattern to: it writes out the required copies of a repeat
+    (`x{1000,}` holds 1,000 x's), so nested counts multiply; an optional copy costs nothing."""
+    total = 0
+    for op, av in items:
+        if op in _REPEATS:
+            total += max(av[0], 1) * _unrolled(av[2])
+        elif op is sre_constants.SUBPATTERN:
+            total += _unrolled(av[3])
+        elif op is sre_constants.BRANCH:
+            total += sum(_unrolled(branch) for branch in av[1])
+        elif op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
+            total += _unrolled(av[1])
+        elif op is sre_constants.ATOMIC_GROUP:
+            total += _unrolled(av)
+        elif op is sre_constants.GROUPREF_EXISTS:
+            total += _unrolled(av[1]) + (_unrolled(av[2]) if av[2] else 0)
+        else:
+            total += 1
+    return total
+
+
 def _compile(text: object, macros: Mapping[str, str], where: str) -> re.Pattern[str]:
+    """A rule's pattern (a list: a choice of alternatives) with its macros expanded, _checked."""
     if isinstance(text, list) and text and all(isinstance(t, str) and t for t in text):
         text = "|".join(f"(?:{t})" for t in text)  # a list is a choice of alternatives, one per line
     if not isinstance(text, str) or not text:
@@ -308,12 +376,12 @@ def _compile(text: object, macros: Mapping[str, str], where: str) -> re.Pattern[
         return macros[m.group(1)]
 
     try:
-        return re.compile(_MACRO.sub(expand, text))
+        return _checked(_MACRO.sub(expand, text))
     except re.error as exc:
         raise LogRulesError(f"{where}: {exc}") from exc
 
 
-def _fault(spec: object, pattern: re.Pattern[str], tx: Taxonomy, where: str) -> Any:
+def _fault(spec: object, pattern: regex.Pattern[str], tx: Taxonomy, where: str) -> Any:
     if spec == FROM_XID:
         if "xid" not in pattern.groupindex:
             raise LogRulesError(f"{where}: 'fault: xid' needs a group named 'xid' in the pattern")
@@ -333,9 +401,10 @@ def _fault(spec: object, pattern: re.Pattern[str], tx: Taxonomy, where: str) -> 
             if not (isinstance(case, list) and len(case) == 2 and case[1] in tx.faults):
                 raise LogRulesError(f"{where}: 'fault.cases' entry {case!r} must be [regex, taxonomy fault id]")
             try:
-                compiled.append((re.compile(case[0], re.IGNORECASE), case[1]))
+                checked = _checked(case[0], re.IGNORECASE)
             except (re.error, TypeError) as exc:
                 raise LogRulesError(f"{where}: 'fault.cases' regex {case[0]!r}: {exc}") from exc
+            compiled.append((_matcher(checked, f"{where}: 'fault.cases'"), case[1]))
         return (group, tuple(compiled))
     raise LogRulesError(f"{where}: 'fault' must be a fault id, 'none', 'xid' or {{from: GROUP, cases: [...]}}")
 
@@ -385,18 +454,21 @@ class LogParser:
         text = line.strip()
         if "  " in text or "\t" in text or "\r" in text:  # cheaper to test than to normalise every line
             text = " ".join(text.split())
-        for rule in candidates:
-            for anchors_, alternative in rule.alternatives:
-                if anchors_:  # plain loops: cheaper than any() over a generator, on every candidate
-                    for anchor in anchors_:
-                        if anchor in text:
-                            break
-                    else:
-                        continue
-                m = alternative.search(text)
-                if m is not None:
-                    event = self._event(rule, m, text)
-                    return [] if event is None else [event]
+        try:
+            for rule in candidates:
+                for anchors_, alternative in rule.alternatives:
+                    if anchors_:  # plain loops: cheaper than any() over a generator, on every candidate
+                        for anchor in anchors_:
+                            if anchor in text:
+                                break
+                        else:
+                            continue
+                    m = alternative.search(text, timeout=MATCH_TIMEOUT)
+                    if m is not None:
+                        event = self._event(rule, m, text)
+                        return [] if event is None else [event]
+        except TimeoutError:
+            return [self._timed_out(rule, text)]
         return []
 
     def parse_lines(self, lines: Iterable[str]) -> Iterator[tuple[int, FaultEvent]]:
@@ -405,41 +477,48 @@ class LogParser:
             for event in self.parse_line(line):
                 yield number, event
 
-    def _event(self, rule: Rule, m: re.Match[str], text: str) -> FaultEvent | None:
+    def _timed_out(self, rule: Rule, text: str) -> FaultEvent:
+        """What a line is when `rule` ran out of time on it (MATCH_TIMEOUT): the unknown fault, with the rule's id and
+        why. No later rule decides in its place: the rule might have matched, and a rule that raises nothing comes
+        first to keep a user's text from raising anything (the `user-*` rules)."""
+        why = f"rule {rule.id} gave up on this line (its patterns took over {MATCH_TIMEOUT:g} s of CPU): "
+        return FaultEvent(self.tx.faults[UNKNOWN_ID], None, None, None, None, why + text[-200:], rule.id)
+
+    def _event(self, rule: Rule, m: regex.Match[str], text: str) -> FaultEvent | None:
         fault = rule.fault
         if fault == NONE:
             return None
+        named = _named_groups(m.re)((None, *m.groups()))
         if fault == FROM_XID:
-            return self._xid_event(rule, m.groupdict())
+            return self._xid_event(rule, named)
+        _, gpu, pid, process, _ = named
         if isinstance(fault, tuple):
             group, cases = fault
-            value = m.groupdict().get(group) or ""
-            fault = next((fid for case, fid in cases if case.search(value)), UNKNOWN_ID)
-        groups = m.re.groupindex
-        gpu = m.group("gpu") if "gpu" in groups else None
+            index = m.re.groupindex.get(group)
+            value = (m.group(index) if index else None) or ""
+            fault = next((fid for case, fid in cases if case.search(value, timeout=MATCH_TIMEOUT)), UNKNOWN_ID)
         if gpu is None:
             for g in rule.gpu:
-                found = g.search(text)
+                found = g.search(text, timeout=MATCH_TIMEOUT)
                 if found:
                     gpu = found.group("gpu")
                     break
-        pid = m.group("pid") if "pid" in groups else None
         # Positional: a named tuple built by keywords costs more, and a flooded log builds many.
         return FaultEvent(
             self.tx.faults[fault],
             None,
             gpu,
             int(pid) if pid and pid.isdigit() else None,
-            m.group("process") if "process" in groups else None,
+            process,
             text[-200:],
             rule.id,
         )
 
-    def _xid_event(self, rule: Rule, groups: dict[str, str | None]) -> FaultEvent:
-        code = int(groups["xid"] or 0)
-        pid = groups.get("pid")
-        process = groups.get("process")
-        rest = (groups.get("detail") or "").rstrip()
+    def _xid_event(self, rule: Rule, named: tuple[str | None, ...]) -> FaultEvent:
+        """The event of an Xid record; `named`: the groups of _NAMED of the rule's match."""
+        xid, gpu, pid, process, detail = named
+        code = int(xid or 0)
+        rest = (detail or "").rstrip()
         fault = self.tx.for_xid(code)
         if 144 <= code <= 150:
             fault = self._nvlink5(code, rest, fault)
@@ -454,7 +533,7 @@ class LogParser:
         return FaultEvent(
             fault,
             xid=code,
-            pci_bus_id=groups.get("gpu"),
+            pci_bus_id=gpu,
             pid=int(pid) if pid and pid.isdigit() else None,
             process=process if process and process != "<unknown>" else None,
             detail=detail,
@@ -474,6 +553,18 @@ class LogParser:
             variant = f"xid-{code}-observe" if word.startswith("non") else f"xid-{code}-reset-gpu"
             return self.tx.faults.get(variant, default)
         return default
+
+
+#: The named groups of a rule's pattern that an event reads, in the order _named_groups gives them.
+_NAMED = ("xid", "gpu", "pid", "process", "detail")
+
+
+@lru_cache(maxsize=4096)
+def _named_groups(pattern: regex.Pattern[str]) -> Callable[[tuple[str | None, ...]], tuple[str | None, ...]]:
+    """The groups of _NAMED (None where `pattern` has none) from `(None, *match.groups())`: `regex` reads a group
+    by name (or groupdict()) several times slower than `re`, and all of them by position as fast."""
+    index = pattern.groupindex
+    return itemgetter(*(index.get(name, 0) for name in _NAMED))
 
 
 def _tail(text: str) -> str:

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 out=${FLEETHEAL_WHEELHOUSE:-/var/cache/fleetheal/wheels}
 pip=${PIP:-.venv/bin/pip}
 pins=()
-for name in PyYAML prometheus-client nvidia-ml-py pyahocorasick aiohttp jsonschema psutil ansible-runner ansible-core; do
+for name in PyYAML prometheus-client nvidia-ml-py pyahocorasick regex aiohttp jsonschema psutil ansible-runner ansible-core; do
   pin=$(grep -iE "^${name}==" requirements.txt || true)
   [[ -n "$pin" ]] || { echo "wheelhouse: $name is not pinned in requirements.txt" >&2; exit 1; }
   pins+=("$pin")
