@@ -194,3 +194,17 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     lp = asyncio.new_event_loop()
     yield lp
     lp.close()
+
+
+def with_client(cfg: cfgmod.Config, scenario: Callable[..., Any], runner: Any = None) -> None:
+    """Run `scenario(client, service)` against the real app (in process, on a loop of its own)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from fleetheal.remediator.app import Service
+
+    async def main() -> None:
+        service = Service(cfg, runner=runner or RecordingRunner())
+        async with TestClient(TestServer(service.app())) as client:
+            await scenario(client, service)
+
+    asyncio.run(main())

@@ -16,25 +16,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from fleetheal.remediator import alerts
-from fleetheal.remediator.app import HEALTH_COUNTS_S, Service
+from fleetheal.remediator.app import HEALTH_COUNTS_S
 from fleetheal.remediator.store import Store
 from fleetheal.wait import WaitTimeout, wait_until
-from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config, nodes
+from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config, nodes, with_client
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REPO = Path(__file__).resolve().parents[2]
-
-
-def with_client(cfg, scenario, runner=None):
-    async def main():
-        service = Service(cfg, runner=runner or RecordingRunner())
-        async with TestClient(TestServer(service.app())) as client:
-            await scenario(client, service)
-
-    asyncio.run(main())
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from fleetheal.remediator.app import Service
 from fleetheal.remediator.store import DiskFull, Store
-from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config
+from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, make_config, with_client
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -80,15 +78,6 @@ class FillingRunner(RecordingRunner):
         return super().run(request, on_event, cancel, deadline)
 
 
-def served(cfg, scenario, runner):
-    async def main():
-        service = Service(cfg, runner=runner)
-        async with TestClient(TestServer(service.app())) as client:
-            await scenario(client, service)
-
-    asyncio.run(main())
-
-
 async def health(client) -> tuple[int, list[str]]:
     resp = await client.get("/healthz")
     return resp.status, (await resp.json())["degraded"]
@@ -124,7 +113,7 @@ def test_a_disk_that_fills_during_an_action_still_records_its_outcome_and_it_nev
         resp = await client.post("/webhook", data=body(alert(node="gpu-005")), headers=AUTH)
         assert resp.status == 503
 
-    served(cfg, filled, runner)
+    with_client(cfg, filled, runner)
     assert len(runner.requests) == 1
 
     again = RecordingRunner()
@@ -143,7 +132,7 @@ def test_a_disk_that_fills_during_an_action_still_records_its_outcome_and_it_nev
         await service.engine.wait_idle(timeout=30)
         assert service.store.get(2).state == "done"
 
-    served(cfg, restarted_on_the_full_disk, again)
+    with_client(cfg, restarted_on_the_full_disk, again)
     # The playbook of inc-000001 never ran again; inc-000002 ran once, after space was freed.
     assert [r.incident_id for r in again.requests] == [2]
 
@@ -176,7 +165,7 @@ def test_no_action_starts_while_the_disk_is_too_full_to_record_it(tmp_path, smal
         assert service.store.get(1).state == "done"
         assert (await health(client))[0] == 200
 
-    served(cfg, scenario, runner)
+    with_client(cfg, scenario, runner)
     assert [r.incident_id for r in runner.requests] == [1]
 
 

@@ -4,15 +4,11 @@ is past (a replayed or delayed delivery). Real HTTP requests to the service (aio
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-from aiohttp.test_utils import TestClient, TestServer
-
 from fleetheal.remediator import alerts
-from fleetheal.remediator.app import Service
-from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body
+from tests.remediator.conftest import TOKEN, RecordingRunner, alert, body, with_client
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -20,15 +16,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def at(ts: float) -> str:
     """An RFC 3339 time as Alertmanager writes it."""
     return alerts.format_time(alerts.dt.datetime.fromtimestamp(ts, alerts.dt.UTC))
-
-
-def served(cfg, scenario, runner):
-    async def main():
-        service = Service(cfg, runner=runner)
-        async with TestClient(TestServer(service.app())) as client:
-            await scenario(client, service)
-
-    asyncio.run(main())
 
 
 async def post(client, *raw):
@@ -63,7 +50,7 @@ def test_a_firing_alert_that_arrives_after_its_own_resolution_does_not_act(cfg, 
         assert service.store.incidents() == []
         assert counted(await (await client.get("/metrics")).text(), "already_resolved") == 2.0
 
-    served(cfg, first, runner)
+    with_client(cfg, first, runner)
 
     async def after_restart(client, service):
         # Remembered in the store: a restart between the two deliveries changes nothing.
@@ -75,7 +62,7 @@ def test_a_firing_alert_that_arrives_after_its_own_resolution_does_not_act(cfg, 
         await service.engine.wait_idle()
         assert service.store.get(1).state == "done"
 
-    served(cfg, after_restart, runner)
+    with_client(cfg, after_restart, runner)
     assert [r.incident_id for r in runner.requests] == [1]
 
 
@@ -100,7 +87,7 @@ def test_a_resolution_whose_end_is_still_ahead_resolves_the_incident_of_its_firi
         again = await post(client, alert(node="gpu-002", starts_at=starts))  # the firing alert once more
         assert (again["duplicates"], again["already_resolved"]) == (1, 0)
 
-    served(cfg, scenario, runner)
+    with_client(cfg, scenario, runner)
     assert runner.requests == []
 
 
@@ -126,5 +113,5 @@ def test_a_firing_alert_whose_end_is_past_is_stale_and_does_not_act(cfg, caplog)
         assert (await post(client, zero))["created"] == ["inc-000002"]
         await service.engine.wait_idle()
 
-    served(cfg, scenario, runner)
+    with_client(cfg, scenario, runner)
     assert sorted(r.incident_id for r in runner.requests) == [1, 2]
