@@ -55,21 +55,19 @@ class AlertRouting(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         labels = {**common.labels("alerting", NAME), **a["monitoring_labels"]}
 
-        self.rule = k8s.apiextensions.CustomResource(
-            f"{name}-rules",
-            api_version="monitoring.coreos.com/v1",
-            kind="PrometheusRule",
-            metadata={"name": f"{NAME}-faults", "namespace": ns, "labels": labels},
-            spec={"groups": a["rule_groups"]},
-            opts=child,
-        )
-        self.health_rule = k8s.apiextensions.CustomResource(
-            f"{name}-health-rules",
-            api_version="monitoring.coreos.com/v1",
-            kind="PrometheusRule",
-            metadata={"name": f"{NAME}-health", "namespace": ns, "labels": labels},
-            spec={"groups": a["health_rule_groups"]},
-            opts=child,
+        self.rule, self.health_rule = (
+            k8s.apiextensions.CustomResource(
+                resource,
+                api_version="monitoring.coreos.com/v1",
+                kind="PrometheusRule",
+                metadata={"name": f"{NAME}-{what}", "namespace": ns, "labels": labels},
+                spec={"groups": a[key]},
+                opts=child,
+            )
+            for resource, what, key in (
+                (f"{name}-rules", "faults", "rule_groups"),
+                (f"{name}-health-rules", "health", "health_rule_groups"),
+            )
         )
         self.alertmanager_config = k8s.apiextensions.CustomResource(
             f"{name}-amconfig",
