@@ -127,6 +127,13 @@ def marked(name: str, accept: Callable[[str], bool] = lambda value: True) -> dic
     return {pid: value for pid, (_, value) in _marked(name, accept).items()}
 
 
+#: Seconds between two looks for the processes `terminate_marked` stops: each look reads every process's
+#: environment, and a replica losing the lead stops all its runs at once, one look each; looked for every
+#: 0.05 s, they kept a loaded machine's cores busy while the next leader took over (a suspect of a CI failure
+#: of tests/remediator/test_ha.py, not proven).
+RESCAN_S = 0.2
+
+
 def terminate_marked(
     name: str, accept: Callable[[str], bool] = lambda value: True, grace: float = 3.0, timeout: float = 5.0
 ) -> list[int]:
@@ -148,7 +155,7 @@ def terminate_marked(
                     signalled.add((pid, ticks))
             if time.monotonic() >= deadline:
                 break
-            time.sleep(0.05)
+            time.sleep(RESCAN_S)
     return sorted(marked(name, accept))
 
 
