@@ -178,12 +178,12 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
         if any(isinstance(a, str) and a.startswith("^") for a in alternatives):
             raise LogRulesError(f"{where}: 'pattern' must not anchor to the line start (log prefixes vary)")
         checked = _compile(raw_pattern, macros, f"{where}: 'pattern'")
-        pattern = _matcher(checked, f"{where}: 'pattern'")
+        pattern = Matcher(checked, f"{where}: 'pattern'")
         pieces = _alternatives_of(raw_pattern, checked, pattern, macros, f"{where}: 'pattern'")
         gpu = entry.get("gpu", [])
         if not isinstance(gpu, list):
             raise LogRulesError(f"{where}: 'gpu' must be a list of patterns")
-        gpu_patterns = tuple(_matcher(_compile(g, macros, f"{where}: 'gpu'"), f"{where}: 'gpu'") for g in gpu)
+        gpu_patterns = tuple(Matcher(_compile(g, macros, f"{where}: 'gpu'"), f"{where}: 'gpu'") for g in gpu)
         for g in gpu_patterns:
             if "gpu" not in g.groupindex:
                 raise LogRulesError(f"{where}: 'gpu' pattern {g.pattern!r} has no group named 'gpu'")
@@ -254,7 +254,7 @@ def _alternatives_of(
         compiled = [re.compile(piece) for piece in pieces]
     except re.error:
         return ((anchors(checked), whole),)
-    return tuple((anchors(rx), _matcher(rx, where)) for rx in compiled)  # a whole of one piece: from regex's cache
+    return tuple((anchors(rx), Matcher(rx, where)) for rx in compiled)
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -368,10 +368,6 @@ class Matcher:
             raise LogRulesError(f"{self.where}: the matcher (regex) cannot compile {self.pattern!r}: {exc}") from exc
 
 
-def _matcher(pattern: re.Pattern[str], where: str) -> Matcher:
-    return Matcher(pattern, where)
-
-
 def _unrolled(items: Any) -> int:
     """About how many parts `regex` compiles a parsed pattern to: it writes out the required copies of a repeat
     (`x{1000,}` holds 1,000 x's), so nested counts multiply; an optional copy costs nothing."""
@@ -435,7 +431,7 @@ def _fault(spec: object, pattern: Matcher, tx: Taxonomy, where: str) -> Any:
                 checked = _checked(case[0], re.IGNORECASE)
             except (re.error, TypeError) as exc:
                 raise LogRulesError(f"{where}: 'fault.cases' regex {case[0]!r}: {exc}") from exc
-            compiled.append((_matcher(checked, f"{where}: 'fault.cases'"), case[1]))
+            compiled.append((Matcher(checked, f"{where}: 'fault.cases'"), case[1]))
         return (group, tuple(compiled))
     raise LogRulesError(f"{where}: 'fault' must be a fault id, 'none', 'xid' or {{from: GROUP, cases: [...]}}")
 
