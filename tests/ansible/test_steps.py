@@ -207,8 +207,10 @@ def test_a_job_run_by_fleetheal_launch_restarts_in_its_allocation_once_per_incid
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     """No requeue, no credential wait: the same job, the same nodes, Slurm's restart count unchanged; the
-    grace signal reaches the command; a second order for the same incident (a resumed remediator) is a no-op."""
-    slurm = steps.Slurm(settings(cluster))
+    grace signal reaches the command; a second order for the same incident (a resumed remediator) is a no-op.
+    A grace period of 1 s (120 s deployed), not 0: the grace signal and the order are two `scancel` calls, and
+    Slurm may deliver the second before the first when nothing lies between them."""
+    slurm = steps.Slurm(settings(cluster, fleetheal_grace_seconds=1))
     log = tmp_path / "launch"
     job = submit_launch(cluster, log)
     held = running(cluster, job)["nodes"]
