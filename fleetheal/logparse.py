@@ -299,6 +299,8 @@ def _sequence(items: list[Any]) -> _Alternatives:
             continue
         if op is sre_constants.SUBPATTERN and not av[1] and not av[2]:  # a group without flags: its own sequence
             options = _sequence(list(av[3]))
+        elif op is sre_constants.ATOMIC_GROUP:  # matched as a sequence, only never backtracked into
+            options = _sequence(list(av))
         elif op is sre_constants.BRANCH:
             options = [alt for branch in av[1] for alt in _sequence(list(branch))]
         else:  # a class, a repeat, an anchor, a back-reference, a group with flags: no literal across it

@@ -20,6 +20,7 @@ import yaml
 
 from fleetheal import logcatalog
 from fleetheal.logparse import (
+    MAX_LINE,
     LogParser,
     LogRulesError,
     compile_rules,
@@ -197,3 +198,28 @@ def test_every_shipped_pattern_matches_as_re_matches_it_on_every_corpus_line() -
             if m is None or want is None or (m.span(), m.groups()) != (want.span(), want.groups()):
                 differ.append((rx.pattern, line))
     assert differ == []
+
+
+def _words_repeated(rule: Any) -> list[str]:
+    """Lines a job can print to make `rule` work hardest: MAX_LINE of one of its keywords or literal strings repeated,
+    with each of a few separators, and of all of them in turn (a `PREFIX.*WORDS` pattern backtracks once per PREFIX)."""
+    words = list(dict.fromkeys([*rule.keywords, *(a for anchors_, _ in rule.alternatives for a in anchors_)]))
+    units = [w + sep for w in words for sep in (" ", ":", "", ": ", " x ")] + [" ".join(words) + " ", "".join(words)]
+    return [" ".join((unit * (MAX_LINE // len(unit) + 1))[:MAX_LINE].split()) for unit in units]
+
+
+@pytest.mark.timeout(600, method="thread")
+def test_no_shipped_rule_gives_up_on_a_line_of_its_own_words_repeated() -> None:
+    """A job's output is its owner's to write, and every `application` and `any` rule reads it (the kernel rules read
+    what the user shapes in kernel records). A line of 4 KiB of a rule's own words made ten shipped patterns give up
+    (over MATCH_TIMEOUT, each of them, on each such line: `NVRM: .*(...)` tried the rest of the line once per
+    `NVRM: `); written `\\A(?>.*?PREFIX).*WORDS`, each takes milliseconds, and every pattern decides."""
+    gave_up = []
+    for rule in compile_rules(raw_rules(), load()):
+        for line in _words_repeated(rule):
+            for _, matcher in rule.alternatives:
+                try:
+                    matcher.search(line)
+                except TimeoutError:
+                    gave_up.append((rule.id, matcher.pattern, line[:40]))
+    assert gave_up == []
