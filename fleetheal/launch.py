@@ -176,7 +176,11 @@ class OutputWatch:
         self.requeues = int(count) if count.isascii() and count.isdigit() else None
         self.skipped = 0
         self.sent = 0
-        self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(WATCH_QUEUE)
+        #: (stream, read, gap): `gap` says what was skipped of the stream just before the read (`_skip`).
+        self._queue: queue.Queue[tuple[int, bytes, bool | None]] = queue.Queue(WATCH_QUEUE)
+        #: Per stream, output skipped since the last read handed to the judge: None (none), else whether it
+        #: ended inside a line.
+        self._gap: dict[int, bool | None] = {1: None, 2: None}
         #: Set once the judge has loaded the rules (or given up on them).
         self._ready = threading.Event()
         self._pumps: list[threading.Thread] = []
@@ -250,19 +254,19 @@ class OutputWatch:
                     continue
                 except OSError:
                     writable = False  # our own stdout is gone: keep reading, so the job is never blocked
-            if self._spend(len(chunk)):
-                self._put(dst, chunk)
+            gap = self._gap[dst]
+            if self._spend(len(chunk)) and self._put(dst, chunk):
                 unjudged = b""
-            else:
-                self.skipped += len(chunk)
-                self._put(dst, b"")
-                unjudged = chunk
+            else:  # over the budget, or the judge behind with a full queue
+                self._skip(dst, len(chunk), mid_line=not chunk.endswith(b"\n"))
+                unjudged, gap_before = chunk, gap
             if len(chunk) < READ_BYTES // 4:
                 # A job printing steadily: let a few milliseconds of its output gather in the pipe (which holds
                 # PIPE_BYTES), so that it is copied in a few large reads a second, not thousands of small ones.
                 time.sleep(COALESCE_S)
         if unjudged:  # the command's last lines (a crash's after a flood): judged whatever the budget
             self.skipped -= len(unjudged)
+            self._gap[dst] = gap_before
             self._spend(len(unjudged), force=True)
             self._put(dst, unjudged, wait_s=RULES_LOAD_S)
         with contextlib.suppress(OSError):
@@ -278,15 +282,21 @@ class OutputWatch:
             self._budget.spend(now, n)
             return True
 
-    def _put(self, stream: int, chunk: bytes, wait_s: float = 0.0) -> None:
-        """Hand a read to the judge; b"": output it does not see (the stream resumes at a new line). `wait_s`:
-        how long to wait for room (the command's last lines); otherwise a full queue drops the read (counted)."""
+    def _put(self, stream: int, chunk: bytes, wait_s: float = 0.0) -> bool:
+        """Hand a read to the judge, with the gap before it (True), or not when the queue is full (False: the
+        caller skips it). `wait_s`: how long to wait for room (the command's last lines)."""
         try:
-            self._queue.put((stream, chunk), block=wait_s > 0, timeout=wait_s or None)
+            self._queue.put((stream, chunk, self._gap[stream]), block=wait_s > 0, timeout=wait_s or None)
         except queue.Full:
-            self.skipped += len(chunk)
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait((stream, b""))
+            return False
+        self._gap[stream] = None
+        return True
+
+    def _skip(self, stream: int, n: int, mid_line: bool) -> None:
+        """`n` bytes of `stream` are not judged (counted): the line they cut is dropped, and the next read handed
+        to the judge is read from its first newline on when they ended inside a line (`LineCutter.lost`)."""
+        self.skipped += n
+        self._gap[stream] = mid_line
 
     def _judge(self) -> None:
         try:
@@ -302,11 +312,10 @@ class OutputWatch:
         cutters = {1: LineCutter(), 2: LineCutter()}
         self._ready.set()
         while True:
-            stream, chunk = self._queue.get()
+            stream, chunk, gap = self._queue.get()
             try:
-                if not chunk:  # output not seen (over the budget): the stream resumes at a new line
-                    cutters[stream].lost()
-                    continue
+                if gap is not None:  # output not seen before this read
+                    cutters[stream].lost(mid_line=gap)
                 self._lines(parser, cutters[stream].feed(chunk.decode("utf-8", errors="replace")))
             finally:
                 self._queue.task_done()
@@ -359,13 +368,13 @@ class _Tail:
             size = os.fstat(self.fd).st_size
             if size < self.pos:  # truncated: from its new end
                 self.pos = self.judged = size
-                self.watch._put(self.stream, b"")
+                self.watch._skip(self.stream, 0, self._mid_line(size))
             if final and self.pos > (start := max(self.judged, size - READ_BYTES)):
                 # Skipped over the budget, maybe just after the command ended, by the last ordinary poll: the
-                # last lines (a crash's) are read again, from a new line.
+                # last lines (a crash's) are read again, from where the judge left off if that is near.
                 self.watch.skipped -= self.pos - start
+                self.watch._gap[self.stream] = None if start == self.judged else self._mid_line(start)
                 self.pos = start
-                self.watch._put(self.stream, b"", wait_s=RULES_LOAD_S)
             while self.pos < size:
                 if final and size - self.pos > READ_BYTES:
                     self._skip(size - READ_BYTES)  # the last lines first
@@ -378,13 +387,18 @@ class _Tail:
                 if not chunk:
                     return
                 self.pos += len(chunk)
-                self.judged = self.pos
-                self.watch._put(self.stream, chunk, wait_s=RULES_LOAD_S if final else 0.0)
+                if self.watch._put(self.stream, chunk, wait_s=RULES_LOAD_S if final else 0.0):
+                    self.judged = self.pos
+                else:  # the judge is behind: skipped like output over the budget
+                    self.watch._skip(self.stream, len(chunk), self._mid_line(self.pos))
 
     def _skip(self, to: int) -> None:
-        self.watch.skipped += to - self.pos
+        self.watch._skip(self.stream, to - self.pos, self._mid_line(to))
         self.pos = to
-        self.watch._put(self.stream, b"")
+
+    def _mid_line(self, offset: int) -> bool:
+        """Whether the file's byte before `offset` is inside a line (not a newline)."""
+        return offset > 0 and os.pread(self.fd, 1, offset - 1) != b"\n"
 
 
 def _read(fd: int) -> bytes:

@@ -632,9 +632,11 @@ class LineCutter:
     #: Inside a line that was cut, or after output not seen: the next whole line starts after a newline.
     cutting: bool = False
 
-    def lost(self) -> None:
-        """Output between the last chunk and the next was not seen (skipped): resume at a new line."""
-        self.partial, self.cutting = "", True
+    def lost(self, mid_line: bool = True) -> None:
+        """Output between the last chunk and the next was not seen (skipped): the line it started is dropped, and
+        the next chunk is read from its first newline on, unless what was skipped ended a line (`mid_line`
+        False): then that chunk starts a line, a crash's last line after a flood, say."""
+        self.partial, self.cutting = "", mid_line
 
     def feed(self, text: str) -> str:
         """The whole lines that `text` completes, newline-separated ("" when none)."""

@@ -91,6 +91,33 @@ def test_a_fault_line_after_a_flood_through_a_pipe_is_judged(tmp_path, agent_soc
     assert NCCL[:1024] in [r["line"] for r in received(sock)]
 
 
+#: The launcher with a byte budget of 1 KiB a second: any flood spends it for minutes.
+SMALL_BUDGET = (
+    "import fleetheal.launch as launch\n"
+    "launch.JUDGED_BYTES_PER_S = 1024\n"
+    "from fleetheal.cli import main\n"
+    "raise SystemExit(main())\n"
+)
+
+
+@pytest.mark.parametrize("to_file", [False, True], ids=["pipe", "file"])
+def test_a_fault_line_read_alone_after_a_skipped_flood_is_judged_whole(tmp_path, agent_socket, to_file):
+    """The flood is skipped over the budget and ends with a newline; the fault line comes a moment later, in a
+    read of its own. It starts a line, so the judge must not drop it as the rest of a line cut by the skip (it
+    did: the CI at c203585 lost the line when the pipe's last read held it alone)."""
+    path, sock = agent_socket
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "FLEETHEAL_TRAINING_SOCKET": str(path)}
+    script = f"seq 1 200000 | sed 's/$/ loss=2.3/'; sleep 0.5; echo '{NCCL}'; exit 1"
+    argv = [sys.executable, "-c", SMALL_BUDGET, "launch", "--", "sh", "-c", script]
+    if to_file:
+        with open(tmp_path / "job.out", "wb") as fh:
+            run = subprocess.run(argv, env=env, stdout=fh, stderr=fh, timeout=120, check=False)
+    else:
+        run = subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False)
+    assert run.returncode == 1
+    assert [r["line"] for r in received(sock)] == [NCCL]
+
+
 #: The launcher with its rules loading slowly, as on a node busy with a job's data loaders: the command ends
 #: long before the judge is ready.
 SLOW_RULES = (

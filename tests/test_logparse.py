@@ -276,6 +276,9 @@ def test_a_job_output_is_cut_into_whole_lines_whatever_the_chunks() -> None:
     cut.feed("half a li")
     cut.lost()
     assert cut.feed("ne after a gap\nwhole\n") == "whole"
+    cut.feed("the start of a line whose end was skipped")
+    cut.lost(mid_line=False)  # what was skipped ended its line: the next chunk starts one
+    assert cut.feed("NCCL watchdog\n") == "NCCL watchdog"
 
 
 def test_fleetheals_own_lines_in_a_jobs_log_are_never_judged() -> None:

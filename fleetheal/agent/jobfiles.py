@@ -215,7 +215,7 @@ class JobOutputFollower:
             if behind > self.max_bytes:
                 self.skipped_bytes += behind - self.max_bytes
                 tail.offset = st.st_size - self.max_bytes
-                tail.lines.lost()
+                tail.lines.lost(mid_line=os.pread(fd, 1, tail.offset - 1) != b"\n")
             if behind <= 0:
                 return
             fh.seek(tail.offset)
