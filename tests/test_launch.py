@@ -91,6 +91,19 @@ def test_a_fault_line_after_a_flood_through_a_pipe_is_judged(tmp_path, agent_soc
     assert NCCL[:1024] in [r["line"] for r in received(sock)]
 
 
+def patched_launch(
+    tmp_path: Path, prelude: list[str], script: str, sock: Path, to_file: bool
+) -> subprocess.CompletedProcess[bytes]:
+    """The launcher started by `python -c PRELUDE...` (a module patched before the CLI runs), its command's
+    output on a pipe or on a regular file (a batch job's)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "FLEETHEAL_TRAINING_SOCKET": str(sock)}
+    argv = [sys.executable, "-c", *prelude, "launch", "--", "sh", "-c", script]
+    if not to_file:
+        return subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False)
+    with open(tmp_path / "job.out", "wb") as fh:
+        return subprocess.run(argv, env=env, stdout=fh, stderr=fh, timeout=120, check=False)
+
+
 #: The launcher with a byte budget of 1 KiB a second: any flood spends it for minutes.
 SMALL_BUDGET = (
     "import fleetheal.launch as launch\n"
@@ -106,14 +119,8 @@ def test_a_fault_line_read_alone_after_a_skipped_flood_is_judged_whole(tmp_path,
     read of its own. It starts a line, so the judge must not drop it as the rest of a line cut by the skip (it
     did: the CI at c203585 lost the line when the pipe's last read held it alone)."""
     path, sock = agent_socket
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "FLEETHEAL_TRAINING_SOCKET": str(path)}
     script = f"seq 1 200000 | sed 's/$/ loss=2.3/'; sleep 0.5; echo '{NCCL}'; exit 1"
-    argv = [sys.executable, "-c", SMALL_BUDGET, "launch", "--", "sh", "-c", script]
-    if to_file:
-        with open(tmp_path / "job.out", "wb") as fh:
-            run = subprocess.run(argv, env=env, stdout=fh, stderr=fh, timeout=120, check=False)
-    else:
-        run = subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False)
+    run = patched_launch(tmp_path, [SMALL_BUDGET], script, path, to_file)
     assert run.returncode == 1
     assert [r["line"] for r in received(sock)] == [NCCL]
 
@@ -135,13 +142,7 @@ def test_the_last_lines_are_judged_when_the_rules_load_after_the_command_ended(t
     """The command prints its fault and ends at once; the rules take longer to load than the launcher's drain
     timeout (5 s): the line still reaches the agent (it was lost on a loaded CI machine)."""
     path, sock = agent_socket
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "FLEETHEAL_TRAINING_SOCKET": str(path)}
-    argv = [sys.executable, "-c", SLOW_RULES, "7", "launch", "--", "sh", "-c", f"echo '{NCCL}'; exit 1"]
-    if to_file:
-        with open(tmp_path / "job.out", "wb") as fh:
-            run = subprocess.run(argv, env=env, stdout=fh, stderr=fh, timeout=120, check=False)
-    else:
-        run = subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False)
+    run = patched_launch(tmp_path, [SLOW_RULES, "7"], f"echo '{NCCL}'; exit 1", path, to_file)
     assert run.returncode == 1
     assert [r["line"] for r in received(sock)] == [NCCL]
 
