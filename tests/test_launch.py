@@ -94,10 +94,12 @@ def test_a_fault_line_after_a_flood_through_a_pipe_is_judged(tmp_path, agent_soc
 def patched_launch(
     tmp_path: Path, prelude: list[str], script: str, sock: Path, to_file: bool
 ) -> subprocess.CompletedProcess[bytes]:
-    """The launcher started by `python -c PRELUDE...` (a module patched before the CLI runs), its command's
-    output on a pipe or on a regular file (a batch job's)."""
+    """The launcher started by `python -c PATCH ARGS...` (`prelude`: a module patched, then its arguments, before
+    the CLI runs), its command's output on a pipe or on a regular file (a batch job's)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "FLEETHEAL_TRAINING_SOCKET": str(sock)}
-    argv = [sys.executable, "-c", *prelude, "launch", "--", "sh", "-c", script]
+    patch, *args = prelude
+    code = f"{patch}from fleetheal.cli import main\nraise SystemExit(main())\n"
+    argv = [sys.executable, "-c", code, *args, "launch", "--", "sh", "-c", script]
     if not to_file:
         return subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False)
     with open(tmp_path / "job.out", "wb") as fh:
@@ -105,12 +107,7 @@ def patched_launch(
 
 
 #: The launcher with a byte budget of 1 KiB a second: any flood spends it for minutes.
-SMALL_BUDGET = (
-    "import fleetheal.launch as launch\n"
-    "launch.JUDGED_BYTES_PER_S = 1024\n"
-    "from fleetheal.cli import main\n"
-    "raise SystemExit(main())\n"
-)
+SMALL_BUDGET = "import fleetheal.launch as launch\nlaunch.JUDGED_BYTES_PER_S = 1024\n"
 
 
 @pytest.mark.parametrize("to_file", [False, True], ids=["pipe", "file"])
@@ -132,8 +129,6 @@ SLOW_RULES = (
     "import fleetheal.logparse as lp\n"
     "load, delay = lp.load_parser, float(sys.argv.pop(1))\n"
     "lp.load_parser = lambda **kw: (time.sleep(delay), load(**kw))[1]\n"
-    "from fleetheal.cli import main\n"
-    "raise SystemExit(main())\n"
 )
 
 
