@@ -4,6 +4,10 @@ Two mixes, each half real fault lines and half ordinary kernel and training-log 
 failing node's flooded log): the fault lines of shared/fixtures (the figure measured since the first
 classifier), and the real lines of tests/corpus/log-lines.yaml (more kinds, longer lines). Each
 repetition parses every line with a fresh parser.
+
+And the worst a job can make one pattern work: every alternative of every rule searched on 4 KiB lines of that
+rule's own words repeated (`tests/test_log_rules_bounded.py` builds them; there they must not reach the
+0.1 s bound, here the slowest is timed in CPU).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +25,8 @@ import yaml
 from fleetheal.logparse import LogParser
 
 SHARED = Path(os.environ.get("FLEETHEAL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-CORPUS = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "log-lines.yaml"
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "tests" / "corpus" / "log-lines.yaml"
 NOISE = [
     "[12345.678901] eth0: renamed from veth1234",
     "Nov 29 18:00:00 gpu-node-7 systemd[1]: Started Session 42 of user root.",
@@ -64,12 +70,33 @@ def measure(lines: list[str]) -> tuple[list[float], int]:
     return sorted(rates), events
 
 
+def slowest_pattern() -> tuple[float, str]:
+    """CPU seconds of the slowest single search of a shipped pattern on a line of its rule's own words, and which."""
+    from fleetheal.logparse import compile_rules, raw_rules
+    from fleetheal.taxonomy import load
+
+    if str(REPO) not in sys.path:  # run.py puts only benchmarks/ on it
+        sys.path.insert(0, str(REPO))
+    from tests.test_log_rules_bounded import _words_repeated  # the lines the test tries, one source
+
+    worst = (0.0, "")
+    for rule in compile_rules(raw_rules(), load()):
+        for line in _words_repeated(rule):
+            for _, matcher in rule.alternatives:
+                matcher.search("")  # compiled on its first search: not the search's cost
+                started = time.process_time()
+                matcher.search(line)
+                worst = max(worst, (time.process_time() - started, f"{rule.id}: {line[:24]!r}..."))
+    return worst
+
+
 def run() -> list[dict[str, Any]]:
     mixes = [("shared/fixtures", fixture_lines()), ("tests/corpus", corpus_lines())]
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(affinity)})  # "on one core"
     try:
         measured = [(name, len(faults), *measure(mixed_lines(faults))) for name, faults in mixes]
+        slowest = [slowest_pattern() for _ in range(3)]
     finally:
         os.sched_setaffinity(0, affinity)
     return [
@@ -85,4 +112,16 @@ def run() -> list[dict[str, Any]]:
             "notes": f"{events:,} events per run; 50% fault lines ({distinct} distinct, {name})",
         }
         for name, distinct, rates, events in measured
+    ] + [
+        {
+            "name": "slowest pattern search on a 4 KiB line of its rule's own words (one core)",
+            "unit": "ms CPU",
+            "median": statistics.median(t for t, _ in slowest) * 1000,
+            "p99": max(t for t, _ in slowest) * 1000,
+            "n": len(slowest),
+            "goal": "< 100 ms (MATCH_TIMEOUT)",
+            "peer": None,
+            "ratio_to_peer": None,
+            "notes": "slowest: " + max(slowest)[1],
+        }
     ]
