@@ -8,6 +8,7 @@ every cluster before the next test), cluster features and QOS limits undone, dro
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -239,3 +240,26 @@ def test_lab_up_clusters_starts_a_federation_and_down_stops_it(
         assert main(["lab", "down", "--dir", str(lab_dir)]) == 0
     assert "stopped: federation" in capsys.readouterr().out
     assert not [pid for pid in daemons if procs.alive(pid)]
+
+
+def test_a_federation_whose_links_stay_broken_is_made_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """22.05 never retries a link that broke while the federation formed (CI saw one under load): `start` makes
+    the federation again after FORM_SETTLE_S, and when that never helps, says what each controller saw."""
+    fed = Federation(tmp_path)
+    calls: list[str] = []
+
+    def run(*argv: str, **_: object) -> subprocess.CompletedProcess[str]:  # `sacctmgr show federation`
+        return subprocess.CompletedProcess(argv, 0, "fed\n" if calls else "", "")
+
+    monkeypatch.setattr(fed, "run", run)
+    monkeypatch.setattr(fed, "sacctmgr", lambda *args, **_: calls.append(args[0]) or "")
+    monkeypatch.setattr(Federation, "FORM_SETTLE_S", 0.2)
+    monkeypatch.setattr(fed, "synced", lambda: calls.count("add") == 2)
+    fed._form(timeout=5)
+    assert calls == ["add", "remove", "add"]
+
+    calls.clear()
+    monkeypatch.setattr(fed, "synced", lambda: False)
+    with pytest.raises(SlurmError, match=r"timed out after .* Synced:Yes; what each controller saw last"):
+        fed._form(timeout=0.5)
+    assert calls.count("add") >= 2
