@@ -49,6 +49,9 @@ LOGS = (KERNEL, APPLICATION, ANY)
 _RULE_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _MACRO = re.compile(r"\{([a-z_]+)\}")
 _WHITESPACE = re.compile(r"\s")
+#: A pattern anchored to the line start: `^`, or `\A` other than the shipped scans of the whole line,
+#: `\A(?>.*?PREFIX)` and `\A(?>(?:.*EXCLUDED)?)`.
+_ANCHORED = re.compile(r"\^|\\A(?!\(\?>(?:\(\?:)?\.\*)")
 _VALUE = itemgetter(1)  # of the (end, value) pairs the automaton yields
 _CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
 _NVLINK5_REGS = re.compile(r"\((0x[0-9A-Fa-f]{1,8}) (0x[0-9A-Fa-f]{1,8})")
@@ -175,7 +178,7 @@ def compile_rules(doc: Mapping[str, Any], tx: Taxonomy) -> tuple[Rule, ...]:
             raise LogRulesError(f"{where}: a keyword must hold no whitespace (log pipelines change it)")
         raw_pattern = entry.get("pattern")
         alternatives = raw_pattern if isinstance(raw_pattern, list) else [raw_pattern]
-        if any(isinstance(a, str) and a.startswith("^") for a in alternatives):
+        if any(isinstance(a, str) and _ANCHORED.match(a) for a in alternatives):
             raise LogRulesError(f"{where}: 'pattern' must not anchor to the line start (log prefixes vary)")
         checked = _compile(raw_pattern, macros, f"{where}: 'pattern'")
         pattern = Matcher(checked, f"{where}: 'pattern'")

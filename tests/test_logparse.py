@@ -233,6 +233,7 @@ GOOD_RULE = {
         ({"keywords": ["fallen off"]}, "a keyword must hold no whitespace"),
         ({"keywords": [79]}, "'keywords' must be a non-empty list of strings"),
         ({"pattern": "^NVRM: Xid"}, "must not anchor to the line start"),
+        ({"pattern": r"\ANVRM: Xid"}, "must not anchor to the line start"),
         ({"pattern": "NVRM: Xid ("}, "'pattern': missing \\)"),
         ({"pattern": "NVRM {nosuch}"}, "no macro named 'nosuch'"),
         ({"fault": "xid-9999"}, "'fault' 'xid-9999' is not a taxonomy fault id"),
