@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,12 @@ def test_every_role_has_a_scenario() -> None:
         assert "assert" in verify or "failed_when" in verify, f"molecule/{name}/verify.yml checks nothing"
 
 
-@pytest.fixture
+#: Scenarios run side by side, this many at a time: one alone kept about one of the two cores busy (Ansible
+#: waiting on `podman exec`), and the part took about half of integration-tools' time.
+PARALLEL = 2
+
+
+@pytest.fixture(scope="module")
 def machine_wide() -> Iterator[None]:
     """The scenarios' containers and the remediation scenario's Slurm have fixed names on this machine:
     a second test session (two CI runs on one runner) waits for the first instead of colliding with it."""
@@ -89,25 +95,26 @@ def machine_wide() -> Iterator[None]:
         yield
 
 
-@pytest.mark.molecule
-@pytest.mark.timeout(3000)  # above the scenario's own 900 s limit (and a wait for another session's scenario)
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_scenario(scenario: str, wheel: Path, tmp_path: Path, machine_wide: None) -> None:
-    if scenario not in LOCAL:
-        if shutil.which("podman") is None:
-            pytest.fail("podman is not installed (Debian package podman, with runc)")
-        if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
-            pytest.fail(f"podman image {IMAGE} is missing: run molecule/image/build.sh")
-        if not (WHEELHOUSE / ".pins").exists():
-            pytest.fail(f"wheelhouse {WHEELHOUSE} is empty: run molecule/image/wheelhouse.sh")
+def _missing() -> str | None:
+    """What the container scenarios need and this machine lacks, as the command that provides it."""
+    if shutil.which("podman") is None:
+        return "podman is not installed (Debian package podman, with runc)"
+    if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
+        return f"podman image {IMAGE} is missing: run molecule/image/build.sh"
+    if not (WHEELHOUSE / ".pins").exists():
+        return f"wheelhouse {WHEELHOUSE} is empty: run molecule/image/wheelhouse.sh"
+    return None
+
+
+def _molecule_test(scenario: str, wheel: Path, state: Path) -> subprocess.CompletedProcess[str]:
     try:
-        proc = subprocess.run(
+        return subprocess.run(
             [str(Path(sys.executable).parent / "molecule"), "-c", "molecule/shared/base.yml", "test", "-s", scenario],
             cwd=REPO,
             # Molecule keys its state (created, prepared, ...) by the checkout's folder name alone, so every
             # clone called "main" shares it, and a state left "prepared" by an earlier run makes it skip
             # prepare (the remediation scenario then finds no Slurm). Each run gets its own.
-            env=dict(_environment(), FLEETHEAL_WHEEL=str(wheel), MOLECULE_EPHEMERAL_DIRECTORY=str(tmp_path)),
+            env=dict(_environment(), FLEETHEAL_WHEEL=str(wheel), MOLECULE_EPHEMERAL_DIRECTORY=str(state)),
             capture_output=True,
             text=True,
             timeout=900,
@@ -117,6 +124,31 @@ def test_scenario(scenario: str, wheel: Path, tmp_path: Path, machine_wide: None
         # The scenario's cleanup stops its Slurm; this catches a Molecule that died or timed out first.
         if scenario == "remediation" and (REMEDIATION_SLURM / "cluster.json").exists():
             SlurmCluster.attach(REMEDIATION_SLURM).stop()
+
+
+@pytest.fixture(scope="module")
+def runs(
+    wheel: Path, tmp_path_factory: pytest.TempPathFactory, machine_wide: None
+) -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
+    """Every scenario's `molecule test`, started at once PARALLEL at a time; each test waits for its own."""
+    missing = _missing()
+    todo = [s for s in SCENARIOS if s in LOCAL or missing is None]
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        futures = {s: pool.submit(_molecule_test, s, wheel, tmp_path_factory.mktemp(f"molecule-{s}")) for s in todo}
+        try:
+            yield futures
+        finally:
+            for future in futures.values():
+                future.cancel()
+
+
+@pytest.mark.molecule
+@pytest.mark.timeout(3000)  # above the scenario's own 900 s limit, waited behind the others (and another session)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenario(scenario: str, runs: dict[str, Future[subprocess.CompletedProcess[str]]]) -> None:
+    if scenario not in runs:
+        pytest.fail(_missing() or f"scenario {scenario} did not start")
+    proc = runs[scenario].result()
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "Skipping, instances already prepared" not in out, "prepare was skipped on stale Molecule state"
