@@ -327,7 +327,9 @@ def _checked(text: str, flags: int = 0) -> re.Pattern[str]:
     repetitions multiply out to at most MAX_UNROLLED copies of its parts. Raises re.error saying what is wrong."""
     try:
         compiled = re.compile(text, flags)
-        unrolled = _unrolled(sre_parse.parse(text, flags))
+        # Only a counted repeat (`{n}`, `{n,}`, `{n,m}`) writes out copies: without one, a pattern compiles to at
+        # most as many parts as it has characters, and parsing it again would cost rules loading 40% more.
+        unrolled = _unrolled(sre_parse.parse(text, flags)) if "{" in text or len(text) > MAX_UNROLLED else 0
     except RecursionError:
         raise re.error("nested too deeply") from None
     if unrolled > MAX_UNROLLED:
