@@ -128,11 +128,17 @@ def _molecule_test(scenario: str, wheel: Path, state: Path) -> subprocess.Comple
 
 @pytest.fixture(scope="module")
 def runs(
-    wheel: Path, tmp_path_factory: pytest.TempPathFactory, machine_wide: None
+    request: pytest.FixtureRequest, wheel: Path, tmp_path_factory: pytest.TempPathFactory, machine_wide: None
 ) -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
-    """Every scenario's `molecule test`, started at once PARALLEL at a time; each test waits for its own."""
+    """The `molecule test` of every scenario this session selected (`-k` may pick some), started at once
+    PARALLEL at a time; each test waits for its own."""
+    selected = {
+        item.callspec.params["scenario"]
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_scenario" and hasattr(item, "callspec")
+    }
     missing = _missing()
-    todo = [s for s in SCENARIOS if s in LOCAL or missing is None]
+    todo = [s for s in SCENARIOS if s in selected and (s in LOCAL or missing is None)]
     with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
         futures = {s: pool.submit(_molecule_test, s, wheel, tmp_path_factory.mktemp(f"molecule-{s}")) for s in todo}
         try:
