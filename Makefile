@@ -36,10 +36,10 @@ WITH_SLURM := PATH=$(CACHE_DIR)/slurm-$(SLURM_SERIES)/bin:$$PATH
 # The compatibility subset: every reader of Slurm's output (nodes, jobs, federation) and the playbooks and
 # agent that act through them; the lab's long scenarios (demo, failover, training) run on 26.05 only. Of the
 # playbook tests, the four that between them run every Slurm read and write the playbooks make (drain,
-# requeue, priority, standby promotion, resume, a job's log); the others differ only in what is decided.
+# requeue, signal, priority, standby reason and promotion, resume, a job's log); the others differ only in what is decided.
 COMPAT_PLAYBOOKS := $(addprefix tests/ansible/test_remediation.py::test_,isolate_and_relocate_drains_requeues_boosts_and_promotes \
 	restart_in_place_requeues_on_the_same_node_within_the_limit refuse_and_report_tells_the_job_and_keeps_the_node \
-	reset_gpu_leaves_the_node_drained_for_its_revalidation)
+	revalidate_pass_goes_to_standby_then_rejoins)
 COMPAT_TESTS := tests/lab/test_slurm.py tests/lab/test_federation.py tests/agent/test_integration.py \
 	tests/ansible/test_steps.py $(COMPAT_PLAYBOOKS) tests/ansible/test_responder.py tests/fleet/test_status.py
 

