@@ -331,6 +331,12 @@ def test_a_new_leader_fences_the_old_one(open_store, cfg):
     assert old.take_leadership("replica-a") == 3  # and the old one can take it back
     with pytest.raises(NotLeader):
         new.set_state(iid, "gated")
+    # Who led from when stays in the audit log, every change of hands.
+    leads = [(a["reason"], a["facts"]) for a in new.audit_log() if a["decision"] == "lead"]
+    assert leads == [
+        (f"{h} took the lead", {"epoch": e, "holder": h})
+        for e, h in ((1, "replica-a"), (2, "replica-b"), (3, "replica-a"))
+    ]
 
 
 def test_a_follower_cannot_write_state(open_store, cfg):

@@ -19,6 +19,7 @@ of an action that started is still written (`write(..., reserve=True)`).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sqlite3
@@ -401,15 +402,21 @@ class Database:
     # --- leadership (leader.py) ------------------------------------------------------------------------
 
     def take_leadership(self, holder: str) -> int:
-        """Become the writer: bump the fencing epoch (every older leader's writes fail from now on)."""
+        """Become the writer: bump the fencing epoch (every older leader's writes fail from now on). Each
+        epoch is also an audit record (decision "lead"): who led from when, through every change of hands."""
         with self.tx(fenced=False) as db:
             row = db.one("SELECT epoch FROM leadership WHERE id = 1")
             epoch = (int(row["epoch"]) if row else 0) + 1
+            now = self.clock()
             db.execute(
                 "INSERT INTO leadership (id, epoch, holder, since) VALUES (1, ?, ?, ?) "
                 "ON CONFLICT (id) DO UPDATE SET epoch = excluded.epoch, holder = excluded.holder, "
                 "since = excluded.since",
-                (epoch, holder, self.clock()),
+                (epoch, holder, now),
+            )
+            db.execute(
+                "INSERT INTO audit (ts, decision, reason, facts) VALUES (?, 'lead', ?, ?)",
+                (now, f"{holder} took the lead", json.dumps({"epoch": epoch, "holder": holder}, sort_keys=True)),
             )
         self.epoch = epoch
         return epoch
