@@ -42,7 +42,12 @@ TAINT_UNHEALTHY = K8S_PREFIX + "unhealthy"
 TAINT_STANDBY = K8S_PREFIX + "standby"
 #: Pool membership label: one of POOLS.
 LABEL_POOL = K8S_PREFIX + "pool"
-POOLS = ("active", "standby", "quarantine")
+#: The pool of an active node lent to Kubernetes workloads (Kueue's ResourceFlavors select it): out of the
+#: slurmd NodeSet's selection, so its GPUs are free for the pods Kueue admits.
+POOL_LENT = "lent"
+POOLS = ("active", "standby", "quarantine", POOL_LENT)
+#: Taint on a lent node (effect NoSchedule): only pods that Kueue admitted, with its flavour's toleration, run there.
+TAINT_LENT = K8S_PREFIX + "lent"
 #: Label naming the fault on a node the agent's fast path took out (value = fault id).
 LABEL_FAULT = K8S_PREFIX + "fault"
 #: Annotation on a Node that reports its repair done (any value: who and what); the remediator then

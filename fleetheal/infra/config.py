@@ -201,7 +201,6 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
         monitoring_labels=dict(labels),
         kueue=v["kueue"],
         kueue_namespaces=tuple(dns_label("kueueNamespaces", n) for n in v["kueueNamespaces"]),
-        kueue_share_percent=percent("kueueSharePercent", v["kueueSharePercent"]),
         kueue_large_share_percent=percent("kueueLargeSharePercent", v["kueueLargeSharePercent"]),
         kueue_borrowing_limit_percent=percent("kueueBorrowingLimitPercent", v["kueueBorrowingLimitPercent"]),
         kueue_lending_limit_percent=percent("kueueLendingLimitPercent", v["kueueLendingLimitPercent"]),

@@ -1,7 +1,10 @@
 """KueueQueues: Kueue (v1beta2) queues for Kubernetes-native GPU work (inference, small experiments).
 
-One ResourceFlavor per GPU type (active pool nodes of that type), a large-job and a small-job
-ClusterQueue in one cohort with borrowing and lending limits, and a LocalQueue for each per namespace.
+Kubernetes workloads run on the nodes GPU pools lend (`fleetheal.io/pool: lent`): a lent node is out of the
+slurmd NodeSet's selection, so its GPUs are free; an active node's are every one slurmd's. One ResourceFlavor per
+GPU type selects that type's lent nodes and tolerates their taint; the quota of each type is what its pools may
+lend at most (`lendMaxPercent`), split between a large-job and a small-job ClusterQueue in one cohort with
+borrowing and lending limits; a LocalQueue for each per namespace.
 """
 
 from __future__ import annotations
@@ -25,11 +28,9 @@ class KueueQueuesArgs(TypedDict):
     cluster_name: str
     """Prefix of the ClusterQueue and cohort names."""
     pools: tuple[GpuPool, ...]
-    """GPU pools; GPUs are summed per GPU type."""
+    """GPU pools; the GPUs they may lend are summed per GPU type."""
     namespaces: tuple[str, ...]
     """Namespaces that get LocalQueues (created here)."""
-    share_percent: int
-    """Share of each GPU type's active GPUs Kueue may admit."""
     large_share_percent: int
     """Share of Kueue's GPUs that is the large-job queue's nominal quota."""
     borrowing_limit_percent: int
@@ -38,16 +39,15 @@ class KueueQueuesArgs(TypedDict):
     """Share of its nominal quota a ClusterQueue may lend to the cohort."""
 
 
-def quotas(pools: tuple[GpuPool, ...], share: int, large_share: int) -> dict[str, tuple[int, int]]:
-    """GPU type -> (large nominal quota, small nominal quota)."""
+def quotas(pools: tuple[GpuPool, ...], large_share: int) -> dict[str, tuple[int, int]]:
+    """GPU type -> (large nominal quota, small nominal quota): the GPUs of the nodes its pools may lend at once."""
     per_type: dict[str, int] = {}
     for p in pools:
-        per_type[p.gpu_type] = per_type.get(p.gpu_type, 0) + p.gpus
+        per_type[p.gpu_type] = per_type.get(p.gpu_type, 0) + p.lendable_nodes * p.gpus_per_node
     out: dict[str, tuple[int, int]] = {}
-    for t, gpus in sorted(per_type.items()):
-        kueue = math.floor(gpus * share / 100)
-        large = math.floor(kueue * large_share / 100)
-        out[t] = (large, kueue - large)
+    for t, lendable in sorted(per_type.items()):
+        large = math.floor(lendable * large_share / 100)
+        out[t] = (large, lendable - large)
     return out
 
 
@@ -60,7 +60,7 @@ class KueueQueues(pulumi.ComponentResource):
         cn = common.dns_label(COMPONENT, "cluster_name", a["cluster_name"], 40)
         if not a["pools"]:
             raise common.ComponentArgError(f"{COMPONENT}.pools: at least one GPU pool is required")
-        for f in ("share_percent", "large_share_percent", "borrowing_limit_percent", "lending_limit_percent"):
+        for f in ("large_share_percent", "borrowing_limit_percent", "lending_limit_percent"):
             v = a[f]
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 100:
                 raise common.ComponentArgError(f"{COMPONENT}.{f}: {v!r} is not accepted; use an integer from 0 to 100")
@@ -70,7 +70,7 @@ class KueueQueues(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         labels = common.labels("kueue", f"{cn}-gpu")
         cohort = f"{cn}-gpu"
-        q = quotas(a["pools"], a["share_percent"], a["large_share_percent"])
+        q = quotas(a["pools"], a["large_share_percent"])
         self.queue_names = {"large": f"{cn}-large", "small": f"{cn}-small"}
 
         self.flavors = [
@@ -80,8 +80,11 @@ class KueueQueues(pulumi.ComponentResource):
                 kind="ResourceFlavor",
                 metadata={"name": f"{cn}-{t}", "labels": labels},
                 spec={
-                    "nodeLabels": {contracts.LABEL_GPU_TYPE: t, contracts.LABEL_POOL: "active"},
-                    "tolerations": [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}],
+                    "nodeLabels": {contracts.LABEL_GPU_TYPE: t, contracts.LABEL_POOL: contracts.POOL_LENT},
+                    "tolerations": [
+                        {"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": contracts.TAINT_LENT, "operator": "Exists", "effect": "NoSchedule"},
+                    ],
                 },
                 opts=child,
             )

@@ -1,5 +1,6 @@
-"""The `gpuPools` setting checked into GpuPool values: fields per node provider, names, GPU counts, and for
-existing nodes the node names (each in one pool) and enough warm-standby nodes."""
+"""The `gpuPools` setting checked into GpuPool values: fields per node provider, names, GPU counts, the share of
+active nodes a pool may lend to Kubernetes workloads, and for existing nodes the node names (each in one pool) and
+enough warm-standby nodes."""
 
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ _POOL_PROPERTIES: dict[str, dict[str, Any]] = {
     "gpusPerNode": {"type": "integer", "minimum": 1, "maximum": 16, "x-hint": "use an integer from 1 to 16"},
     "nodes": {"type": "integer", "minimum": 1, "x-hint": "use an integer >= 1"},
     "instanceType": {"type": "string", "minLength": 1, "x-hint": "use an EC2 type such as p5.48xlarge"},
+    "lendMaxPercent": {"type": "integer", "minimum": 0, "maximum": 100, "x-hint": "use an integer from 0 to 100"},
 }
+#: Optional fields of every pool, with the value an absent one means: 0, the pool lends no node.
+_POOL_OPTIONAL = {"lendMaxPercent": 0}
 
 
 def _pool_schema(provider: str) -> dict[str, Any]:
     """A pool's fields for `provider` (its node lists are checked by _node_names: names across pools)."""
-    properties = {k: _POOL_PROPERTIES.get(k, {}) for k in _POOL_KEYS[provider]}
+    properties = {k: _POOL_PROPERTIES.get(k, {}) for k in (*_POOL_KEYS[provider], *_POOL_OPTIONAL)}
     return {
         "type": "object",
         "properties": properties,
@@ -66,6 +70,7 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
             raise ConfigError(problems[0][1])
         gpu_type = item["gpuType"]
         gpn = item["gpusPerNode"]
+        lend = int(item.get("lendMaxPercent", _POOL_OPTIONAL["lendMaxPercent"]))
         if provider == "existing":
             names = _node_names(f"{where}.nodeNames", item["nodeNames"], seen_nodes, allow_empty=False)
             standby_names = _node_names(f"{where}.standbyNodeNames", item["standbyNodeNames"], seen_nodes)
@@ -76,7 +81,18 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
                     f"(standbyMinNodes={min_nodes}, standbySharePercent={share} of {len(names)} nodes, never below 1); "
                     f"got {len(standby_names)}"
                 )
-            out.append(GpuPool(name, gpu_type, int(gpn), len(names), len(standby_names), names, standby_names))
+            out.append(
+                GpuPool(
+                    name,
+                    gpu_type,
+                    int(gpn),
+                    len(names),
+                    len(standby_names),
+                    names,
+                    standby_names,
+                    lend_max_percent=lend,
+                )
+            )
         else:
             nodes = item["nodes"]
             itype = item["instanceType"]
@@ -88,6 +104,7 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
                     int(nodes),
                     standby_size(int(nodes), min_nodes, share),
                     instance_type=itype,
+                    lend_max_percent=lend,
                 )
             )
     return tuple(out)

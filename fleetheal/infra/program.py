@@ -296,7 +296,6 @@ def build(cfg: StackConfig) -> Fleet:
                 "cluster_name": cfg.cluster_name,
                 "pools": cfg.gpu_pools,
                 "namespaces": cfg.kueue_namespaces,
-                "share_percent": cfg.kueue_share_percent,
                 "large_share_percent": cfg.kueue_large_share_percent,
                 "borrowing_limit_percent": cfg.kueue_borrowing_limit_percent,
                 "lending_limit_percent": cfg.kueue_lending_limit_percent,

@@ -45,10 +45,17 @@ class GpuPool:
     node_names: tuple[str, ...] = ()
     standby_node_names: tuple[str, ...] = ()
     instance_type: str = ""
+    #: The most of the pool's active nodes lent to Kubernetes workloads at once, in percent (0: none).
+    lend_max_percent: int = 0
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def lendable_nodes(self) -> int:
+        """Active nodes the pool may lend at once (whole nodes: a lent node leaves Slurm whole)."""
+        return math.floor(self.nodes * self.lend_max_percent / 100)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +162,6 @@ class StackConfig:
     monitoring_labels: Mapping[str, str]
     kueue: bool
     kueue_namespaces: tuple[str, ...]
-    kueue_share_percent: int
     kueue_large_share_percent: int
     kueue_borrowing_limit_percent: int
     kueue_lending_limit_percent: int

@@ -10,7 +10,8 @@ nothing imports that one).
 One validator function per rule, grouped by what it guards:
 - shared: the names fleetheal's parts agree on, and readers of a resource's kind, name and labels;
 - agent_rules: pinned images and the node agent (its resources, its reach over GPU NodeSets);
-- pool_rules: GPU pools (warm standby, membership, failure domains) and checkpoint storage;
+- pool_rules: GPU pools (warm standby, membership, failure domains, Kueue's quotas on lent nodes) and checkpoint
+  storage;
 - remediator_rules: the remediator (RBAC, authenticated alerts, replicas and their store);
 - access_rules: what the agent's and the remediator's accounts are bound to, and who may reach their pods;
 - slurm_rules: Slurm (job requeue) and the Slurm federation (cluster names, accounting).
@@ -37,6 +38,7 @@ from .pool_rules import (
     FAILURE_DOMAIN_SCHEMA,
     STANDBY_SCHEMA,
     validate_checkpoint_storage_rwx,
+    validate_kueue_quotas_schedulable,
     validate_node_in_one_pool,
     validate_standby_failure_domains,
     validate_standby_minimum,
@@ -93,6 +95,12 @@ def policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
             name="checkpoint-storage-rwx",
             description="The volume GPU NodeSets share for checkpoints is ReadWriteMany.",
             validate=validate_checkpoint_storage_rwx,
+            enforcement_level=mandatory,
+        ),
+        StackValidationPolicy(
+            name="kueue-quotas-schedulable",
+            description="Kueue's GPU quotas are on the nodes GPU pools lend, never on slurmd's or the standby's.",
+            validate=validate_kueue_quotas_schedulable,
             enforcement_level=mandatory,
         ),
         ResourceValidationPolicy(

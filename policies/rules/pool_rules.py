@@ -1,12 +1,15 @@
 """Rules on GPU pools and their storage: each pool's warm-standby minimum and failure domains, every
-node in exactly one pool's membership (read as the remediator's membership controller reads it), and
-the ReadWriteMany volume GPU NodeSets share for checkpoints.
+node in exactly one pool's membership (read as the remediator's membership controller reads it), the
+ReadWriteMany volume GPU NodeSets share for checkpoints, and Kueue's GPU quotas on nodes the pools lend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from pulumi_policy import (
     PolicyConfigSchema,
@@ -16,12 +19,15 @@ from pulumi_policy import (
 
 from .shared import (
     EKS_NODE_GROUP,
+    GPU,
     LABEL_GPU_POOL,
     LABEL_GPU_TYPE,
     LABEL_MEMBERSHIP,
     LABEL_POOL,
     MEMBER_ROLES,
+    POOL_LENT,
     SLINKY,
+    TAINT_LENT,
     _cfg,
     _kind,
     _labels,
@@ -282,3 +288,64 @@ def validate_checkpoint_storage_rwx(args: StackValidationArgs, report: ReportVio
                     "[ReadWriteMany] with a StorageClass that supports it (NFS, Lustre CSI, a cloud file store).",
                     pvc.urn,
                 )
+
+
+KUEUE = "kueue.x-k8s.io/"
+
+
+def _gpu_quota(flavor: Mapping[str, Any]) -> float:
+    """The nvidia.com/gpu nominal quota of one ClusterQueue flavour entry (a number or a plain quantity string)."""
+    total = 0.0
+    for res in flavor.get("resources") or []:
+        if res.get("name") == GPU:
+            with contextlib.suppress(TypeError, ValueError):
+                total += float(res.get("nominalQuota") or 0)
+    return total
+
+
+def validate_kueue_quotas_schedulable(args: StackValidationArgs, report: ReportViolation) -> None:
+    """Every GPU quota of a Kueue ClusterQueue is on a ResourceFlavor of lent nodes that tolerates their taint."""
+    flavors = {
+        _name(r.props): r.props.get("spec") or {}
+        for r in args.resources
+        if _kind(r.props)[0].startswith(KUEUE) and _kind(r.props)[1] == "ResourceFlavor"
+    }
+    for r in args.resources:
+        if not (_kind(r.props)[0].startswith(KUEUE) and _kind(r.props)[1] == "ClusterQueue"):
+            continue
+        cq = _name(r.props)
+        for group in (r.props.get("spec") or {}).get("resourceGroups") or []:
+            for entry in group.get("flavors") or []:
+                gpus, name = _gpu_quota(entry), str(entry.get("name", "?"))
+                if gpus <= 0:
+                    continue
+                given = f"ClusterQueue '{cq}' gives {gpus:g} {GPU} on ResourceFlavor '{name}'"
+                spec = flavors.get(name)
+                if spec is None:
+                    report(
+                        f"{given}, which the stack does not declare. Kueue keeps the ClusterQueue inactive and admits "
+                        "nothing. Fix: declare the flavour with fleetheal.infra.kueue.KueueQueues.",
+                        r.urn,
+                    )
+                    continue
+                pool = (spec.get("nodeLabels") or {}).get(LABEL_POOL)
+                tolerated = any(
+                    t.get("key") == TAINT_LENT and t.get("effect") in (None, "", "NoSchedule")
+                    for t in spec.get("tolerations") or []
+                )
+                if pool != POOL_LENT:
+                    where = f"{LABEL_POOL}={pool}" if pool else f"no {LABEL_POOL} label, so any GPU node"
+                    report(
+                        f"{given}, whose nodes are {where}. A pod Kueue admits there is never scheduled: the "
+                        f"slurmd NodeSet's pods request every GPU of an active node, and standby nodes are the "
+                        f"reserve that replaces failed ones. Fix: select {LABEL_POOL}: {POOL_LENT} (the nodes GPU "
+                        "pools lend, gpuPools[].lendMaxPercent) and tolerate their taint, as KueueQueues renders it.",
+                        r.urn,
+                    )
+                elif not tolerated:
+                    report(
+                        f"{given}, whose lent nodes carry the {TAINT_LENT}:NoSchedule taint the flavour does not "
+                        "tolerate, so no admitted pod is ever scheduled there. Fix: add the toleration "
+                        f"{{key: {TAINT_LENT}, operator: Exists, effect: NoSchedule}} to the flavour.",
+                        r.urn,
+                    )

@@ -23,6 +23,9 @@ LABEL_GPU_TYPE = K8S_PREFIX + "gpu-type"
 LABEL_MEMBERSHIP = K8S_PREFIX + "membership"
 LABEL_ENVIRONMENT = K8S_PREFIX + "environment"
 MEMBER_ROLES = ("active", "standby")
+#: The pool of nodes lent to Kubernetes workloads, and the taint only Kueue-admitted pods tolerate there.
+POOL_LENT = "lent"
+TAINT_LENT = K8S_PREFIX + "lent"
 PRODUCTION = "production"
 #: On a federation member's Controller and Accounting (and the manager's federation ConfigMap): manager or worker.
 LABEL_FEDERATION_ROLE = K8S_PREFIX + "federation-role"

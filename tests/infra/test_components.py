@@ -118,7 +118,6 @@ COMPONENTS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
             "cluster_name": "c1",
             "pools": (POOL,),
             "namespaces": ("ml",),
-            "share_percent": 50,
             "large_share_percent": 50,
             "borrowing_limit_percent": 10,
             "lending_limit_percent": 10,

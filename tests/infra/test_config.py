@@ -181,6 +181,17 @@ def test_eks_pools_get_their_standby_size_from_config() -> None:
     assert cfg.gpu_pools[0].standby_nodes == 7
 
 
+def test_a_pool_lends_whole_nodes_up_to_its_lend_max_percent_and_none_by_default() -> None:
+    cfg = config.from_values({"gpuPools": [{**_pool(nodes=10), "lendMaxPercent": 25}, _pool("a100")]})
+    lending, other = cfg.gpu_pools
+    assert (lending.lend_max_percent, lending.lendable_nodes) == (25, 2)  # 2.5 nodes: a node is lent whole
+    assert (other.lend_max_percent, other.lendable_nodes) == (0, 0)
+    for bad, hint in ((101, "use an integer from 0 to 100"), ("10", "use an integer from 0 to 100")):
+        with pytest.raises(config.ConfigError) as err:
+            config.from_values({"gpuPools": [{**_pool(), "lendMaxPercent": bad}]})
+        assert str(err.value) == f"fleetheal:gpuPools[0].lendMaxPercent: {bad!r} is not accepted; {hint}"
+
+
 def test_bad_config_fails_before_any_resource_is_registered() -> None:
     from fleetheal.infra import program
 

@@ -198,11 +198,16 @@ def test_kueue_quotas_cohort_and_limits(
     records = _build(run_mocked, dev_config)
     cqs = {o["metadata"]["name"]: o["spec"] for o in by_kind(records, "ClusterQueue")}
     assert {s["cohortName"] for s in cqs.values()} == {"lab-gpu"}
-    # h100: 8 nodes x 8 GPUs = 64, 10% for Kueue = 6, 75% of that large = 4, small 2
+    # h100 lends 25% of its 8 active nodes: 2 nodes x 8 GPUs = 16, 75% of that large = 12, small 4; a100 lends none
     large = {f["name"]: f["resources"][0] for f in cqs["lab-large"]["resourceGroups"][0]["flavors"]}
-    assert large["lab-h100"] == {"name": "nvidia.com/gpu", "nominalQuota": 4, "borrowingLimit": 2, "lendingLimit": 2}
+    assert large["lab-h100"] == {"name": "nvidia.com/gpu", "nominalQuota": 12, "borrowingLimit": 6, "lendingLimit": 6}
     small = {f["name"]: f["resources"][0] for f in cqs["lab-small"]["resourceGroups"][0]["flavors"]}
-    assert small["lab-h100"]["nominalQuota"] == 2
+    assert small["lab-h100"]["nominalQuota"] == 4
+    assert large["lab-a100"]["nominalQuota"] == small["lab-a100"]["nominalQuota"] == 0
+    # Kueue's pods go to lent nodes only (an active node's GPUs are all slurmd's), through their taint.
+    flavors = {o["metadata"]["name"]: o["spec"] for o in by_kind(records, "ResourceFlavor")}
+    assert flavors["lab-h100"]["nodeLabels"] == {contracts.LABEL_GPU_TYPE: "h100", contracts.LABEL_POOL: "lent"}
+    assert {t["key"] for t in flavors["lab-h100"]["tolerations"]} == {"nvidia.com/gpu", contracts.TAINT_LENT}
     lqs = sorted((o["metadata"]["namespace"], o["spec"]["clusterQueue"]) for o in by_kind(records, "LocalQueue"))
     assert lqs == [("inference", "lab-large"), ("inference", "lab-small"), ("ml", "lab-large"), ("ml", "lab-small")]
     bad = dict(by_kind(records, "ClusterQueue")[0])

@@ -62,7 +62,16 @@ def test_the_packs_requirements_are_exact_and_match_the_repository_pins() -> Non
 
 
 def test_the_names_the_pack_carries_equal_fleetheals_contracts() -> None:
-    for name in ("LABEL_POOL", "LABEL_GPU_POOL", "LABEL_GPU_TYPE", "LABEL_MEMBERSHIP", "MEMBER_ROLES"):
+    names = (
+        "LABEL_POOL",
+        "LABEL_GPU_POOL",
+        "LABEL_GPU_TYPE",
+        "LABEL_MEMBERSHIP",
+        "MEMBER_ROLES",
+        "POOL_LENT",
+        "TAINT_LENT",
+    )
+    for name in names:
         assert getattr(shared, name) == getattr(contracts, name), name
     # The Pulumi components take it from the pack itself: one definition.
     assert common.image_is_pinned is shared.image_is_pinned

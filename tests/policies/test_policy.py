@@ -870,7 +870,7 @@ def test_checkpoint_storage_missing() -> None:
 def test_pack_names_descriptions_and_config_schemas() -> None:
     pols = policy.policies()
     names = [p.name for p in pols]
-    assert len(names) == len(set(names)) == 18
+    assert len(names) == len(set(names)) == 19
     for p in pols:
         assert p.name == p.name.lower() and " " not in p.name and "_" not in p.name
         assert p.description.endswith(".") and p.description.count(". ") == 0
@@ -1008,6 +1008,27 @@ def _mutate(
             lambda p: p["spec"]["podSelector"]["matchLabels"].update({"app.kubernetes.io/name": "other"}),
             "workloads-behind-network-policy",
         ),
+        # Issue 47: Kueue's flavour selected active nodes, whose GPUs slurmd's NodeSet requests, every one.
+        (
+            "ResourceFlavor",
+            "lab-h100",
+            lambda p: p["spec"]["nodeLabels"].update({contracts.LABEL_POOL: "active"}),
+            "kueue-quotas-schedulable",
+        ),
+        (
+            "ResourceFlavor",
+            "lab-h100",
+            lambda p: p["spec"].update(tolerations=p["spec"]["tolerations"][:1]),
+            "kueue-quotas-schedulable",
+        ),
+        (
+            "ClusterQueue",
+            "lab-small",
+            lambda p: next(f for f in p["spec"]["resourceGroups"][0]["flavors"] if f["name"] == "lab-h100").update(
+                name="lab-h200"
+            ),
+            "kueue-quotas-schedulable",
+        ),
     ],
 )
 def test_whole_pack_fails_each_mutated_example_stack(
@@ -1079,3 +1100,27 @@ def test_whole_pack_standby_failure_domains_from_pack_config(example_graph: list
         "GPU pool 'h100' has its 2 warm-standby node(s) in 1 failure domain(s) [h100-fd0 (2)]; they must span at "
         "least 2 (standbyMinFailureDomains=2,"
     )
+
+
+def test_a_kueue_quota_on_slurmds_nodes_is_refused_with_the_reason(
+    example_graph: list[tuple[str, str, Props]],
+) -> None:
+    """The contradiction issue 47 found on main: Kueue's flavour on active nodes, where slurmd takes every GPU."""
+    graph = _mutate(
+        example_graph,
+        "ResourceFlavor",
+        "lab-h100",
+        lambda p: p["spec"]["nodeLabels"].update({contracts.LABEL_POOL: "active"}),
+    )
+    messages = sorted(m for p, m in policy.evaluate(graph) if p == "kueue-quotas-schedulable")
+    assert messages == [
+        f"ClusterQueue '{cq}' gives {gpus} nvidia.com/gpu on ResourceFlavor 'lab-h100', whose nodes are "
+        f"{contracts.LABEL_POOL}=active. A pod Kueue admits there is never scheduled: the slurmd NodeSet's pods "
+        "request every GPU of an active node, and standby nodes are the reserve that replaces failed ones. Fix: "
+        f"select {contracts.LABEL_POOL}: lent (the nodes GPU pools lend, gpuPools[].lendMaxPercent) and tolerate "
+        "their taint, as KueueQueues renders it."
+        for cq, gpus in (("lab-large", 12), ("lab-small", 4))
+    ]
+    # A flavour with no quota (a100 lends nothing) is never refused, wherever it points.
+    graph = _mutate(example_graph, "ResourceFlavor", "lab-a100", lambda p: p["spec"].update(nodeLabels={}))
+    assert policy.evaluate(graph) == []
