@@ -48,6 +48,12 @@ POOL_LENT = "lent"
 POOLS = ("active", "standby", "quarantine", POOL_LENT)
 #: Taint on a lent node (effect NoSchedule): only pods that Kueue admitted, with its flavour's toleration, run there.
 TAINT_LENT = K8S_PREFIX + "lent"
+#: What a node of a GPU pool does, in view order (the lending controller's rounds, the metric
+#: fleetheal_remediator_gpu_pool_nodes, `fleetheal fleet status`).
+POOL_USES = ("training", "inference", "lent", "idle", "standby", "repair", "unavailable")
+#: Annotation on a lent Node: JSON {"since": when it was lent, "pool": its GPU pool, "reclaim": when Slurm asked
+#: for it back}; the lending controller reads its state back from it.
+ANNOTATION_LENT = K8S_PREFIX + "lent"
 #: Label naming the fault on a node the agent's fast path took out (value = fault id).
 LABEL_FAULT = K8S_PREFIX + "fault"
 #: Annotation on a Node that reports its repair done (any value: who and what); the remediator then
@@ -84,7 +90,11 @@ LAUNCH_TAG = "fleetheal-launch"
 #: How fleetheal's own lines in a job's log begin (the remediator's `fleetheal: <did> (incident <id>)`, the
 #: launcher's `fleetheal launch: ...`): whoever judges the log skips them, they are never the job's words.
 OWN_LOG_LINE = (DRAIN_REASON_PREFIX, "fleetheal launch:")
-POOL_REASONS = (DRAIN_REASON_PREFIX + "standby", DRAIN_REASON_PREFIX + "quarantine")
+#: The Slurm drain reason of a node lent to Kubernetes workloads (fleetheal.remediator.lending).
+LENT_REASON = DRAIN_REASON_PREFIX + "lent"
+#: Drain reasons of a pool, not of a fault: the fleet budget does not count them (and the remediator's isolation
+#: replaces LENT_REASON with its fault's).
+POOL_REASONS = (DRAIN_REASON_PREFIX + "standby", DRAIN_REASON_PREFIX + "quarantine", LENT_REASON)
 
 
 def budget_limit(absolute: int, fraction: float, size: int) -> int:

@@ -109,12 +109,12 @@ class SlurmDrainer:
 
     def budget(self, nodes: list[Node], before: Callable[[Node], bool] | None = None) -> tuple[int, int]:
         """(fault drains fleetheal owns on other nodes, the most the budget allows). Pool drains (standby,
-        quarantine) are not faults; the pool is every node outside the standby pool. With `before`, only
+        quarantine, lent) are not faults; the pool is every node outside the standby pool. With `before`, only
         the drains it accepts count."""
-        standby, quarantine = POOL_REASONS
+        standby = POOL_REASONS[0]
 
         def pool_reason(n: Node) -> bool:
-            return bool(n.reason) and str(n.reason).startswith((standby, quarantine))
+            return bool(n.reason) and str(n.reason).startswith(POOL_REASONS)
 
         pool = [n for n in nodes if not (n.drained and str(n.reason or "").startswith(standby))]
         faults = [n for n in nodes if n.drained and owns_reason(n.reason) and not pool_reason(n)]

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from fleetheal.contracts import POOL_USES
 from fleetheal.fleet.view import NODE_STATES, FleetStatus, Gpus, Queue, Remediator, by_qos, queue_of
 
 if TYPE_CHECKING:
@@ -102,9 +103,23 @@ def table(status: FleetStatus) -> str:
             _opt(status.remediator_total("open_incidents")),
         )
     )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines + notes) + "\n"
+    return "\n".join(_aligned(rows) + notes + _pools_table(status)) + "\n"
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _pools_table(status: FleetStatus) -> list[str]:
+    """Per GPU pool, nodes/GPUs by what they do (from the remediators that lend); nothing when none reports."""
+    rows: list[tuple[str, ...]] = [("CLUSTER", "GPU POOL", *(u.upper() for u in POOL_USES))]
+    for c in status.clusters:
+        for pool, uses in sorted((c.remediator.gpu_pools if c.remediator else {}).items()):
+            rows.append((c.name, pool, *(f"{uses.get(u, (0, 0))[0]}/{uses.get(u, (0, 0))[1]}" for u in POOL_USES)))
+    if len(rows) == 1:
+        return []
+    return ["", "GPU pools, nodes/GPUs by use:", *_aligned(rows)]
 
 
 # --- the exporter ----------------------------------------------------------------------------------------------

@@ -106,6 +106,8 @@ class Remediator:
     standby_nodes: int | None = None
     open_incidents: int | None = None
     error: str = ""
+    #: GPU pool -> use -> (nodes, GPUs), from its lending controller (`remediator_pools`); empty without one.
+    gpu_pools: Mapping[str, Mapping[str, tuple[int, int]]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +115,10 @@ class Remediator:
             "up": self.up,
             "standby_nodes": self.standby_nodes,
             "open_incidents": self.open_incidents,
+            "gpu_pools": {
+                pool: {use: {"nodes": n, "gpus": g} for use, (n, g) in uses.items()}
+                for pool, uses in self.gpu_pools.items()
+            },
             "error": self.error,
         }
 
@@ -253,6 +259,24 @@ def remediator_numbers(metrics_text: str) -> tuple[int | None, int | None]:
     return standby, incidents
 
 
+def remediator_pools(metrics_text: str) -> dict[str, dict[str, tuple[int, int]]]:
+    """GPU pool -> use -> (nodes, GPUs) from a remediator's `/metrics` (fleetheal_remediator_gpu_pool_nodes and
+    _gpus, which its lending controller sets each round); empty when it exports none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cells: dict[tuple[str, str], list[int]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        column = {"fleetheal_remediator_gpu_pool_nodes": 0, "fleetheal_remediator_gpu_pool_gpus": 1}.get(family.name)
+        if column is None:
+            continue
+        for s in family.samples:
+            cells.setdefault((s.labels.get("gpu_pool", ""), s.labels.get("use", "")), [0, 0])[column] = int(s.value)
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for (pool, use), (nodes, gpus) in sorted(cells.items()):
+        out.setdefault(pool, {})[use] = (nodes, gpus)
+    return out
+
+
 def read_remediator(url: str, timeout: float = 5.0) -> Remediator:
     """The standby pool and open incidents of the remediator at `url`; `up` False, with why, when it fails."""
     import urllib.error
@@ -270,9 +294,10 @@ def read_remediator(url: str, timeout: float = 5.0) -> Remediator:
         return Remediator(url, False, error=f"{metrics_url}: {getattr(exc, 'reason', exc)}")
     try:
         standby, incidents = remediator_numbers(text)
+        pools = remediator_pools(text)
     except ValueError as exc:
         return Remediator(url, False, error=f"{metrics_url}: not Prometheus text ({exc})")
-    return Remediator(url, True, standby, incidents)
+    return Remediator(url, True, standby, incidents, gpu_pools=pools)
 
 
 # --- collecting ------------------------------------------------------------------------------------------

@@ -31,9 +31,11 @@ _POOL_PROPERTIES: dict[str, dict[str, Any]] = {
     "nodes": {"type": "integer", "minimum": 1, "x-hint": "use an integer >= 1"},
     "instanceType": {"type": "string", "minLength": 1, "x-hint": "use an EC2 type such as p5.48xlarge"},
     "lendMaxPercent": {"type": "integer", "minimum": 0, "maximum": 100, "x-hint": "use an integer from 0 to 100"},
+    "lendMinSeconds": {"type": "integer", "minimum": 0, "x-hint": "use a number of seconds >= 0"},
+    "reclaimGraceSeconds": {"type": "integer", "minimum": 0, "x-hint": "use a number of seconds >= 0"},
 }
-#: Optional fields of every pool, with the value an absent one means: 0, the pool lends no node.
-_POOL_OPTIONAL = {"lendMaxPercent": 0}
+#: Optional fields of every pool, with the value an absent one means (lendMaxPercent 0: the pool lends no node).
+_POOL_OPTIONAL = {"lendMaxPercent": 0, "lendMinSeconds": 600, "reclaimGraceSeconds": 120}
 
 
 def _pool_schema(provider: str) -> dict[str, Any]:
@@ -70,7 +72,8 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
             raise ConfigError(problems[0][1])
         gpu_type = item["gpuType"]
         gpn = item["gpusPerNode"]
-        lend = int(item.get("lendMaxPercent", _POOL_OPTIONAL["lendMaxPercent"]))
+        lend = {k: int(item.get(k, default)) for k, default in _POOL_OPTIONAL.items()}
+        max_percent, min_s, grace_s = lend["lendMaxPercent"], lend["lendMinSeconds"], lend["reclaimGraceSeconds"]
         if provider == "existing":
             names = _node_names(f"{where}.nodeNames", item["nodeNames"], seen_nodes, allow_empty=False)
             standby_names = _node_names(f"{where}.standbyNodeNames", item["standbyNodeNames"], seen_nodes)
@@ -90,7 +93,9 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
                     len(standby_names),
                     names,
                     standby_names,
-                    lend_max_percent=lend,
+                    lend_max_percent=max_percent,
+                    lend_min_s=min_s,
+                    reclaim_grace_s=grace_s,
                 )
             )
         else:
@@ -104,7 +109,9 @@ def pools(raw: list[dict[str, Any]], provider: str, min_nodes: int, share: int) 
                     int(nodes),
                     standby_size(int(nodes), min_nodes, share),
                     instance_type=itype,
-                    lend_max_percent=lend,
+                    lend_max_percent=max_percent,
+                    lend_min_s=min_s,
+                    reclaim_grace_s=grace_s,
                 )
             )
     return tuple(out)

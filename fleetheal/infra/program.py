@@ -271,6 +271,13 @@ def build(cfg: StackConfig) -> Fleet:
         "membership": cfg.node_provider == "existing",
         "monitoring_labels": dict(cfg.monitoring_labels),
     }
+    lending = {
+        p.name: {"max_nodes": p.lendable_nodes, "min_lent_s": p.lend_min_s, "reclaim_grace_s": p.reclaim_grace_s}
+        for p in cfg.gpu_pools
+        if p.lendable_nodes
+    }
+    if lending:  # idle nodes of these pools serve Kueue's workloads (its flavours select the lent nodes)
+        remediator_args["lending"] = lending
     if cfg.federation.fleet_file:  # a federation member: cross-cluster failover by the fleet file
         remediator_args["fleet_configmap"] = FLEET_CONFIGMAP
     remediator = Remediator(

@@ -37,7 +37,7 @@ from fleetheal.infra.remediator_config import (
 from fleetheal.infra.remediator_store import RemediatorStore
 
 #: RemediatorArgs' NotRequired keys (with postponed annotations TypedDict counts every key as required).
-_OPTIONAL = ("fleet_configmap",)
+_OPTIONAL = ("fleet_configmap", "lending")
 
 
 class RemediatorArgs(TypedDict):
@@ -67,6 +67,9 @@ class RemediatorArgs(TypedDict):
     monitoring_labels: dict[str, str]
     """Labels that make the Prometheus operator select the remediator's ServiceMonitor (its /metrics: the
     health alerts FleethealRemediatorUnreachable, ...Degraded, NoRemediatorActs read it)."""
+    lending: NotRequired[dict[str, dict[str, int]]]
+    """GPU pool -> {max_nodes, min_lent_s, reclaim_grace_s}: the leader lends those pools' idle Slurm nodes to
+    Kubernetes workloads (Kueue's) and takes them back (fleetheal.remediator.lending)."""
     membership: bool
     """Apply the GPU pools' membership ConfigMaps in `namespace` to the Nodes (existing-nodes provider):
     the remediator gets read access to ConfigMaps there and runs its membership controller."""
@@ -164,6 +167,7 @@ class Remediator(pulumi.ComponentResource):
                         lease_namespace=ns if shared else None,
                         membership_namespace=ns if a["membership"] else None,
                         fleet_file=f"{FLEET_MOUNT}/fleet.yaml" if fleet_cm is not None else None,
+                        lending=a.get("lending"),
                     ),
                     sort_keys=True,
                 )

@@ -47,6 +47,9 @@ class GpuPool:
     instance_type: str = ""
     #: The most of the pool's active nodes lent to Kubernetes workloads at once, in percent (0: none).
     lend_max_percent: int = 0
+    #: A lent node stays lent at least this long; a pod on a node Slurm takes back gets this grace to stop.
+    lend_min_s: int = 600
+    reclaim_grace_s: int = 120
 
     @property
     def gpus(self) -> int:

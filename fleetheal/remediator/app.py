@@ -38,6 +38,7 @@ from fleetheal.remediator import alerts
 from fleetheal.remediator.config import MIN_TOKEN_LENGTH, Config, ConfigError, require_token
 from fleetheal.remediator.engine import Engine
 from fleetheal.remediator.leader import LeaderElector, Probe, api_client
+from fleetheal.remediator.lending import LendingController
 from fleetheal.remediator.lifecycle import LifecycleError
 from fleetheal.remediator.membership import MembershipController
 from fleetheal.remediator.metrics import CONTENT_TYPE, Metrics
@@ -154,7 +155,7 @@ class Service:
         self.metrics.set_leader(self.elector is None)
         #: Applies the stack's pool membership to the Nodes while this replica leads (membership.py).
         self.membership: MembershipController | None = None
-        self._membership_stop = threading.Event()
+        self._controllers_stop = threading.Event()
         self._membership_thread: threading.Thread | None = None
         if cfg.membership.enabled:
             from kubernetes import client
@@ -167,6 +168,21 @@ class Service:
                 resync_s=m.resync_s,
                 release_grace_s=m.release_grace_s,
                 on_apply=self.metrics.membership_applied,
+            )
+        #: Lends idle Slurm nodes to Kubernetes workloads and takes them back while this replica leads (lending.py).
+        self.lending: LendingController | None = None
+        self._lending_thread: threading.Thread | None = None
+        if cfg.lending.enabled:
+            settings = self._settings or steps.Settings.load(cfg.runner.playbook_dir, cfg.runner.site_vars)
+            kube = steps.kube_for(settings)
+            if kube is None:
+                raise ConfigError("lending.enabled: the playbook settings name no Kubernetes API (kubeconfig)")
+            self.lending = LendingController(
+                cfg.lending,
+                self.store,
+                kube,
+                steps.Slurm(settings),
+                on_round=lambda r: self.metrics.lending_round(r.uses, len(r.lent), len(r.reclaimed)),
             )
 
     def _new_engine(self) -> Engine:
@@ -229,7 +245,7 @@ class Service:
         acts any more, without waiting for the event loop (it may be stuck in a database call). True once
         every playbook process of this replica was seen gone (within leader_election.fence_timeout_s)."""
         self.store.follow()  # the state machine's writes are refused from now on
-        self._stop_membership()
+        self._stop_controllers()
         stopped = self.engine.abandon(self.cfg.leader_election.fence_timeout_s)
         self.metrics.set_leader(False)
         self._role(False)
@@ -240,19 +256,26 @@ class Service:
         if self.elector is not None:
             self.elector.demand_step_down(reason)
 
-    def _start_membership(self) -> None:
-        if self.membership is None or self._membership_thread is not None:
+    def _start_controllers(self) -> None:
+        """The leader's controllers: pool membership, and lending when enabled."""
+        if self._membership_thread is not None or self._lending_thread is not None:
             return
-        self._membership_stop = threading.Event()
-        self._membership_thread = threading.Thread(
-            target=self.membership.run, args=(self._membership_stop,), name="membership", daemon=True
-        )
-        self._membership_thread.start()
+        self._controllers_stop = threading.Event()
+        if self.membership is not None:
+            self._membership_thread = threading.Thread(
+                target=self.membership.run, args=(self._controllers_stop,), name="membership", daemon=True
+            )
+            self._membership_thread.start()
+        if self.lending is not None:
+            self._lending_thread = threading.Thread(
+                target=self.lending.run, args=(self._controllers_stop,), name="lending", daemon=True
+            )
+            self._lending_thread.start()
 
-    def _stop_membership(self) -> None:
-        """Stops applying at once (its watches end within seconds, in the background)."""
-        self._membership_stop.set()
-        self._membership_thread = None
+    def _stop_controllers(self) -> None:
+        """Stops applying and lending at once (their watches and rounds end within seconds, in the background)."""
+        self._controllers_stop.set()
+        self._membership_thread = self._lending_thread = None
 
     async def _roles_loop(self) -> None:
         assert self._roles is not None
@@ -277,7 +300,7 @@ class Service:
                 self.metrics.set_leader(True)
                 log.info("leading: resuming the incidents", extra={"epoch": epoch, "identity": self.elector.identity})
                 await self.engine.start()
-                self._start_membership()
+                self._start_controllers()
             elif not lead and leading:
                 leading = self._acting = False
                 old, self.engine = self.engine, self._new_engine()
@@ -300,7 +323,7 @@ class Service:
         self._loop = asyncio.get_running_loop()
         if self.elector is None:
             await self.engine.start()
-            self._start_membership()
+            self._start_controllers()
         else:
             self._roles = asyncio.Queue()
             self._roles_task = asyncio.create_task(self._roles_loop(), name="roles")
@@ -313,7 +336,7 @@ class Service:
             asyncio.get_running_loop().run_in_executor(None, self.runner.warm_up)
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        self._stop_membership()
+        self._stop_controllers()
         if self._elector_thread is not None:
             if self._roles_task is not None:
                 self._roles_task.cancel()

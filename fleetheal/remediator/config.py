@@ -162,6 +162,29 @@ class MembershipConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LendingPool:
+    """One GPU pool's lending rules (the stack renders them from gpuPools[].lendMaxPercent and the lend* settings)."""
+
+    #: Active nodes of the pool lent at once, at most.
+    max_nodes: int = 0
+    #: A lent node stays lent at least this long before Slurm may take it back (no churn).
+    min_lent_s: float = 600.0
+    #: The grace a pod on a node Slurm takes back gets to stop (its PodDisruptionBudget holds as well).
+    reclaim_grace_s: float = 120.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LendingConfig:
+    """Idle Slurm nodes lent to Kubernetes workloads and taken back (lending.py); run by the leader."""
+
+    enabled: bool = False
+    #: One round of lending and reclaiming this often.
+    interval_s: float = 2.0
+    #: GPU pool (the Nodes' fleetheal.io/gpu-pool label) -> its rules; a pool not listed never lends.
+    pools: Mapping[str, LendingPool] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RunnerConfig:
     #: Directory of the remediation playbooks (taxonomy action -> playbook file name).
     playbook_dir: str = dataclasses.field(default_factory=lambda: str(_repo_root() / "playbooks"))
@@ -317,6 +340,7 @@ class Config:
     failover: FailoverConfig = dataclasses.field(default_factory=FailoverConfig)
     leader_election: LeaderElectionConfig = dataclasses.field(default_factory=LeaderElectionConfig)
     membership: MembershipConfig = dataclasses.field(default_factory=MembershipConfig)
+    lending: LendingConfig = dataclasses.field(default_factory=LendingConfig)
     #: The bearer token (never printed: repr=False), from FLEETHEAL_REMEDIATOR_TOKEN or auth.token_file.
     token: str = dataclasses.field(default="", repr=False, compare=False, metadata=settings.NOT_A_SETTING)
     #: Why the token could not be read (reported when the service starts).
@@ -376,6 +400,10 @@ def _check(cfg: Config) -> None:
             )
         if not contracts.is_node_name(le.namespace) or not contracts.is_node_name(le.lease_name):
             raise ConfigError("leader_election: namespace and lease_name must be RFC 1123 names")
+    if cfg.lending.enabled and not cfg.lending.pools:
+        raise ConfigError(
+            "lending.pools: name the GPU pools that lend (pool -> max_nodes, min_lent_s, reclaim_grace_s)"
+        )
     if cfg.membership.enabled and not contracts.is_node_name(cfg.membership.namespace):
         raise ConfigError(f"membership.namespace: {cfg.membership.namespace!r} is not an RFC 1123 name")
     # Case-insensitive, as SQLite's PRAGMA is.

@@ -50,6 +50,8 @@ _CAPS = "gate.budget: the absolute caps must be >= 0"
 _FRACTION = "{path}: must be between 0 and 1"
 _LIFECYCLE = "lifecycle: standby_target >= 0 and reconcile_interval_s > 0 are required"
 _MEMBERSHIP = "membership: resync_s > 0 and release_grace_s >= 0 are required"
+_LENDING = "lending: interval_s > 0 is required"
+_LENDING_POOL = "{path}: max_nodes >= 0, min_lent_s >= 0 and reclaim_grace_s >= 0 are required"
 _WEBHOOK = "webhook: max_body_bytes must be >= 1024 and max_alerts >= 1"
 _KEEP = "runner: keep_runs_days >= 0 and keep_runs >= 0 are required (0: no limit)"
 _FAILOVER = "failover: wait_s >= 0 and timeout_s > 0 are required"
@@ -97,6 +99,25 @@ SCHEMA: dict[str, Any] = {
             _MEMBERSHIP,
             resync_s=_num(_MEMBERSHIP, exclusiveMinimum=0),
             release_grace_s=_num(_MEMBERSHIP, minimum=0),
+        ),
+        "lending": _section(
+            _LENDING,
+            interval_s=_num(_LENDING, exclusiveMinimum=0),
+            pools={
+                "type": "object",
+                "message": "{path}: invalid",
+                "propertyNames": {
+                    "maxLength": 63,
+                    "pattern": whole(NODE_NAME_PATTERN),
+                    "message": "lending.pools: {value!r} is not a GPU pool name (an RFC 1123 label)",
+                },
+                "additionalProperties": _section(
+                    _LENDING_POOL,
+                    max_nodes=_num(_LENDING_POOL, minimum=0),
+                    min_lent_s=_num(_LENDING_POOL, minimum=0),
+                    reclaim_grace_s=_num(_LENDING_POOL, minimum=0),
+                ),
+            },
         ),
         "runner": _section(
             "{path}: invalid",

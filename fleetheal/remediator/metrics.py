@@ -7,7 +7,7 @@ after a restart too. Labels are low-cardinality: no node names, no incident ids.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -239,6 +239,22 @@ class Metrics:
         for result in ("moved", "would-move", "noop", "refused", "failed"):
             self.failovers.labels(result)
         self.phases = PhaseMetrics(r)  # fleetheal_remediator_phase_seconds (fleetheal/remediator/phases.py)
+        use_help = (
+            "by what they do: training (a Slurm job), inference (lent, a pod holds GPUs), lent (lent, no pod yet),"
+            " idle, standby, repair, unavailable; set by each round of the lending controller."
+        )
+        self.gpu_pool_nodes = Gauge(
+            f"{NS}_gpu_pool_nodes", f"Nodes of each GPU pool {use_help}", ["gpu_pool", "use"], registry=r
+        )
+        self.gpu_pool_gpus = Gauge(
+            f"{NS}_gpu_pool_gpus", f"GPUs of each GPU pool {use_help}", ["gpu_pool", "use"], registry=r
+        )
+        self.lending = Counter(
+            f"{NS}_lending_total", "Nodes lent to Kubernetes workloads (lent) and taken back by Slurm (reclaimed).",
+            ["result"], registry=r,
+        )  # fmt: skip
+        for result in ("lent", "reclaimed"):
+            self.lending.labels(result)
 
     def set_leader(self, leading: bool) -> None:
         self.leader.set(1 if leading else 0)
@@ -254,6 +270,16 @@ class Metrics:
     def webhook(self, code: int, seconds: float) -> None:
         self.webhook_requests.labels(str(code)).inc()
         self.webhook_seconds.observe(seconds)
+
+    def lending_round(self, uses: Mapping[tuple[str, str], Sequence[int]], lent: int, reclaimed: int) -> None:
+        """One lending round's view of the GPU pools ((pool, use) -> (nodes, GPUs)) and what it lent and took back."""
+        self.gpu_pool_nodes.clear()
+        self.gpu_pool_gpus.clear()
+        for (pool, use), (nodes, gpus) in sorted(uses.items()):
+            self.gpu_pool_nodes.labels(pool, use).set(nodes)
+            self.gpu_pool_gpus.labels(pool, use).set(gpus)
+        self.lending.labels("lent").inc(lent)
+        self.lending.labels("reclaimed").inc(reclaimed)
 
     def membership_applied(self, result: str) -> None:
         self.membership_changes.labels(result).inc()

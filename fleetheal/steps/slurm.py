@@ -49,13 +49,14 @@ def drain_node(slurm: Slurm, node: str, reason: str, *, dry_run: bool = False, s
     info = nodes.read(slurm.sinfo() if sinfo is None else sinfo).get(node)
     if info is None:
         raise StepError(f"Slurm does not know node {node}")
+    lent = info.drained and info.reason == contracts.LENT_REASON  # a pool's drain: the fault's reason replaces it
     if info.drained and not info.reason_owned():
         return StepResult(
             "slurm_drain",
             "skipped",
             f"{node} is already drained with reason '{info.reason}', which fleetheal does not own: left as it is",
         )
-    if info.drained:
+    if info.drained and not lent:
         return StepResult("slurm_drain", "done", f"{node} is already drained by fleetheal: '{info.reason}'")
     if dry_run:
         return StepResult("slurm_drain", "would", f"would drain {node} with reason '{reason}'")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fleetheal import steps
+from fleetheal import contracts, steps
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.slurm import client, nodes
 from fleetheal.slurm.jobs import slurm_job
@@ -158,6 +158,12 @@ def test_steps_are_idempotent_per_incident_and_never_take_a_foreign_drain(
     cluster.run("scontrol", "update", "nodename=n2", "state=DRAIN", "reason=admin: bad DIMM")
     foreign = steps.drain_node(slurm, "n2", "fleetheal:xid-48 incident=inc-2")
     assert foreign.outcome == "skipped" and "does not own" in foreign.detail
+    # A node lent to Kubernetes workloads is drained for the pool, not a fault: the fault's reason replaces it.
+    cluster.run("scontrol", "update", "nodename=n3", "state=DRAIN", f"reason={contracts.LENT_REASON}")
+    lent = steps.drain_node(slurm, "n3", "fleetheal:xid-79 incident=inc-3")
+    assert (lent.outcome, lent.changed) == ("done", True) and cluster.node(
+        "n3"
+    ).reason == "fleetheal:xid-79 incident=inc-3"
 
 
 def test_a_templated_setting_the_remediator_cannot_render_is_refused() -> None:

@@ -219,6 +219,37 @@ def test_standby_pool_and_open_incidents_from_the_real_remediator(tmp_path: Path
     asyncio.run(main())
 
 
+def test_gpu_pools_by_use_from_the_remediators_lending_rounds(tmp_path: Path) -> None:
+    """The lending controller's view of the pools (issue 47), through the remediator's /metrics to the table."""
+    from fleetheal.remediator.metrics import Metrics
+    from fleetheal.remediator.store import Store
+
+    store = Store(str(tmp_path / "s.db"))
+    try:
+        metrics = Metrics(store)
+        uses = {("h100", "training"): [5, 40], ("h100", "inference"): [2, 16], ("h100", "standby"): [1, 8]}
+        metrics.lending_round(uses, lent=2, reclaimed=0)
+        metrics.lending_round({**uses, ("a100", "idle"): [4, 32]}, lent=0, reclaimed=1)
+        text = metrics.render().decode()
+    finally:
+        store.close()
+    assert 'fleetheal_remediator_lending_total{result="lent"} 2.0' in text
+    pools = view.remediator_pools(text)
+    assert pools == {
+        "a100": {"idle": (4, 32)},
+        "h100": {"inference": (2, 16), "standby": (1, 8), "training": (5, 40)},
+    }
+    st = view_of("busy", a=view.Remediator("http://r", True, 1, 0, gpu_pools=pools))
+    assert st.as_dict()["clusters"][0]["remediator"]["gpu_pools"]["h100"]["inference"] == {"nodes": 2, "gpus": 16}
+    lines = render.table(st).splitlines()
+    at = lines.index("GPU pools, nodes/GPUs by use:")
+    assert lines[at + 1].split() == ["CLUSTER", "GPU", "POOL", "TRAINING", "INFERENCE", "LENT", "IDLE", "STANDBY",
+                                     "REPAIR", "UNAVAILABLE"]  # fmt: skip
+    assert lines[at + 2].split() == ["a", "a100", "0/0", "0/0", "0/0", "4/32", "0/0", "0/0", "0/0"]
+    assert lines[at + 3].split() == ["a", "h100", "5/40", "2/16", "0/0", "0/0", "1/8", "0/0", "0/0"]
+    assert "GPU pools" not in render.table(view_of("busy"))  # no remediator lends: no section
+
+
 def test_a_remediator_that_does_not_answer_shows_a_question_mark() -> None:
     (port,) = procs.free_ports(1)
     url = f"http://127.0.0.1:{port}"

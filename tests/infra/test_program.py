@@ -14,6 +14,7 @@ from fleetheal import contracts, generate
 from fleetheal.infra import config, mocks, program, stack_model
 from fleetheal.infra.policy import shared
 from fleetheal.infra.slinky import CRD_FILES, crd_documents
+from fleetheal.remediator import config as config_mod
 from tests.infra.graph import assert_all_valid, by_kind, objects
 from tests.k8s_schemas import SCHEMAS, SchemaSet
 
@@ -208,6 +209,12 @@ def test_kueue_quotas_cohort_and_limits(
     flavors = {o["metadata"]["name"]: o["spec"] for o in by_kind(records, "ResourceFlavor")}
     assert flavors["lab-h100"]["nodeLabels"] == {contracts.LABEL_GPU_TYPE: "h100", contracts.LABEL_POOL: "lent"}
     assert {t["key"] for t in flavors["lab-h100"]["tolerations"]} == {"nvidia.com/gpu", contracts.TAINT_LENT}
+    # The remediator lends those nodes (the same two), and only the h100 pool's.
+    cm = next(o for o in by_kind(records, "ConfigMap") if o["metadata"]["name"] == "fleetheal-remediator")
+    lending = yaml.safe_load(cm["data"]["remediator.yaml"])["lending"]
+    assert lending == {"enabled": True, "pools": {"h100": {"max_nodes": 2, "min_lent_s": 600, "reclaim_grace_s": 120}}}
+    remediator_config = config_mod.from_mapping(yaml.safe_load(cm["data"]["remediator.yaml"]), env={})
+    assert remediator_config.lending.pools["h100"].max_nodes == 2
     lqs = sorted((o["metadata"]["namespace"], o["spec"]["clusterQueue"]) for o in by_kind(records, "LocalQueue"))
     assert lqs == [("inference", "lab-large"), ("inference", "lab-small"), ("ml", "lab-large"), ("ml", "lab-small")]
     bad = dict(by_kind(records, "ClusterQueue")[0])

@@ -1,0 +1,153 @@
+"""One GPU pool shared by Slurm training and Kubernetes inference, on the lab: a real Slurm cluster whose nodes
+are also kwok Nodes of the same names (pool `h100`, active) on a real control plane, and the remediator's lending
+controller (fleetheal.remediator.lending) over both. Tests and `benchmarks/bench_lending.py` use it.
+
+The inference pods are made as Kueue leaves an admitted workload's pods: ungated, with its flavour's node selector
+(`fleetheal.io/pool: lent` and the GPU type) and tolerations, as fleetheal.infra.kueue renders the flavour. Kueue's
+admission comes before (its quota is what the pools may lend), so it is not on the path measured here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from fleetheal import contracts, steps
+from fleetheal.lab.controlplane import KubeControlPlane
+from fleetheal.lab.slurm import SlurmCluster
+from fleetheal.remediator.config import LendingConfig, LendingPool
+from fleetheal.remediator.lending import LendingController
+from fleetheal.remediator.store import Store
+
+POOL = GPU_TYPE = "h100"
+NAMESPACE = "ml"
+#: A long-running job's script.
+SLEEP = "#!/bin/sh\nsleep 3600\n"
+#: Node names: short, as slurmd's step sockets are named after the node under the spool directory (108 bytes at most).
+_prefixes = (f"l{i}n" for i in itertools.count())
+
+
+class SharedPool:
+    """`nodes` Slurm nodes of `gpus` GPUs that are also Nodes of GPU pool h100, and a lending controller over them.
+    `rules`: the pool's LendingPool fields; `interval_s`: the controller's round (LendingConfig's default)."""
+
+    def __init__(
+        self,
+        cp: KubeControlPlane,
+        state_dir: Path,
+        *,
+        nodes: int = 3,
+        gpus: int = 2,
+        interval_s: float = LendingConfig().interval_s,
+        fast_timers: bool = True,
+        **rules: Any,
+    ) -> None:
+        self.cp = cp
+        self.gpus = gpus
+        self.prefix = next(_prefixes)
+        self.slurm = SlurmCluster(
+            state_dir / "slurm", nodes=nodes, gpus_per_node=gpus, node_prefix=self.prefix, fast_timers=fast_timers
+        )
+        self.names = list(self.slurm.node_names)
+        self.store: Store | None = None
+        self._pods = itertools.count()
+        self.slurm.start()
+        try:
+            if not cp.exists(f"/api/v1/namespaces/{NAMESPACE}"):
+                ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+                cp.request("POST", "/api/v1/namespaces", ns)
+            labels = {
+                contracts.LABEL_GPU_POOL: POOL,
+                contracts.LABEL_GPU_TYPE: GPU_TYPE,
+                contracts.LABEL_POOL: "active",
+            }
+            cp.add_nodes(self.names, labels=labels, gpus=gpus)
+            settings = steps.Settings(
+                slurm_env={"SLURM_CONF": str(self.slurm.conf_path)},
+                slurm_retry_delay_s=0.2,
+                kubeconfig=str(cp.kubeconfig),
+            )
+            kube = steps.kube_for(settings)
+            assert kube is not None
+            self.store = Store(str(state_dir / "store.db"))
+            pool = LendingPool(**{"max_nodes": nodes, "min_lent_s": 0.0, "reclaim_grace_s": 1.0, **rules})
+            self.ctl = LendingController(
+                LendingConfig(True, interval_s, {POOL: pool}), self.store, kube, steps.Slurm(settings)
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.slurm.stop()
+        self.delete_pods()
+        if self.store is not None:
+            self.store.close()
+        for n in self.names:
+            if self.cp.exists(f"/api/v1/nodes/{n}"):
+                self.cp.request("DELETE", f"/api/v1/nodes/{n}")
+
+    def __enter__(self) -> SharedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reading ---------------------------------------------------------------------------------------------
+
+    def node(self, name: str) -> dict[str, Any]:
+        return self.cp.request("GET", f"/api/v1/nodes/{name}")  # type: ignore[no-any-return]
+
+    def pool_of(self, name: str) -> str:
+        return str(self.node(name)["metadata"]["labels"].get(contracts.LABEL_POOL))
+
+    def pod(self, name: str) -> dict[str, Any] | None:
+        path = f"/api/v1/namespaces/{NAMESPACE}/pods/{name}"
+        return self.cp.request("GET", path) if self.cp.exists(path) else None
+
+    def running_on(self, name: str) -> str:
+        """The node pod `name` runs on ("" while it is not Running)."""
+        pod = self.pod(name)
+        if not pod or (pod.get("status") or {}).get("phase") != "Running":
+            return ""
+        return str(pod["spec"].get("nodeName") or "")
+
+    def job_state(self, job: str) -> str:
+        """The job's state ("" once Slurm has forgotten it)."""
+        return self.slurm.run("squeue", "-j", job, "-h", "-o", "%T", check=False).stdout.strip()
+
+    def job_reason(self, job: str) -> str:
+        return self.slurm.run("squeue", "-j", job, "-h", "-o", "%r", check=False).stdout.strip()
+
+    # --- acting ----------------------------------------------------------------------------------------------
+
+    def inference_pod(self, gpus: int | None = None, labels: dict[str, str] | None = None) -> str:
+        """A pod as Kueue leaves an admitted workload's: ungated, with the flavour's selector and tolerations."""
+        name = f"{self.prefix}-infer-{next(self._pods)}"
+        limits = {"nvidia.com/gpu": str(self.gpus if gpus is None else gpus)}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels or {"app": "infer"}},
+            "spec": {
+                "nodeSelector": {contracts.LABEL_POOL: contracts.POOL_LENT, contracts.LABEL_GPU_TYPE: GPU_TYPE},
+                "tolerations": [
+                    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                    {"key": contracts.TAINT_LENT, "operator": "Exists", "effect": "NoSchedule"},
+                ],
+                "containers": [
+                    {"name": "serve", "image": "registry.k8s.io/pause:3.10", "resources": {"limits": limits}}
+                ],
+            },
+        }
+        self.cp.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", body)
+        return name
+
+    def delete_pods(self) -> None:
+        """This pool's inference pods, at once."""
+        pods = self.cp.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods").get("items") or []
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            if name.startswith(f"{self.prefix}-infer-"):
+                self.cp.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}?gracePeriodSeconds=0")

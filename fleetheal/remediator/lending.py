@@ -1,0 +1,380 @@
+"""Lending: the nodes Slurm leaves idle serve Kubernetes workloads (Kueue's), and training takes them back.
+
+The leader runs one round every `lending.interval_s`:
+
+- **Lend.** Pods Kueue admitted wait for GPUs on lent nodes (Pending, unscheduled, their node selector
+  `fleetheal.io/pool: lent`, which Kueue's flavour injects) and no Slurm job waits for resources. An idle
+  active node of a lending pool is drained in Slurm with the owned reason `fleetheal:lent` (nothing new starts
+  there), then labelled `fleetheal.io/pool=lent`, tainted `fleetheal.io/lent=<pool>:NoSchedule` and annotated
+  with the time. The slurmd NodeSet selects `pool=active`, so it lets the node go; Kueue's flavour selects
+  `pool=lent`, so the waiting pods get it. A pool lends at most `max_nodes` at once.
+- **Reclaim.** A Slurm job waits for resources and the idle nodes are not enough. Lent nodes lent at least
+  `min_lent_s` ago, longest-lent first, as many as the waiting jobs lack: their pods are evicted through the
+  Eviction API with `reclaim_grace_s` to stop, so their PodDisruptionBudgets hold (an eviction a budget refuses
+  is asked again next round, never forced). Once no pod of theirs is left, the node is labelled active,
+  untainted, and resumed in Slurm.
+
+Never lent: a node with an unfinished incident or not `active` in the node lifecycle, a cordoned node, a standby
+node, a node Slurm does not show idle and undrained. A lent node with an incident is healing's (the isolation
+takes it over: cordon, its own drain reason, evictions, quarantine) and is never reclaimed. The lent state lives
+on the Node (label, taint, annotation), so a new leader reads it back. Every lend and reclaim is an audit record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetheal import contracts
+from fleetheal.remediator.config import LendingConfig
+from fleetheal.remediator.store import ACTIVE, Store
+from fleetheal.slurm import jobs as slurm_jobs
+from fleetheal.slurm.fields import number
+from fleetheal.steps import Kube, Slurm, StepError
+
+log = logging.getLogger("fleetheal.remediator.lending")
+
+GPU = "nvidia.com/gpu"
+#: A Slurm job pending for one of these reasons waits for nodes (the others wait for their priority, a limit, a
+#: hold). Measured on 26.05 and 22.05: a job needing a lent (drained) node shows Resources, ReqNodeNotAvail or
+#: "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions".
+WAITING_REASONS = ("Resources", "ReqNodeNotAvail", "Nodes required", "Nodes_required")
+
+
+def _gpus(pod: Mapping[str, Any]) -> int:
+    """The GPUs a pod asks for (its containers' requests, else their limits, which default the requests)."""
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        value = (res.get("requests") or {}).get(GPU, (res.get("limits") or {}).get(GPU, 0))
+        try:
+            total += int(value)
+        except (TypeError, ValueError):
+            continue
+    return total
+
+
+def _finished(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def _daemon(pod: Mapping[str, Any]) -> bool:
+    return any(o.get("kind") == "DaemonSet" for o in (pod.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def _use(role: str | None, info: Any, *, repairing: bool) -> str:
+    """What a node that is not lent does: standby, in repair (quarantined, an unfinished incident, out of the
+    node lifecycle's active state, or drained with a reason fleetheal owns), training (a Slurm job on it), idle
+    (Slurm could start one), or unavailable (drained by someone else, not responding, unknown to Slurm)."""
+    if role == "standby":
+        return "standby"
+    if role == "quarantine" or repairing or (info is not None and info.drained and info.reason_owned()):
+        return "repair"
+    if info is None or info.drained or not info.responding:
+        return "unavailable"
+    return "idle" if info.state == "IDLE" else "training"
+
+
+@dataclass
+class LentNode:
+    name: str
+    pool: str
+    gpus: int
+    #: When it was lent (wall clock); 0 when the annotation is missing or unreadable (then: long ago).
+    since: float
+    reclaiming: bool
+    #: GPUs its pods hold.
+    used: int = 0
+
+
+@dataclass
+class Round:
+    """What one round saw and did (tests, the log, the CLI)."""
+
+    lent: list[str] = field(default_factory=list)
+    reclaimed: list[str] = field(default_factory=list)
+    #: Node -> why its reclaim is not done yet (pods left, an eviction refused).
+    reclaiming: dict[str, str] = field(default_factory=dict)
+    #: GPUs admitted pods wait for, per GPU type.
+    waiting_gpus: dict[str, int] = field(default_factory=dict)
+    #: Nodes the waiting Slurm jobs lack beyond the idle ones.
+    slurm_short: int = 0
+    #: (GPU pool, use) -> [nodes, GPUs], every node of every GPU pool (contracts.POOL_USES).
+    uses: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+    def count(self, pool: str, use: str, gpus: int, nodes: int = 1) -> None:
+        cell = self.uses.setdefault((pool, use), [0, 0])
+        cell[0] += nodes
+        cell[1] += gpus
+
+
+class LendingController:
+    """Lends idle Slurm nodes to Kubernetes workloads and takes them back. `run(stop)` in a thread of its own;
+    `step()` is one round."""
+
+    def __init__(
+        self,
+        cfg: LendingConfig,
+        store: Store,
+        kube: Kube,
+        slurm: Slurm,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_round: Callable[[Round], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.kube = kube
+        self.slurm = slurm
+        self.clock = clock
+        #: Called with each round that completed (the metrics' view of the pools).
+        self.on_round = on_round
+
+    # --- reading -------------------------------------------------------------------------------------------
+
+    def _list(self, method: Callable[..., Any], **kw: Any) -> list[dict[str, Any]]:
+        try:
+            raw = method(_preload_content=False, _request_timeout=self.kube.TIMEOUT_S, **kw)
+        except self.kube._exc as exc:
+            raise StepError(f"kubernetes: {method.__name__}: {exc.status} {exc.reason}") from exc
+        return list(json.loads(raw.data).get("items") or [])
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        """The Nodes of every GPU pool (those that do not lend are counted in the view)."""
+        return self._list(self.kube.core.list_node, label_selector=contracts.LABEL_GPU_POOL)
+
+    def _waiting_gpus(self) -> dict[str, int]:
+        """GPU type -> GPUs that admitted pods wait for on lent nodes (Pending, unscheduled, ungated)."""
+        out: dict[str, int] = {}
+        pods = self._list(
+            self.kube.core.list_pod_for_all_namespaces, field_selector="spec.nodeName=,status.phase=Pending"
+        )
+        for pod in pods:
+            spec = pod.get("spec") or {}
+            selector = spec.get("nodeSelector") or {}
+            if selector.get(contracts.LABEL_POOL) != contracts.POOL_LENT or spec.get("schedulingGates"):
+                continue
+            gpus = _gpus(pod)
+            if gpus:
+                kind = str(selector.get(contracts.LABEL_GPU_TYPE, ""))
+                out[kind] = out.get(kind, 0) + gpus
+        return out
+
+    def _pods_on(self, node: str) -> list[dict[str, Any]]:
+        return self._list(self.kube.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
+
+    def _slurm_short(self, idle: int) -> int:
+        """Nodes the Slurm jobs waiting for resources lack beyond the `idle` ones."""
+        doc = slurm_jobs.document(self.slurm.squeue())
+        want = 0
+        for job in doc.get("jobs") or []:
+            if slurm_jobs.job_state(job.get("job_state")) != "PENDING":
+                continue
+            if str(job.get("state_reason") or "").startswith(WAITING_REASONS):
+                want += max(1, number(job.get("node_count"), 1))
+        return max(0, want - idle)
+
+    # --- one round -----------------------------------------------------------------------------------------
+
+    def step(self) -> Round:
+        r = Round()
+        nodes = self._nodes()
+        sinfo = self.slurm.sinfo()
+        busy = {i.node for i in self.store.unfinished()}
+        lent: list[LentNode] = []
+        candidates: dict[str, list[tuple[str, int]]] = {}  # pool -> (node, gpus) that may be lent
+        types: dict[str, str] = {}  # pool -> GPU type
+        idle = 0
+        for doc in nodes:
+            meta = doc.get("metadata") or {}
+            labels = meta.get("labels") or {}
+            name, pool = str(meta.get("name")), str(labels.get(contracts.LABEL_GPU_POOL))
+            types[pool] = str(labels.get(contracts.LABEL_GPU_TYPE, ""))
+            gpus = int(((doc.get("status") or {}).get("allocatable") or {}).get(GPU, 0) or 0)
+            info = sinfo.get(name)
+            role = labels.get(contracts.LABEL_POOL)
+            if role == contracts.POOL_LENT:
+                note = _annotation(meta)
+                node = LentNode(name, pool, gpus, float(note.get("since", 0.0)), bool(note.get("reclaim")))
+                node.used = gpus - self._free_gpus(node)
+                lent.append(node)
+                r.count(pool, "inference" if node.used else "lent", gpus)
+                continue
+            lifecycle = self.store.node_state(name).state
+            use = _use(role, info, repairing=name in busy or lifecycle != ACTIVE)
+            r.count(pool, use, gpus)
+            if use == "idle":
+                idle += 1
+                if pool in self.cfg.pools and not (doc.get("spec") or {}).get("unschedulable"):
+                    candidates.setdefault(pool, []).append((name, gpus))
+        r.slurm_short = self._slurm_short(idle)
+
+        # Reclaim first: training takes its nodes back; nodes already being reclaimed count toward the need. A
+        # pool that no longer lends, or lends fewer nodes than it has lent, gets the rest back at once.
+        short = r.slurm_short
+        now = self.clock()
+        kept: dict[str, int] = {}
+        for node in sorted(lent, key=lambda n: (not n.reclaiming, n.since, n.name)):
+            if node.name in busy:
+                continue  # healing's: the isolation takes it over
+            rules = self.cfg.pools.get(node.pool)
+            over = rules is None or kept.get(node.pool, 0) >= rules.max_nodes
+            wanted = short > 0 and (rules is None or now - node.since >= rules.min_lent_s)
+            if not (node.reclaiming or over or wanted):
+                kept[node.pool] = kept.get(node.pool, 0) + 1
+                continue
+            short -= 1
+            node.reclaiming = True
+            outcome = self._reclaim(node)
+            if outcome is None:
+                r.reclaimed.append(node.name)
+            else:
+                r.reclaiming[node.name] = outcome
+        if r.slurm_short > 0:
+            return r  # never lend while training waits for nodes
+
+        # Lend: whole nodes, until the GPUs admitted pods of a type wait for fit on its lent nodes.
+        r.waiting_gpus = self._waiting_gpus()
+        missing = {
+            kind: waiting - sum(n.gpus - n.used for n in lent if types.get(n.pool) == kind and not n.reclaiming)
+            for kind, waiting in r.waiting_gpus.items()
+        }
+        for pool, rules in sorted(self.cfg.pools.items()):
+            kind = types.get(pool, "")
+            mine = sum(1 for n in lent if n.pool == pool)
+            for name, gpus in sorted(candidates.get(pool, [])):
+                if missing.get(kind, 0) <= 0 or mine >= rules.max_nodes or gpus <= 0:
+                    break
+                if self._lend(name, pool):
+                    r.lent.append(name)
+                    mine += 1
+                    missing[kind] -= gpus
+                    r.count(pool, "idle", -gpus, nodes=-1)
+                    r.count(pool, "lent", gpus)
+        return r
+
+    def _free_gpus(self, node: LentNode) -> int:
+        used = sum(_gpus(p) for p in self._pods_on(node.name) if not _finished(p))
+        return max(0, node.gpus - used)
+
+    # --- acting --------------------------------------------------------------------------------------------
+
+    def _lend(self, node: str, pool: str) -> bool:
+        """Drain in Slurm, check that nothing started meanwhile, then give the node to Kubernetes' workloads."""
+        reason = contracts.LENT_REASON
+        self.slurm.scontrol("update", f"nodename={node}", "state=DRAIN", f"reason={reason}")
+        info = self.slurm.sinfo_at(time.time())[1].get(node)
+        if info is None or info.state != "IDLE" or info.reason != reason:
+            # A job started between the read and the drain (or someone else drained it): not ours to lend.
+            if info is not None and info.reason == reason:
+                self.slurm.scontrol("update", f"nodename={node}", "state=RESUME")
+            log.info("lending: %s is no longer idle; not lent", node)
+            return False
+        note = json.dumps({"since": self.clock(), "pool": pool}, sort_keys=True)
+
+        def change(doc: dict[str, Any]) -> dict[str, Any] | None:
+            taints = [t for t in (doc.get("spec") or {}).get("taints") or [] if t.get("key") != contracts.TAINT_LENT]
+            taints.append({"key": contracts.TAINT_LENT, "value": pool, "effect": "NoSchedule"})
+            return {
+                "metadata": {
+                    "labels": {contracts.LABEL_POOL: contracts.POOL_LENT},
+                    "annotations": {contracts.ANNOTATION_LENT: note},
+                },
+                "spec": {"taints": taints},
+            }
+
+        self.kube.update_node(node, change)
+        self.store.audit("lend", f"{node} lent to Kubernetes workloads", node=node, facts={"pool": pool})
+        log.info("lending: lent %s", node, extra={"node": node, "pool": pool})
+        return True
+
+    def _reclaim(self, node: LentNode) -> str | None:
+        """One round of taking `node` back; None once it is Slurm's again, else what it still waits for."""
+        if not node.reclaiming:
+
+            def mark(doc: dict[str, Any]) -> dict[str, Any] | None:
+                note = _annotation(doc.get("metadata") or {})
+                note["reclaim"] = self.clock()
+                return {"metadata": {"annotations": {contracts.ANNOTATION_LENT: json.dumps(note, sort_keys=True)}}}
+
+            self.kube.update_node(node.name, mark)
+            log.info("lending: reclaiming %s for Slurm", node.name, extra={"node": node.name})
+        left = [p for p in self._pods_on(node.name) if not _finished(p) and not _daemon(p)]
+        refused: list[str] = []
+        for pod in left:
+            meta = pod.get("metadata") or {}
+            ns, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+            if meta.get("deletionTimestamp"):
+                continue
+            body = {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": name, "namespace": ns},
+                "deleteOptions": {"gracePeriodSeconds": int(self.cfg.pools[node.pool].reclaim_grace_s)},
+            }
+            try:
+                self.kube.core.create_namespaced_pod_eviction(
+                    name,
+                    ns,
+                    body,  # type: ignore[arg-type]
+                    _preload_content=False,
+                    _request_timeout=self.kube.TIMEOUT_S,
+                )
+            except self.kube._exc as exc:
+                if exc.status == 404:
+                    continue
+                refused.append(f"{ns}/{name}: {exc.status} {_message(exc)}")
+        if left:
+            why = f"{len(left)} pod(s) still on it"
+            return why + (f"; eviction refused: {'; '.join(refused)}" if refused else "")
+
+        def give_back(doc: dict[str, Any]) -> dict[str, Any] | None:
+            taints = [t for t in (doc.get("spec") or {}).get("taints") or [] if t.get("key") != contracts.TAINT_LENT]
+            back = {"labels": {contracts.LABEL_POOL: "active"}, "annotations": {contracts.ANNOTATION_LENT: None}}
+            return {"metadata": back, "spec": {"taints": taints or None}}
+
+        self.kube.update_node(node.name, give_back)
+        info = self.slurm.sinfo_at(time.time())[1].get(node.name)
+        if info is not None and info.drained and info.reason == contracts.LENT_REASON:
+            self.slurm.scontrol("update", f"nodename={node.name}", "state=RESUME")
+        self.store.audit("reclaim", f"{node.name} taken back by Slurm", node=node.name, facts={"pool": node.pool})
+        log.info("lending: %s is Slurm's again", node.name, extra={"node": node.name})
+        return None
+
+    # --- running -------------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                r = self.step()
+                if self.on_round is not None:
+                    self.on_round(r)
+                if r.lent or r.reclaimed or r.reclaiming:
+                    log.info(
+                        "lending: a round",
+                        extra={"lent": r.lent, "reclaimed": r.reclaimed, "reclaiming": r.reclaiming},
+                    )
+            except Exception as exc:  # a failed round is logged and tried again next period
+                log.error("lending: the round failed: %s", exc)
+            stop.wait(self.cfg.interval_s)
+
+
+def _annotation(meta: Mapping[str, Any]) -> dict[str, Any]:
+    raw = (meta.get("annotations") or {}).get(contracts.ANNOTATION_LENT)
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _message(exc: Any) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message", "")) or str(exc.reason)
+    except ValueError:
+        return str(exc.reason)

@@ -1,0 +1,154 @@
+"""Lending idle Slurm nodes to Kubernetes workloads and taking them back (fleetheal.remediator.lending), on a real
+control plane (kube-apiserver, kube-controller-manager for the PodDisruptionBudgets, kube-scheduler, kwok nodes)
+and a real Slurm whose nodes have the same names (fleetheal.lab.sharedpool).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetheal import contracts, taxonomy
+from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built
+from fleetheal.lab.sharedpool import POOL, SLEEP, SharedPool
+from fleetheal.remediator.alerts import validate_alert
+from fleetheal.remediator.config import LendingConfig, LendingPool
+from fleetheal.remediator.lending import WAITING_REASONS, Round
+from tests.remediator.conftest import alert, make_config
+
+pytestmark = [pytest.mark.kube, pytest.mark.slurm]
+
+
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Iterator[KubeControlPlane]:
+    if not tools_built():
+        pytest.fail("the control plane is not built: run `make tools`")
+    with KubeControlPlane(tmp_path_factory.mktemp("kube"), scheduler=True) as plane:
+        plane.install_crds(default_crds(shared))
+        yield plane
+
+
+@pytest.fixture
+def pool(cp: KubeControlPlane, tmp_path: Path) -> Iterator[SharedPool]:
+    with SharedPool(cp, tmp_path) as p:
+        yield p
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+    return value
+
+
+def _rounds(pool: SharedPool, what: str, check: Callable[[Round], bool], timeout: float = 60.0) -> Round:
+    """Run rounds until `check(round)`; the round that satisfied it."""
+    deadline = time.monotonic() + timeout
+    while not check(r := pool.ctl.step()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; last round: {r}")
+        time.sleep(0.2)
+    return r
+
+
+def _waits_for_nodes(pool: SharedPool, job: str) -> None:
+    _wait(f"job {job} to wait for nodes", lambda: pool.job_reason(job).startswith(WAITING_REASONS))
+
+
+def test_an_idle_node_is_lent_to_a_waiting_pod_and_slurm_takes_it_back_when_a_job_waits(pool: SharedPool) -> None:
+    pod = pool.inference_pod()
+    r = pool.ctl.step()
+    assert r.waiting_gpus == {"h100": 2} and len(r.lent) == 1, r
+    (lent,) = r.lent
+    # Slurm starts nothing there; the slurmd NodeSet (pool=active) lets it go; Kueue's flavour (pool=lent) takes it.
+    node = pool.slurm.node(lent)
+    assert (node.state, node.drained, node.reason) == ("IDLE", True, contracts.LENT_REASON)
+    doc = pool.node(lent)
+    assert doc["metadata"]["labels"][contracts.LABEL_POOL] == contracts.POOL_LENT
+    assert {"key": contracts.TAINT_LENT, "value": POOL, "effect": "NoSchedule"} in doc["spec"]["taints"]
+    assert _wait("the pod to run", lambda: pool.running_on(pod)) == lent
+    r = pool.ctl.step()
+    assert r.lent == [] and r.uses[(POOL, "inference")] == [1, 2] and r.uses[(POOL, "idle")] == [2, 4], r
+
+    # A training job needs all three nodes: the lent one is taken back, its pod evicted.
+    job = pool.slurm.sbatch(SLEEP, "-N", "3")
+    _waits_for_nodes(pool, job)
+    r = _rounds(pool, "the node back in Slurm", lambda r: lent in r.reclaimed)
+    assert r.slurm_short == 1
+    assert pool.pool_of(lent) == "active" and contracts.TAINT_LENT not in str(pool.node(lent)["spec"].get("taints"))
+    assert pool.pod(pod) is None
+    _wait("the job to run", lambda: pool.job_state(job) == "RUNNING")
+    assert [a["decision"] for a in pool.store.audit_log() if a["node"] == lent] == ["lend", "reclaim"]
+    # The workload comes back (Kueue would recreate its pod): nothing is lent while the job holds every node.
+    pool.inference_pod()
+    r = pool.ctl.step()
+    assert r.lent == [] and r.uses[(POOL, "training")] == [3, 6], r
+
+
+def test_lending_keeps_its_rules(cp: KubeControlPlane, tmp_path: Path) -> None:
+    """Never a busy, cordoned or non-active node; never more than max_nodes; nothing more while a job waits."""
+    with SharedPool(cp, tmp_path, nodes=4, max_nodes=2) as pool:
+        a, b, c, d = pool.names
+        pool.slurm.sbatch(SLEEP, "-w", a)  # a runs a job
+        _wait("a's job", lambda: pool.slurm.node(a).state in ("ALLOCATED", "MIXED"))
+        cordon = {"spec": {"unschedulable": True}}
+        pool.cp.request("PATCH", f"/api/v1/nodes/{b}", cordon, "application/merge-patch+json")
+        pool.store.transition(c, "isolated", "a test's fault", None)  # c left the lifecycle's active state
+        for _ in range(4):
+            pool.inference_pod()
+        r = pool.ctl.step()
+        assert r.lent == [d], r  # the only idle, schedulable, active node
+        assert r.uses[(POOL, "repair")] == [1, 2] and r.uses[(POOL, "training")] == [1, 2], r
+        pool.cp.request(
+            "PATCH", f"/api/v1/nodes/{b}", {"spec": {"unschedulable": None}}, "application/merge-patch+json"
+        )
+        assert pool.ctl.step().lent == [b]
+        assert pool.ctl.step().lent == []  # max_nodes: 2
+        # A job waits for nodes: nothing more is lent, and nodes lent less than min_lent_s ago stay lent.
+        pool.ctl.cfg = LendingConfig(True, 0.2, {POOL: LendingPool(max_nodes=3, min_lent_s=3600.0)})
+        _waits_for_nodes(pool, pool.slurm.sbatch(SLEEP, "-N", "4"))
+        r = pool.ctl.step()
+        assert r.slurm_short >= 1 and r.lent == [] and r.reclaimed == [] and r.reclaiming == {}, r
+        assert pool.pool_of(d) == pool.pool_of(b) == contracts.POOL_LENT
+
+
+def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
+    pod = pool.inference_pod(labels={"app": "guarded"})
+    (lent,) = pool.ctl.step().lent
+    _wait("the pod to run", lambda: pool.running_on(pod))
+    pdb = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": "guarded", "namespace": "ml"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}},
+    }
+    path = "/apis/policy/v1/namespaces/ml/poddisruptionbudgets"
+    pool.cp.request("POST", path, pdb)
+    _wait(
+        "the budget's status", lambda: pool.cp.request("GET", f"{path}/guarded").get("status", {}).get("expectedPods")
+    )
+    job = pool.slurm.sbatch(SLEEP, "-N", "3")
+    _waits_for_nodes(pool, job)
+    r = pool.ctl.step()
+    assert "eviction refused" in r.reclaiming[lent] and "429" in r.reclaiming[lent], r
+    assert pool.running_on(pod) == lent and pool.pool_of(lent) == contracts.POOL_LENT  # never forced
+    pool.cp.request("DELETE", f"{path}/guarded")
+    _rounds(pool, "the node back in Slurm", lambda r: lent in r.reclaimed)
+    _wait("the job to run", lambda: pool.job_state(job) == "RUNNING")
+
+
+def test_a_lent_node_with_an_open_incident_is_healings_and_never_reclaimed(pool: SharedPool, tmp_path: Path) -> None:
+    pool.inference_pod()
+    (lent,) = pool.ctl.step().lent
+    assert pool.store is not None
+    cfg = make_config(tmp_path, cluster={"name": "lab", "nodes": dict.fromkeys(pool.names, "rack-0")})
+    pool.store.ingest([validate_alert(alert(node=lent), cfg, taxonomy.load())])
+    _waits_for_nodes(pool, pool.slurm.sbatch(SLEEP, "-N", "3"))
+    r = pool.ctl.step()
+    assert r.reclaimed == [] and r.reclaiming == {} and pool.pool_of(lent) == contracts.POOL_LENT, r
