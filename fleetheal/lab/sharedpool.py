@@ -63,6 +63,25 @@ class SharedPool:
                 contracts.LABEL_POOL: "active",
             }
             cp.add_nodes(self.names, labels=labels, gpus=gpus)
+            # The inference pods' owner, as a Deployment's ReplicaSet would own them (no controller runs it here):
+            # a drain evicts only pods something would recreate.
+            owner = f"{self.prefix}-infer"
+            rs: dict[str, Any] = {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {"name": owner, "namespace": NAMESPACE},
+                "spec": {
+                    "replicas": 0,
+                    "selector": {"matchLabels": {"workload": self.prefix}},
+                    "template": {
+                        "metadata": {"labels": {"workload": self.prefix}},
+                        "spec": {"containers": [{"name": "serve", "image": "registry.k8s.io/pause:3.10"}]},
+                    },
+                },
+            }
+            made = cp.request("POST", f"/apis/apps/v1/namespaces/{NAMESPACE}/replicasets", rs)
+            self.owner = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": owner,
+                          "uid": made["metadata"]["uid"], "controller": True}  # fmt: skip
             settings = steps.Settings(
                 slurm_env={"SLURM_CONF": str(self.slurm.conf_path)},
                 slurm_retry_delay_s=0.2,
@@ -82,6 +101,9 @@ class SharedPool:
     def close(self) -> None:
         self.slurm.stop()
         self.delete_pods()
+        path = f"/apis/apps/v1/namespaces/{NAMESPACE}/replicasets/{self.prefix}-infer"
+        if self.cp.exists(path):
+            self.cp.request("DELETE", path)
         if self.store is not None:
             self.store.close()
         for n in self.names:
@@ -129,7 +151,12 @@ class SharedPool:
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels or {"app": "infer"}},
+            "metadata": {
+                "name": name,
+                "namespace": NAMESPACE,
+                "labels": {"workload": self.prefix, **(labels or {})},
+                "ownerReferences": [self.owner],
+            },
             "spec": {
                 "nodeSelector": {contracts.LABEL_POOL: contracts.POOL_LENT, contracts.LABEL_GPU_TYPE: GPU_TYPE},
                 "tolerations": [

@@ -187,19 +187,31 @@ def k8s_drain(
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
-    labelled = kube.update_node(
-        node,
-        lambda doc: (
-            None
-            if (doc.get("metadata", {}).get("labels") or {}).get(contracts.LABEL_POOL) == "quarantine"
-            else {"metadata": {"labels": {contracts.LABEL_POOL: "quarantine"}}}
-        ),
-    )
+    was_lent = False
+
+    def quarantine(doc: dict[str, Any]) -> dict[str, Any] | None:
+        """Label it quarantine; a node lent to Kubernetes workloads also leaves the lent state (its taint and
+        annotation), so that once healed it rejoins Slurm like any other node."""
+        nonlocal was_lent
+        meta = doc.get("metadata", {})
+        lent_taint = any(t.get("key") == contracts.TAINT_LENT for t in (doc.get("spec") or {}).get("taints") or [])
+        lent_note = contracts.ANNOTATION_LENT in (meta.get("annotations") or {})
+        was_lent = lent_taint or lent_note
+        if (meta.get("labels") or {}).get(contracts.LABEL_POOL) == "quarantine" and not was_lent:
+            return None
+        patch: dict[str, Any] = {"metadata": {"labels": {contracts.LABEL_POOL: "quarantine"}}}
+        if lent_note:
+            patch["metadata"]["annotations"] = {contracts.ANNOTATION_LENT: None}
+        if lent_taint:
+            patch["spec"] = {"taints": _taints_without(doc, contracts.TAINT_LENT) or None}
+        return patch
+
+    labelled = kube.update_node(node, quarantine)
     detail = f"{len(evict)} pod(s) evicted from {node}"
     if left:
         names = ", ".join(sorted(f"{ns}/{name}" for ns, name in left))
         detail += f", {len(left)} still terminating after {timeout_s:.0f} s ({names})"
-    detail += f"; {contracts.LABEL_POOL}=quarantine"
+    detail += f"; {contracts.LABEL_POOL}=quarantine" + (", no longer lent" if was_lent else "")
     return StepResult("k8s_drain", "done", detail, changed=bool(evict) or labelled)
 
 

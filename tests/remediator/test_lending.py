@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fleetheal import contracts, taxonomy
+from fleetheal import contracts, steps, taxonomy
 from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built
 from fleetheal.lab.sharedpool import POOL, SLEEP, SharedPool
 from fleetheal.remediator.alerts import validate_alert
@@ -143,12 +143,35 @@ def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     _wait("the job to run", lambda: pool.job_state(job) == "RUNNING")
 
 
-def test_a_lent_node_with_an_open_incident_is_healings_and_never_reclaimed(pool: SharedPool, tmp_path: Path) -> None:
-    pool.inference_pod()
+def test_a_fault_on_a_lent_node_is_healed_like_any_other_and_the_node_leaves_the_lent_state(
+    pool: SharedPool, tmp_path: Path
+) -> None:
+    """An incident on a lent node is healing's: never reclaimed meanwhile; the isolation's own steps drain it in
+    Slurm with the fault's reason, cordon it, evict its pods and quarantine it without the lent taint, so that once
+    revalidated it rejoins Slurm (k8s_promote) like any other node."""
+    pod = pool.inference_pod()
     (lent,) = pool.ctl.step().lent
+    _wait("the pod to run", lambda: pool.running_on(pod))
     assert pool.store is not None
     cfg = make_config(tmp_path, cluster={"name": "lab", "nodes": dict.fromkeys(pool.names, "rack-0")})
-    pool.store.ingest([validate_alert(alert(node=lent), cfg, taxonomy.load())])
+    (iid,) = pool.store.ingest([validate_alert(alert(node=lent), cfg, taxonomy.load())]).created
     _waits_for_nodes(pool, pool.slurm.sbatch(SLEEP, "-N", "3"))
     r = pool.ctl.step()
     assert r.reclaimed == [] and r.reclaiming == {} and pool.pool_of(lent) == contracts.POOL_LENT, r
+
+    kube, slurm = pool.ctl.kube, pool.ctl.slurm
+    reason = contracts.drain_reason("xid-79", f"inc-{iid}")
+    assert steps.drain_node(slurm, lent, reason).changed
+    assert steps.k8s_isolate(kube, lent, "xid-79").changed
+    drained = steps.k8s_drain(kube, lent, timeout_s=30, poll_s=0.2)
+    assert drained.detail.endswith("quarantine, no longer lent"), drained.detail
+    assert pool.pod(pod) is None and pool.slurm.node(lent).reason == reason
+    doc = pool.node(lent)
+    assert doc["metadata"]["labels"][contracts.LABEL_POOL] == "quarantine"
+    assert contracts.ANNOTATION_LENT not in (doc["metadata"].get("annotations") or {})
+    assert [t["key"] for t in doc["spec"]["taints"]] == [contracts.TAINT_UNHEALTHY]
+    assert pool.ctl.step().uses[(POOL, "repair")] == [1, 2]
+    assert steps.k8s_promote(kube, lent).outcome == "done"  # revalidated and back: nothing of the loan is left
+    doc = pool.node(lent)
+    assert doc["metadata"]["labels"][contracts.LABEL_POOL] == "active"
+    assert contracts.TAINT_LENT not in [t["key"] for t in doc["spec"].get("taints") or []]
