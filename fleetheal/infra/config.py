@@ -71,6 +71,12 @@ def _coerce(decl: Declaration, value: Any) -> Any:
     raise ConfigError(f"{key}: Pulumi.yaml declares unsupported type {decl.type!r}")
 
 
+#: Settings that were removed, and what replaces each.
+REMOVED = {
+    "kueueSharePercent": "Kueue's quota is the GPUs of the nodes the pools may lend: set gpuPools[].lendMaxPercent",
+}
+
+
 def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) -> StackConfig:
     """Build and check the stack config from bare-name values (`clusterName`, not `fleetheal:clusterName`).
 
@@ -78,6 +84,9 @@ def from_values(values: Mapping[str, Any], project_file: Path = PROJECT_FILE) ->
     """
     decls = declarations(project_file)
     unknown = sorted(set(values) - set(decls))
+    for key in unknown:
+        if key in REMOVED:
+            raise ConfigError(f"{PROJECT}:{key}: no longer a setting; {REMOVED[key]}")
     if unknown:
         raise ConfigError(
             f"{PROJECT}:{unknown[0]}: not a fleetheal setting; declared keys are: {', '.join(sorted(decls))}"

@@ -98,6 +98,8 @@ class Round:
 
     lent: list[str] = field(default_factory=list)
     reclaimed: list[str] = field(default_factory=list)
+    #: Nodes drained for a loan they are not on (an interrupted lend or reclaim), resumed in Slurm.
+    resumed: list[str] = field(default_factory=list)
     #: Node -> why its reclaim is not done yet (pods left, an eviction refused).
     reclaiming: dict[str, str] = field(default_factory=dict)
     #: GPUs admitted pods wait for, per GPU type.
@@ -206,6 +208,21 @@ class LendingController:
                 r.count(pool, "inference" if node.used else "lent", gpus)
                 continue
             lifecycle = self.store.node_state(name).state
+            if (
+                role == "active"
+                and info is not None
+                and info.drained
+                and info.reason == contracts.LENT_REASON
+                and contracts.ANNOTATION_LENT not in (meta.get("annotations") or {})
+                and name not in busy
+                and lifecycle == ACTIVE
+            ):
+                # Drained for a loan but not lent: a lend that stopped between Slurm and the Node, or a reclaim
+                # between the Node and Slurm (a crash, an API server that did not answer). Slurm's again.
+                self.slurm.scontrol("update", f"nodename={name}", "state=RESUME")
+                log.info("lending: %s was drained for a loan it is not on; resumed", name, extra={"node": name})
+                r.resumed.append(name)
+                info = None  # read again next round
             use = _use(role, info, repairing=name in busy or lifecycle != ACTIVE)
             r.count(pool, use, gpus)
             if use == "idle":
@@ -229,8 +246,8 @@ class LendingController:
                 kept[node.pool] = kept.get(node.pool, 0) + 1
                 continue
             short -= 1
-            node.reclaiming = True
             outcome = self._reclaim(node)
+            node.reclaiming = True
             if outcome is None:
                 r.reclaimed.append(node.name)
             else:

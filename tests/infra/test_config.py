@@ -186,6 +186,8 @@ def test_a_pool_lends_whole_nodes_up_to_its_lend_max_percent_and_none_by_default
     lending, other = cfg.gpu_pools
     assert (lending.lend_max_percent, lending.lendable_nodes) == (25, 2)  # 2.5 nodes: a node is lent whole
     assert (other.lend_max_percent, other.lendable_nodes) == (0, 0)
+    with pytest.raises(config.ConfigError, match=r"kueueSharePercent: no longer a setting; .*lendMaxPercent"):
+        config.from_values({"gpuPools": [_pool()], "kueueSharePercent": 10})
     for bad, hint in ((101, "use an integer from 0 to 100"), ("10", "use an integer from 0 to 100")):
         with pytest.raises(config.ConfigError) as err:
             config.from_values({"gpuPools": [{**_pool(), "lendMaxPercent": bad}]})

@@ -5,6 +5,7 @@ and a real Slurm whose nodes have the same names (fleetheal.lab.sharedpool).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,6 +119,17 @@ def test_lending_keeps_its_rules(cp: KubeControlPlane, tmp_path: Path) -> None:
         assert pool.pool_of(d) == pool.pool_of(b) == contracts.POOL_LENT
 
 
+def test_a_node_drained_for_a_loan_it_is_not_on_goes_back_to_slurm(pool: SharedPool) -> None:
+    """A lend stopped between Slurm and the Node (a crash, an API server that did not answer) leaves an active
+    node drained with the loan's reason: the next round resumes it, and leaves every other drain alone."""
+    a, b, _ = pool.names
+    pool.slurm.scontrol("update", f"nodename={a}", "state=DRAIN", f"reason={contracts.LENT_REASON}")
+    pool.slurm.scontrol("update", f"nodename={b}", "state=DRAIN", "reason=admin: bad DIMM")
+    r = pool.ctl.step()
+    assert r.resumed == [a] and not pool.slurm.node(a).drained and pool.slurm.node(b).drained, r
+    assert pool.ctl.step().resumed == []
+
+
 def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     pod = pool.inference_pod(labels={"app": "guarded"})
     (lent,) = pool.ctl.step().lent
@@ -138,6 +150,8 @@ def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     r = pool.ctl.step()
     assert "eviction refused" in r.reclaiming[lent] and "429" in r.reclaiming[lent], r
     assert pool.running_on(pod) == lent and pool.pool_of(lent) == contracts.POOL_LENT  # never forced
+    # The reclaim is on the Node: the next round (or a new leader) goes on with it first.
+    assert "reclaim" in json.loads(pool.node(lent)["metadata"]["annotations"][contracts.ANNOTATION_LENT])
     pool.cp.request("DELETE", f"{path}/guarded")
     _rounds(pool, "the node back in Slurm", lambda r: lent in r.reclaimed)
     _wait("the job to run", lambda: pool.job_state(job) == "RUNNING")
