@@ -276,8 +276,9 @@ def build(cfg: StackConfig) -> Fleet:
         for p in cfg.gpu_pools
         if p.lendable_nodes
     }
-    if lending:  # idle nodes of these pools serve Kueue's workloads (its flavours select the lent nodes)
-        remediator_args["lending"] = lending
+    if lending and cfg.kueue and cfg.kueue_namespaces:
+        # Idle nodes of these pools serve the pods Kueue admits in its namespaces (its flavours select lent nodes).
+        remediator_args["lending"] = {"pools": lending, "namespaces": list(cfg.kueue_namespaces)}
     if cfg.federation.fleet_file:  # a federation member: cross-cluster failover by the fleet file
         remediator_args["fleet_configmap"] = FLEET_CONFIGMAP
     remediator = Remediator(

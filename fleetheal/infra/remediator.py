@@ -67,9 +67,10 @@ class RemediatorArgs(TypedDict):
     monitoring_labels: dict[str, str]
     """Labels that make the Prometheus operator select the remediator's ServiceMonitor (its /metrics: the
     health alerts FleethealRemediatorUnreachable, ...Degraded, NoRemediatorActs read it)."""
-    lending: NotRequired[dict[str, dict[str, int]]]
-    """GPU pool -> {max_nodes, min_lent_s, reclaim_grace_s}: the leader lends those pools' idle Slurm nodes to
-    Kubernetes workloads (Kueue's) and takes them back (fleetheal.remediator.lending)."""
+    lending: NotRequired[dict[str, Any]]
+    """{"pools": GPU pool -> {max_nodes, min_lent_s, reclaim_grace_s}, "namespaces": Kueue's}: the leader lends
+    those pools' idle Slurm nodes to the pods those namespaces' queues admit, and takes them back
+    (fleetheal.remediator.lending)."""
     membership: bool
     """Apply the GPU pools' membership ConfigMaps in `namespace` to the Nodes (existing-nodes provider):
     the remediator gets read access to ConfigMaps there and runs its membership controller."""

@@ -29,7 +29,7 @@ def remediator_config(
     lease_namespace: str | None = None,
     membership_namespace: str | None = None,
     fleet_file: str | None = None,
-    lending: dict[str, dict[str, int]] | None = None,
+    lending: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The remediator's YAML config (fleetheal/remediator/config.py schema).
 
@@ -37,8 +37,8 @@ def remediator_config(
     elect a leader through the Lease LEASE_NAME there; None: SQLite in the state directory.
     `membership_namespace` set: the leader applies the pool membership ConfigMaps there to the Nodes.
     `fleet_file` set (its path in the pod): cross-cluster failover is on, for this cluster of the federation.
-    `lending` set (GPU pool -> max_nodes, min_lent_s, reclaim_grace_s): the leader lends those pools' idle nodes
-    to Kubernetes workloads.
+    `lending` set ({"pools": GPU pool -> max_nodes, min_lent_s, reclaim_grace_s; "namespaces": Kueue's}): the
+    leader lends those pools' idle nodes to the pods those namespaces' queues admit.
     """
     cfg: dict[str, Any] = {
         "cluster": {"name": cluster, "nodes": dict(sorted(nodes.items()))},
@@ -56,7 +56,11 @@ def remediator_config(
     if membership_namespace is not None:
         cfg["membership"] = {"enabled": True, "namespace": membership_namespace}
     if lending:
-        cfg["lending"] = {"enabled": True, "pools": {k: dict(v) for k, v in sorted(lending.items())}}
+        cfg["lending"] = {
+            "enabled": True,
+            "pools": {k: dict(v) for k, v in sorted(lending["pools"].items())},
+            "namespaces": sorted(lending["namespaces"]),
+        }
     if fleet_file is not None:
         cfg["failover"] = {"enabled": True, "fleet_file": fleet_file, "slurm_cluster": cluster}
     return cfg

@@ -92,7 +92,7 @@ class SharedPool:
             self.store = Store(str(state_dir / "store.db"))
             pool = LendingPool(**{"max_nodes": nodes, "min_lent_s": 0.0, "reclaim_grace_s": 1.0, **rules})
             self.ctl = LendingController(
-                LendingConfig(True, interval_s, {POOL: pool}), self.store, kube, steps.Slurm(settings)
+                LendingConfig(True, interval_s, {POOL: pool}, (NAMESPACE,)), self.store, kube, steps.Slurm(settings)
             )
         except BaseException:
             self.close()

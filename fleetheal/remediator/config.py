@@ -182,6 +182,9 @@ class LendingConfig:
     interval_s: float = 2.0
     #: GPU pool (the Nodes' fleetheal.io/gpu-pool label) -> its rules; a pool not listed never lends.
     pools: Mapping[str, LendingPool] = dataclasses.field(default_factory=dict)
+    #: The namespaces whose waiting pods may get a node lent: the stack's Kueue namespaces, where its LocalQueues
+    #: admit pods within the quota. A pod anywhere else never makes a node lent.
+    namespaces: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -404,6 +407,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError(
             "lending.pools: name the GPU pools that lend (pool -> max_nodes, min_lent_s, reclaim_grace_s)"
         )
+    if cfg.lending.enabled and not cfg.lending.namespaces:
+        raise ConfigError("lending.namespaces: name the namespaces whose pods may get lent nodes (Kueue's)")
     if cfg.membership.enabled and not contracts.is_node_name(cfg.membership.namespace):
         raise ConfigError(f"membership.namespace: {cfg.membership.namespace!r} is not an RFC 1123 name")
     # Case-insensitive, as SQLite's PRAGMA is.

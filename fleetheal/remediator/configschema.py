@@ -103,6 +103,14 @@ SCHEMA: dict[str, Any] = {
         "lending": _section(
             _LENDING,
             interval_s=_num(_LENDING, exclusiveMinimum=0),
+            namespaces={
+                "type": "array",
+                "items": {
+                    "maxLength": 63,
+                    "pattern": whole(NODE_NAME_PATTERN),
+                    "message": "lending.namespaces: {value!r} is not a namespace name (an RFC 1123 label)",
+                },
+            },
             pools={
                 "type": "object",
                 "message": "{path}: invalid",

@@ -3,7 +3,8 @@
 The leader runs one round every `lending.interval_s`:
 
 - **Lend.** Pods Kueue admitted wait for GPUs on lent nodes (Pending, unscheduled, their node selector
-  `fleetheal.io/pool: lent`, which Kueue's flavour injects) and no Slurm job waits for resources. An idle
+  `fleetheal.io/pool: lent`, which Kueue's flavour injects, in one of Kueue's namespaces `lending.namespaces`)
+  and no Slurm job waits for resources. An idle
   active node of a lending pool is drained in Slurm with the owned reason `fleetheal:lent` (nothing new starts
   there), then labelled `fleetheal.io/pool=lent`, tainted `fleetheal.io/lent=<pool>:NoSchedule` and annotated
   with the time. The slurmd NodeSet selects `pool=active`, so it lets the node go; Kueue's flavour selects
@@ -151,12 +152,15 @@ class LendingController:
         return self._list(self.kube.core.list_node, label_selector=contracts.LABEL_GPU_POOL)
 
     def _waiting_gpus(self) -> dict[str, int]:
-        """GPU type -> GPUs that admitted pods wait for on lent nodes (Pending, unscheduled, ungated)."""
+        """GPU type -> GPUs that admitted pods wait for on lent nodes (Pending, unscheduled, ungated, in one of
+        `lending.namespaces`)."""
         out: dict[str, int] = {}
         pods = self._list(
             self.kube.core.list_pod_for_all_namespaces, field_selector="spec.nodeName=,status.phase=Pending"
         )
         for pod in pods:
+            if (pod.get("metadata") or {}).get("namespace") not in self.cfg.namespaces:
+                continue  # only Kueue's namespaces: anyone else's pod never makes a node lent
             spec = pod.get("spec") or {}
             selector = spec.get("nodeSelector") or {}
             if selector.get(contracts.LABEL_POOL) != contracts.POOL_LENT or spec.get("schedulingGates"):

@@ -212,7 +212,11 @@ def test_kueue_quotas_cohort_and_limits(
     # The remediator lends those nodes (the same two), and only the h100 pool's.
     cm = next(o for o in by_kind(records, "ConfigMap") if o["metadata"]["name"] == "fleetheal-remediator")
     lending = yaml.safe_load(cm["data"]["remediator.yaml"])["lending"]
-    assert lending == {"enabled": True, "pools": {"h100": {"max_nodes": 2, "min_lent_s": 600, "reclaim_grace_s": 120}}}
+    assert lending == {
+        "enabled": True,
+        "pools": {"h100": {"max_nodes": 2, "min_lent_s": 600, "reclaim_grace_s": 120}},
+        "namespaces": ["inference", "ml"],  # only pods Kueue's LocalQueues admit get lent nodes
+    }
     remediator_config = config_mod.from_mapping(yaml.safe_load(cm["data"]["remediator.yaml"]), env={})
     assert remediator_config.lending.pools["h100"].max_nodes == 2
     lqs = sorted((o["metadata"]["namespace"], o["spec"]["clusterQueue"]) for o in by_kind(records, "LocalQueue"))

@@ -112,11 +112,26 @@ def test_lending_keeps_its_rules(cp: KubeControlPlane, tmp_path: Path) -> None:
         assert pool.ctl.step().lent == [b]
         assert pool.ctl.step().lent == []  # max_nodes: 2
         # A job waits for nodes: nothing more is lent, and nodes lent less than min_lent_s ago stay lent.
-        pool.ctl.cfg = LendingConfig(True, 0.2, {POOL: LendingPool(max_nodes=3, min_lent_s=3600.0)})
+        pool.ctl.cfg = LendingConfig(True, 0.2, {POOL: LendingPool(max_nodes=3, min_lent_s=3600.0)}, ("ml",))
         _waits_for_nodes(pool, pool.slurm.sbatch(SLEEP, "-N", "4"))
         r = pool.ctl.step()
         assert r.slurm_short >= 1 and r.lent == [] and r.reclaimed == [] and r.reclaiming == {}, r
         assert pool.pool_of(d) == pool.pool_of(b) == contracts.POOL_LENT
+
+
+def test_a_pod_outside_kueues_namespaces_never_gets_a_node_lent(pool: SharedPool) -> None:
+    """The attack: anyone who may create a pod writes the lent pool's selector and toleration into it. Only pods
+    of the namespaces whose queues Kueue runs (its quota bounds them) count."""
+    body = pool.cp.request("GET", f"/api/v1/namespaces/ml/pods/{pool.inference_pod()}")
+    pool.cp.request("DELETE", f"/api/v1/namespaces/ml/pods/{body['metadata']['name']}?gracePeriodSeconds=0")
+    intruder = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{pool.prefix}-intruder", "namespace": "default"},
+                "spec": body["spec"]}  # fmt: skip
+    pool.cp.request("POST", "/api/v1/namespaces/default/pods", intruder)
+    try:
+        r = pool.ctl.step()
+        assert r.waiting_gpus == {} and r.lent == [], r
+    finally:
+        pool.cp.request("DELETE", f"/api/v1/namespaces/default/pods/{pool.prefix}-intruder?gracePeriodSeconds=0")
 
 
 def test_a_node_drained_for_a_loan_it_is_not_on_goes_back_to_slurm(pool: SharedPool) -> None:
