@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetheal import contracts
-from fleetheal.remediator.config import LendingConfig
+from fleetheal.remediator.config import LendingConfig, LendingPool
 from fleetheal.remediator.store import ACTIVE, Store
 from fleetheal.slurm import jobs as slurm_jobs
 from fleetheal.slurm.fields import number
@@ -95,7 +95,7 @@ class LentNode:
 
 @dataclass
 class Round:
-    """What one round saw and did (tests, the log, the CLI)."""
+    """What one round saw and did (the log, the metrics, tests)."""
 
     lent: list[str] = field(default_factory=list)
     reclaimed: list[str] = field(default_factory=list)
@@ -325,6 +325,7 @@ class LendingController:
 
             self.kube.update_node(node.name, mark)
             log.info("lending: reclaiming %s for Slurm", node.name, extra={"node": node.name})
+        rules = self.cfg.pools.get(node.pool) or LendingPool()  # a pool that no longer lends: the default grace
         left = [p for p in self._pods_on(node.name) if not _finished(p) and not _daemon(p)]
         refused: list[str] = []
         for pod in left:
@@ -336,7 +337,7 @@ class LendingController:
                 "apiVersion": "policy/v1",
                 "kind": "Eviction",
                 "metadata": {"name": name, "namespace": ns},
-                "deleteOptions": {"gracePeriodSeconds": int(self.cfg.pools[node.pool].reclaim_grace_s)},
+                "deleteOptions": {"gracePeriodSeconds": int(rules.reclaim_grace_s)},
             }
             try:
                 self.kube.core.create_namespaced_pod_eviction(

@@ -145,6 +145,15 @@ def test_a_node_drained_for_a_loan_it_is_not_on_goes_back_to_slurm(pool: SharedP
     assert pool.ctl.step().resumed == []
 
 
+def test_a_pool_that_no_longer_lends_gets_its_nodes_back(pool: SharedPool) -> None:
+    pod = pool.inference_pod()
+    (lent,) = pool.ctl.step().lent
+    _wait("the pod to run", lambda: pool.running_on(pod))
+    pool.ctl.cfg = LendingConfig(True, 0.2, {"a100": LendingPool(max_nodes=1)}, ("ml",))  # h100 lends no more
+    _rounds(pool, "the node back in Slurm", lambda r: lent in r.reclaimed)
+    assert pool.pool_of(lent) == "active" and not pool.slurm.node(lent).drained and pool.pod(pod) is None
+
+
 def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     pod = pool.inference_pod(labels={"app": "guarded"})
     (lent,) = pool.ctl.step().lent
