@@ -94,7 +94,8 @@ OWN_LOG_LINE = (DRAIN_REASON_PREFIX, "fleetheal launch:")
 LENT_REASON = DRAIN_REASON_PREFIX + "lent"
 #: Drain reasons of a pool, not of a fault: the fleet budget does not count them (and the remediator's isolation
 #: replaces LENT_REASON with its fault's).
-POOL_REASONS = (DRAIN_REASON_PREFIX + "standby", DRAIN_REASON_PREFIX + "quarantine", LENT_REASON)
+STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
+POOL_REASONS = (STANDBY_REASON, DRAIN_REASON_PREFIX + "quarantine", LENT_REASON)
 
 
 def budget_limit(absolute: int, fraction: float, size: int) -> int:

@@ -37,6 +37,7 @@ from fleetheal.contracts import (
     FLEET_BUDGET_SHARE,
     LABEL_FAULT,
     POOL_REASONS,
+    STANDBY_REASON,
     TAINT_UNHEALTHY,
     budget_limit,
     owns_reason,
@@ -111,12 +112,11 @@ class SlurmDrainer:
         """(fault drains fleetheal owns on other nodes, the most the budget allows). Pool drains (standby,
         quarantine, lent) are not faults; the pool is every node outside the standby pool. With `before`, only
         the drains it accepts count."""
-        standby = POOL_REASONS[0]
 
         def pool_reason(n: Node) -> bool:
             return bool(n.reason) and str(n.reason).startswith(POOL_REASONS)
 
-        pool = [n for n in nodes if not (n.drained and str(n.reason or "").startswith(standby))]
+        pool = [n for n in nodes if not (n.drained and str(n.reason or "").startswith(STANDBY_REASON))]
         faults = [n for n in nodes if n.drained and owns_reason(n.reason) and not pool_reason(n)]
         others = [n for n in faults if n.name != self.node and (before is None or before(n))]
         return len(others), budget_limit(self.budget_nodes, self.budget_share, len(pool))

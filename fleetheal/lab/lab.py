@@ -56,7 +56,7 @@ from typing import Any
 import yaml
 
 from fleetheal import procs
-from fleetheal.contracts import DRAIN_REASON_PREFIX, LABEL_POOL
+from fleetheal.contracts import LABEL_POOL, STANDBY_REASON
 from fleetheal.lab import LabError, wait
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.federation import DEFAULT_GPU_TYPES, Federation
@@ -70,7 +70,6 @@ from fleetheal.tools import CHECKOUT
 
 DEFAULT_LAB_DIR = "/tmp/fleetheal-lab"  # noqa: S108 - a throwaway lab, overridable with $FLEETHEAL_LAB_DIR
 CLUSTER = "lab"
-STANDBY_REASON = DRAIN_REASON_PREFIX + "standby"
 #: Site settings the lab gives every remediation run through the remediator's `runner.site_vars`
 #: (lab-speed timers); its kubeconfig and report dir are added where the lab knows them.
 LAB_SITE_VARS = {

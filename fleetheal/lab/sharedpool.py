@@ -15,6 +15,7 @@ from typing import Any
 
 from fleetheal import contracts, steps
 from fleetheal.lab.controlplane import KubeControlPlane
+from fleetheal.lab.kubeapi import KubeApiError
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.remediator.config import LendingConfig, LendingPool
 from fleetheal.remediator.lending import LendingController
@@ -125,8 +126,13 @@ class SharedPool:
         return str(self.node(name)["metadata"]["labels"].get(contracts.LABEL_POOL))
 
     def pod(self, name: str) -> dict[str, Any] | None:
-        path = f"/api/v1/namespaces/{NAMESPACE}/pods/{name}"
-        return self.cp.request("GET", path) if self.cp.exists(path) else None
+        """The pod, or None once it is gone (one read: a pod can go between two)."""
+        try:
+            return self.cp.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")  # type: ignore[no-any-return]
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def running_on(self, name: str) -> str:
         """The node pod `name` runs on ("" while it is not Running)."""
@@ -173,8 +179,6 @@ class SharedPool:
 
     def delete_pods(self) -> None:
         """This pool's inference pods, at once."""
-        pods = self.cp.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods").get("items") or []
-        for pod in pods:
-            name = pod["metadata"]["name"]
-            if name.startswith(f"{self.prefix}-infer-"):
-                self.cp.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}?gracePeriodSeconds=0")
+        self.cp.request(
+            "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=workload%3D{self.prefix}&gracePeriodSeconds=0"
+        )

@@ -31,19 +31,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetheal import contracts
+from fleetheal import contracts, steps
 from fleetheal.remediator.config import LendingConfig, LendingPool
 from fleetheal.remediator.store import ACTIVE, Store
 from fleetheal.slurm import jobs as slurm_jobs
 from fleetheal.slurm.fields import number
-from fleetheal.steps import Kube, Slurm, StepError
+from fleetheal.slurm.nodes import Node
+from fleetheal.steps import Kube, Slurm
 
 log = logging.getLogger("fleetheal.remediator.lending")
 
 GPU = "nvidia.com/gpu"
+#: Pod phases that hold no GPU.
+_DONE = ("Succeeded", "Failed")
 #: A Slurm job pending for one of these reasons waits for nodes (the others wait for their priority, a limit, a
-#: hold). Measured on 26.05 and 22.05: a job needing a lent (drained) node shows Resources, ReqNodeNotAvail or
-#: "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions".
+#: hold). A job needing a lent (drained) node showed Resources on 22.05 and 26.05, and on 26.05 also
+#: ReqNodeNotAvail and "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority
+#: partitions" (squeue's %r; the JSON's state_reason starts the same).
 WAITING_REASONS = ("Resources", "ReqNodeNotAvail", "Nodes required", "Nodes_required")
 
 
@@ -60,15 +64,7 @@ def _gpus(pod: Mapping[str, Any]) -> int:
     return total
 
 
-def _finished(pod: Mapping[str, Any]) -> bool:
-    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-
-
-def _daemon(pod: Mapping[str, Any]) -> bool:
-    return any(o.get("kind") == "DaemonSet" for o in (pod.get("metadata") or {}).get("ownerReferences") or [])
-
-
-def _use(role: str | None, info: Any, *, repairing: bool) -> str:
+def _use(role: str | None, info: Node | None, *, repairing: bool) -> str:
     """What a node that is not lent does: standby, in repair (quarantined, an unfinished incident, out of the
     node lifecycle's active state, or drained with a reason fleetheal owns), training (a Slurm job on it), idle
     (Slurm could start one), or unavailable (drained by someone else, not responding, unknown to Slurm)."""
@@ -140,23 +136,18 @@ class LendingController:
 
     # --- reading -------------------------------------------------------------------------------------------
 
-    def _list(self, method: Callable[..., Any], **kw: Any) -> list[dict[str, Any]]:
-        try:
-            raw = method(_preload_content=False, _request_timeout=self.kube.TIMEOUT_S, **kw)
-        except self.kube._exc as exc:
-            raise StepError(f"kubernetes: {method.__name__}: {exc.status} {exc.reason}") from exc
-        return list(json.loads(raw.data).get("items") or [])
-
     def _nodes(self) -> list[dict[str, Any]]:
         """The Nodes of every GPU pool (those that do not lend are counted in the view)."""
-        return self._list(self.kube.core.list_node, label_selector=contracts.LABEL_GPU_POOL)
+        return self.kube.items("GPU nodes", self.kube.core.list_node, label_selector=contracts.LABEL_GPU_POOL)
 
     def _waiting_gpus(self) -> dict[str, int]:
         """GPU type -> GPUs that admitted pods wait for on lent nodes (Pending, unscheduled, ungated, in one of
         `lending.namespaces`)."""
         out: dict[str, int] = {}
-        pods = self._list(
-            self.kube.core.list_pod_for_all_namespaces, field_selector="spec.nodeName=,status.phase=Pending"
+        pods = self.kube.items(
+            "waiting pods",
+            self.kube.core.list_pod_for_all_namespaces,
+            field_selector="spec.nodeName=,status.phase=Pending",
         )
         for pod in pods:
             if (pod.get("metadata") or {}).get("namespace") not in self.cfg.namespaces:
@@ -170,9 +161,6 @@ class LendingController:
                 kind = str(selector.get(contracts.LABEL_GPU_TYPE, ""))
                 out[kind] = out.get(kind, 0) + gpus
         return out
-
-    def _pods_on(self, node: str) -> list[dict[str, Any]]:
-        return self._list(self.kube.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
 
     def _slurm_short(self, idle: int) -> int:
         """Nodes the Slurm jobs waiting for resources lack beyond the `idle` ones."""
@@ -192,6 +180,7 @@ class LendingController:
         nodes = self._nodes()
         sinfo = self.slurm.sinfo()
         busy = {i.node for i in self.store.unfinished()}
+        states = {s.node: s.state for s in self.store.node_states()}  # nodes that ever left active; one query
         lent: list[LentNode] = []
         candidates: dict[str, list[tuple[str, int]]] = {}  # pool -> (node, gpus) that may be lent
         types: dict[str, str] = {}  # pool -> GPU type
@@ -211,7 +200,7 @@ class LendingController:
                 lent.append(node)
                 r.count(pool, "inference" if node.used else "lent", gpus)
                 continue
-            lifecycle = self.store.node_state(name).state
+            lifecycle = states.get(name, ACTIVE)
             if (
                 role == "active"
                 and info is not None
@@ -280,7 +269,8 @@ class LendingController:
         return r
 
     def _free_gpus(self, node: LentNode) -> int:
-        used = sum(_gpus(p) for p in self._pods_on(node.name) if not _finished(p))
+        running = [p for p in self.kube.pods_on(node.name) if (p.get("status") or {}).get("phase") not in _DONE]
+        used = sum(_gpus(p) for p in running)
         return max(0, node.gpus - used)
 
     # --- acting --------------------------------------------------------------------------------------------
@@ -288,7 +278,8 @@ class LendingController:
     def _lend(self, node: str, pool: str) -> bool:
         """Drain in Slurm, check that nothing started meanwhile, then give the node to Kubernetes' workloads."""
         reason = contracts.LENT_REASON
-        self.slurm.scontrol("update", f"nodename={node}", "state=DRAIN", f"reason={reason}")
+        if not steps.drain_node(self.slurm, node, reason).changed:
+            return False  # drained meanwhile, by someone else or for a fault: not ours to lend
         info = self.slurm.sinfo_at(time.time())[1].get(node)
         if info is None or info.state != "IDLE" or info.reason != reason:
             # A job started between the read and the drain (or someone else drained it): not ours to lend.
@@ -326,33 +317,17 @@ class LendingController:
             self.kube.update_node(node.name, mark)
             log.info("lending: reclaiming %s for Slurm", node.name, extra={"node": node.name})
         rules = self.cfg.pools.get(node.pool) or LendingPool()  # a pool that no longer lends: the default grace
-        left = [p for p in self._pods_on(node.name) if not _finished(p) and not _daemon(p)]
-        refused: list[str] = []
-        for pod in left:
-            meta = pod.get("metadata") or {}
-            ns, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
-            if meta.get("deletionTimestamp"):
-                continue
-            body = {
-                "apiVersion": "policy/v1",
-                "kind": "Eviction",
-                "metadata": {"name": name, "namespace": ns},
-                "deleteOptions": {"gracePeriodSeconds": int(rules.reclaim_grace_s)},
-            }
-            try:
-                self.kube.core.create_namespaced_pod_eviction(
-                    name,
-                    ns,
-                    body,  # type: ignore[arg-type]
-                    _preload_content=False,
-                    _request_timeout=self.kube.TIMEOUT_S,
-                )
-            except self.kube._exc as exc:
-                if exc.status == 404:
-                    continue
-                refused.append(f"{ns}/{name}: {exc.status} {_message(exc)}")
-        if left:
-            why = f"{len(left)} pod(s) still on it"
+        # What a drain evicts; a pod no controller would recreate is never evicted (it would be lost): it holds
+        # the reclaim until someone moves it.
+        pods = self.kube.pods_on(node.name)
+        left, unmanaged = steps.pods_to_evict([p for p in pods if (p.get("status") or {}).get("phase") not in _DONE])
+        refused = [
+            f"{ns}/{name}: {why}" for ns, name in left if (why := self.kube.evict(ns, name, rules.reclaim_grace_s))
+        ]
+        if left or unmanaged:
+            why = f"{len(left) + len(unmanaged)} pod(s) still on it"
+            if unmanaged:
+                why += f"; no controller manages {', '.join(unmanaged)}: move or delete them"
             return why + (f"; eviction refused: {'; '.join(refused)}" if refused else "")
 
         def give_back(doc: dict[str, Any]) -> dict[str, Any] | None:
@@ -393,10 +368,3 @@ def _annotation(meta: Mapping[str, Any]) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _message(exc: Any) -> str:
-    try:
-        return str(json.loads(exc.body or "{}").get("message", "")) or str(exc.reason)
-    except ValueError:
-        return str(exc.reason)

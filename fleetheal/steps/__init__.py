@@ -18,7 +18,7 @@ The package is split by what a step acts on: `slurm` (the Slurm steps), `kube` (
 
 from __future__ import annotations
 
-from fleetheal.steps.kube import Kube, k8s_drain, k8s_isolate, k8s_promote, kube_for
+from fleetheal.steps.kube import Kube, k8s_drain, k8s_isolate, k8s_promote, kube_for, pods_to_evict
 from fleetheal.steps.probe import Dependencies
 from fleetheal.steps.result import StepError, StepResult
 from fleetheal.steps.settings import Settings
@@ -57,6 +57,7 @@ __all__ = [
     "k8s_isolate",
     "k8s_promote",
     "kube_for",
+    "pods_to_evict",
     "promote_standby",
     "requeue_jobs",
     "requeue_now",

@@ -77,6 +77,49 @@ class Kube:
             return True
         raise StepError(f"kubernetes: Node {name} kept changing (5 conflicts)")
 
+    def items(self, what: str, method: Callable[..., Any], **kw: Any) -> list[dict[str, Any]]:
+        """The items of one list call (`method`: a CoreV1Api list method, `kw` its selectors), as raw JSON: the
+        client's models cost milliseconds per object."""
+        try:
+            raw = method(_preload_content=False, _request_timeout=self.TIMEOUT_S, **kw)
+        except self._exc as exc:
+            raise StepError(f"kubernetes: list {what}: {exc.status} {exc.reason}") from exc
+        return list(json.loads(raw.data).get("items") or [])
+
+    def pods_on(self, node: str) -> list[dict[str, Any]]:
+        return self.items(
+            f"the pods on {node}", self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"
+        )
+
+    def evict(self, namespace: str, name: str, grace_s: float | None = None) -> str | None:
+        """Ask the Eviction API to evict one pod (its PodDisruptionBudget applies; `grace_s` overrides its
+        termination grace). None once asked (or the pod is gone); else why not: the status, its reason and the
+        server's message, which names the budget that refused."""
+        body: dict[str, Any] = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        if grace_s is not None:
+            body["deleteOptions"] = {"gracePeriodSeconds": int(grace_s)}
+        try:
+            self.core.create_namespaced_pod_eviction(
+                name,
+                namespace,
+                body,  # type: ignore[arg-type]
+                _preload_content=False,
+                _request_timeout=self.TIMEOUT_S,
+            )
+        except self._exc as exc:
+            if exc.status == 404:
+                return None
+            try:
+                message = json.loads(exc.body or "{}").get("message", "")
+            except ValueError:
+                message = ""
+            return f"{exc.status} {exc.reason}: {message}"
+        return None
+
 
 def _taints_without(doc: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
     return [t for t in (doc.get("spec", {}).get("taints") or []) if t.get("key") != key]
@@ -111,7 +154,7 @@ def k8s_isolate(kube: Kube | None, node: str, fault_id: str, *, dry_run: bool = 
     return StepResult("k8s_cordon", "done", f"{node} {what} {contracts.TAINT_UNHEALTHY}", changed=changed)
 
 
-def _pods_to_evict(pods: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[str, str]], list[str]]:
+def pods_to_evict(pods: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[str, str]], list[str]]:
     """What `kubectl drain --ignore-daemonsets --delete-emptydir-data` evicts: (namespace, name) of every
     pod but mirror pods and DaemonSet pods; and the pods no controller manages, which it refuses to
     evict (nothing would recreate them)."""
@@ -147,38 +190,18 @@ def k8s_drain(
         )
 
     def on_node() -> list[dict[str, Any]]:
-        try:
-            raw = kube.core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=kube.TIMEOUT_S
-            )
-        except kube._exc as exc:
-            raise StepError(f"kubernetes: list the pods on {node}: {exc.status} {exc.reason}") from exc
-        return list(json.loads(raw.data).get("items") or [])  # type: ignore[attr-defined]
+        return kube.pods_on(node)
 
-    evict, unmanaged = _pods_to_evict(on_node())
+    evict, unmanaged = pods_to_evict(on_node())
     if unmanaged:
         raise StepError(
             f"kubernetes: {node} runs pods no controller manages, which a drain would lose: {', '.join(unmanaged)}; "
             "move or delete them, then run the playbook again"
         )
     for ns, name in evict:
-        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}}
-        try:
-            kube.core.create_namespaced_pod_eviction(
-                name,
-                ns,
-                body,  # type: ignore[arg-type]
-                _preload_content=False,
-                _request_timeout=kube.TIMEOUT_S,
-            )
-        except kube._exc as exc:
-            if exc.status == 404:
-                continue
-            try:
-                message = json.loads(exc.body or "{}").get("message", "")
-            except ValueError:
-                message = ""
-            raise StepError(f"Failed to delete pod {ns}/{name}: {exc.status} {exc.reason}: {message}") from exc
+        refused = kube.evict(ns, name)
+        if refused is not None:
+            raise StepError(f"Failed to delete pod {ns}/{name}: {refused}")
     deadline = time.monotonic() + timeout_s
     evicted = set(evict)
     left = evicted

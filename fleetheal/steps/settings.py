@@ -32,7 +32,7 @@ class Settings:
     priority_boost: int = 1000
     max_restarts: int = 3
     restart_mode: str = "requeue"
-    standby_reason: str = contracts.DRAIN_REASON_PREFIX + "standby"
+    standby_reason: str = contracts.STANDBY_REASON
     quarantine_reason: str = contracts.DRAIN_REASON_PREFIX + "quarantine"
     promote_standby: bool = True
     kubeconfig: str = ""

@@ -644,7 +644,7 @@ def test_a_drain_refuses_pods_no_controller_would_recreate_and_keeps_daemonset_a
         pod("bare-done", phase="Succeeded"),
         pod("slurmd", owner="NodeSet"),
     ]
-    evict, unmanaged = kube_steps._pods_to_evict(pods)
+    evict, unmanaged = kube_steps.pods_to_evict(pods)
     assert evict == [("ns", "job"), ("ns", "bare-done"), ("ns", "slurmd")]
     assert unmanaged == ["ns/bare"]
 

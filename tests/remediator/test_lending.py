@@ -154,6 +154,23 @@ def test_a_pool_that_no_longer_lends_gets_its_nodes_back(pool: SharedPool) -> No
     assert pool.pool_of(lent) == "active" and not pool.slurm.node(lent).drained and pool.pod(pod) is None
 
 
+def test_a_reclaim_never_evicts_a_pod_nothing_would_recreate(pool: SharedPool) -> None:
+    """As a drain does (steps.pods_to_evict): a bare pod on a lent node would be lost, so it holds the reclaim."""
+    pod = pool.inference_pod()
+    (lent,) = pool.ctl.step().lent
+    _wait("the pod to run", lambda: pool.running_on(pod))
+    bare = pool.cp.request("GET", f"/api/v1/namespaces/ml/pods/{pod}")
+    spec = {**bare["spec"], "nodeName": lent}
+    meta = {"name": f"{pool.prefix}-bare", "namespace": "ml", "labels": {"workload": pool.prefix}}
+    pool.cp.request(
+        "POST", "/api/v1/namespaces/ml/pods", {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    )
+    _waits_for_nodes(pool, pool.slurm.sbatch(SLEEP, "-N", "3"))
+    r = _rounds(pool, "the owned pod gone", lambda r: pool.pod(pod) is None)
+    assert f"no controller manages ml/{pool.prefix}-bare" in r.reclaiming[lent], r
+    assert pool.running_on(f"{pool.prefix}-bare") == lent and pool.pool_of(lent) == contracts.POOL_LENT
+
+
 def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     pod = pool.inference_pod(labels={"app": "guarded"})
     (lent,) = pool.ctl.step().lent
