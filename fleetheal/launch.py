@@ -132,6 +132,10 @@ _SLURM = Runner(timeout_s=10)
 WATCH_QUEUE = 64
 #: Flagged lines sent to the agent per second at most (the agent applies its own limit too).
 LINES_PER_S = 10
+#: Seconds between a line the agent did not take and the next try: a full agent queue (a stuck agent, or another
+#: process flooding it) holds each try up to `agent.client.SEND_WAIT_S`, so the judge waits a tenth of its time
+#: at most, and gets through a flood of flagged lines at its own pace.
+SEND_BACKOFF_S = 1.0
 #: Lines a second that the rules' regular expressions may judge (lines with a rule's keyword); past it the
 #: rest of a read is skipped (counted): a job printing a million error lines a second costs the launcher
 #: this much work, and the copy thread, which shares the interpreter with the judge, is never starved.
@@ -149,10 +153,10 @@ TAIL_S = 0.2
 #: Bytes one read of the command's output takes at most, and how long the copy waits after a short read.
 READ_BYTES = 256 << 10
 COALESCE_S = 0.005
-#: Seconds the launcher waits, once its command has ended, for the rules to finish loading (about 0.3 s on an
-#: idle node, many times that on a loaded one) before its last lines are judged; the judging itself then has
-#: `OutputWatch.drain`'s timeout.
-RULES_LOAD_S = 60.0
+#: Seconds the launcher waits, once its command has ended, for its last output to be judged: the rules may still be
+#: loading (about 0.3 s on an idle node, many times that on a loaded one) and the judge may have reads queued
+#: (WATCH_QUEUE at most). The last lines are a crash's, worth the wait.
+LAST_LINES_S = 60.0
 
 
 class OutputWatch:
@@ -181,11 +185,14 @@ class OutputWatch:
         #: Per stream, output skipped since the last read handed to the judge: None (none), else whether it
         #: ended inside a line.
         self._gap: dict[int, bool | None] = {1: None, 2: None}
-        #: Set once the judge has loaded the rules (or given up on them).
-        self._ready = threading.Event()
+        #: Reads handed to the judge, and reads it is done with (judged, or passed over when the rules cannot load).
+        self._reads = threading.Condition()
+        self._queued = 0
+        self._done = 0
         self._pumps: list[threading.Thread] = []
         now = time.monotonic()
         self._sends = TokenBucket(LINES_PER_S, now)
+        self._next_try = now
         self._judged = TokenBucket(JUDGED_PER_S, now)
         #: Bytes a second handed to the judge; both streams share it.
         self._budget = TokenBucket(JUDGED_BYTES_PER_S, now)
@@ -227,20 +234,21 @@ class OutputWatch:
                 self._pumps.append(pump)
 
     def drain(self, timeout: float = 5.0) -> None:
-        """Wait until the command's output is copied and judged, a bounded time: a daemon the command left
-        may hold its pipes open. The rules' loading has its own bound (RULES_LOAD_S): on a loaded node it may
-        not be done when the command ends, and the last lines, a crash's, are the ones that matter."""
+        """Wait until the command's output is copied and judged. The copy has a bound (`timeout`): a daemon the
+        command left may hold its pipes open. What was handed to the judge by then, the command's last lines
+        among it, is judged at the judge's pace, within LAST_LINES_S: on a loaded node the rules may still be
+        loading and the judge may have reads of a flood to go through, and the last lines, a crash's, are the
+        ones that matter (a drain that gave up with the copy's deadline lost them on a loaded CI machine)."""
         deadline = time.monotonic() + timeout
         for pump in self._pumps:
             pump.join(max(0.0, deadline - time.monotonic()))
         for tail in set(self._tails.values()):
             with contextlib.suppress(OSError):
                 tail.poll(final=True)  # its last lines, whatever the budget: a crash's come after the flood
-        if not self._ready.is_set():
-            self._ready.wait(RULES_LOAD_S)
-            deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        with self._reads:
+            handed = self._queued
+            if not self._reads.wait_for(lambda: self._done >= handed, LAST_LINES_S):
+                _say(f"{handed - self._done} reads of the command's output not judged within {LAST_LINES_S:g} s")
 
     def _pump(self, out: IO[bytes], dst: int) -> None:
         writable = True
@@ -268,7 +276,7 @@ class OutputWatch:
             self.skipped -= len(unjudged)
             self._gap[dst] = gap_before
             self._spend(len(unjudged), force=True)
-            self._put(dst, unjudged, wait_s=RULES_LOAD_S)
+            self._put(dst, unjudged, wait_s=LAST_LINES_S)
         with contextlib.suppress(OSError):
             out.close()  # through its file object, which would otherwise close the number again, reused by then
 
@@ -289,6 +297,8 @@ class OutputWatch:
             self._queue.put((stream, chunk, self._gap[stream]), block=wait_s > 0, timeout=wait_s or None)
         except queue.Full:
             return False
+        with self._reads:
+            self._queued += 1
         self._gap[stream] = None
         return True
 
@@ -305,12 +315,10 @@ class OutputWatch:
             parser = load_parser(log=APPLICATION)
         except Exception as exc:  # the rules cannot load: the job runs on, unwatched
             _say(f"job output not watched: cannot load the log rules: {exc}")
-            self._ready.set()
             while True:
                 self._queue.get()
-                self._queue.task_done()
+                self._read_done()
         cutters = {1: LineCutter(), 2: LineCutter()}
-        self._ready.set()
         while True:
             stream, chunk, gap = self._queue.get()
             try:
@@ -318,7 +326,12 @@ class OutputWatch:
                     cutters[stream].lost(mid_line=gap)
                 self._lines(parser, cutters[stream].feed(chunk.decode("utf-8", errors="replace")))
             finally:
-                self._queue.task_done()
+                self._read_done()
+
+    def _read_done(self) -> None:
+        with self._reads:
+            self._done += 1
+            self._reads.notify_all()
 
     def _lines(self, parser: LogParser, whole: str) -> None:
         """Judge whole lines of the command's output, at most JUDGED_PER_S of those a rule may match."""
@@ -334,10 +347,14 @@ class OutputWatch:
 
     def _send(self, line: str) -> None:
         now = time.monotonic()
-        # A line not sent costs no budget.
-        if self._sends.has(now) and self.reporter.line(line, self.run(), self.requeues):
+        # A line not sent costs no budget; one the agent did not take puts the next try SEND_BACKOFF_S away.
+        if now < self._next_try or not self._sends.has(now):
+            return
+        if self.reporter.line(line, self.run(), self.requeues):
             self._sends.take(now)
             self.sent += 1
+        else:
+            self._next_try = time.monotonic() + SEND_BACKOFF_S
 
 
 class _Tail:
@@ -387,7 +404,7 @@ class _Tail:
                 if not chunk:
                     return
                 self.pos += len(chunk)
-                if self.watch._put(self.stream, chunk, wait_s=RULES_LOAD_S if final else 0.0):
+                if self.watch._put(self.stream, chunk, wait_s=LAST_LINES_S if final else 0.0):
                     self.judged = self.pos
                 else:  # the judge is behind: skipped like output over the budget
                     self.watch._skip(self.stream, len(chunk), self._mid_line(self.pos))

@@ -80,6 +80,9 @@ def test_a_flood_of_output_is_neither_changed_nor_held(tmp_path, agent_socket):
     assert run.returncode == 0
     assert hashlib.sha256(run.stdout).digest() == hashlib.sha256(direct.stdout).digest()
     assert len(received(sock)) <= 10 * (took + 1)
+    # The test's socket reads nothing until the end, like a stuck agent: the judge backs off instead of waiting
+    # on every flagged line, so it is through the flood when the command ends (it once took minutes).
+    assert b"not judged" not in run.stderr, run.stderr
     assert took < 120
 
 
@@ -140,6 +143,26 @@ def test_the_last_lines_are_judged_when_the_rules_load_after_the_command_ended(t
     run = patched_launch(tmp_path, [SLOW_RULES, "7"], f"echo '{NCCL}'; exit 1", path, to_file)
     assert run.returncode == 1
     assert [r["line"] for r in received(sock)] == [NCCL]
+
+
+#: The launcher with a slow judge, as on a node whose CPUs a job's data loaders take: each read takes seconds.
+SLOW_JUDGE = (
+    "import sys, time\n"
+    "import fleetheal.launch as launch\n"
+    "judge, delay = launch.OutputWatch._lines, float(sys.argv.pop(1))\n"
+    "launch.OutputWatch._lines = lambda self, *a: (time.sleep(delay), judge(self, *a))[1]\n"
+)
+
+
+def test_the_last_lines_are_judged_when_the_judge_is_behind_as_the_command_ends(tmp_path, agent_socket):
+    """A flood, then the fault line: the judge still has reads of the flood to go through when the command
+    ends, and takes longer than the drain's 5 s over them. The line still reaches the agent (the CI at 59aaaeb
+    lost it: the drain gave up on the judge when the pipes' copy deadline passed)."""
+    path, sock = agent_socket
+    script = f"seq 1 500000 | sed 's/$/ loss=2.3/'; echo '{NCCL}'; exit 1"
+    run = patched_launch(tmp_path, [SLOW_JUDGE, "1.5"], script, path, to_file=False)
+    assert run.returncode == 1 and run.stdout.endswith(NCCL.encode() + b"\n")
+    assert NCCL[:1024] in [r["line"] for r in received(sock)]
 
 
 def test_no_watch_uses_no_pipes(tmp_path, agent_socket):
