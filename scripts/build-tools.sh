@@ -6,6 +6,7 @@
 #   tools/pulumi-resource-kubernetes  the Pulumi Kubernetes provider
 #   tools/kwok                        kwok, the kubelet simulator (+ share/kwok/stages.yaml, its stages)
 #   tools/slurm-operator              Slinky's slurm-operator (+ share/slurm-operator/crds, its CRDs)
+#   tools/kueue                       Kueue's controller (+ share/kueue: its CRDs and webhook configurations)
 # into $FLEETHEAL_TOOLS/bin (default .tools/bin). Go's module and build caches are reused, and a tool
 # whose inputs (its go.mod, go.sum and sources, and this script) have not changed is not rebuilt, so a
 # second run takes about a second. The first build of all three takes tens of minutes on 2 cores.
@@ -24,7 +25,7 @@ if ! command -v go >/dev/null; then
 fi
 export GOTOOLCHAIN=${GOTOOLCHAIN:-auto} GOFLAGS="${GOFLAGS:-} -trimpath -buildvcs=false"
 shopt -s nullglob
-ALL=(kubernetes pulumi pulumi-resource-kubernetes kwok slurm-operator)
+ALL=(kubernetes pulumi pulumi-resource-kubernetes kwok slurm-operator kueue)
 
 # version TOOLDIR MODULE: the version of MODULE that TOOLDIR's go.mod selects.
 version() { (cd "$ROOT/tools/$1" && go list -m -f '{{.Version}}' "$2"); }
@@ -73,6 +74,17 @@ build() {
       rm -rf "$OUT/share/slurm-operator" && mkdir -p "$OUT/share/slurm-operator/crds"
       cp "$src"/config/crd/bases/*.yaml "$OUT/share/slurm-operator/crds/"
       chmod -R u+w "$OUT/share/slurm-operator"
+      ;;
+    kueue)
+      local mod=sigs.k8s.io/kueue src
+      src=$(module_dir kueue "$mod")
+      (cd "$dir" && go build -o "$OUT/bin/kueue" -ldflags "-s -w" "$mod/cmd/kueue")
+      # Its CRDs, and its webhook configurations as its install renders them before kustomize names the Service
+      # (the lab points them at the controller it runs: fleetheal/lab/kueue.py).
+      rm -rf "$OUT/share/kueue" && mkdir -p "$OUT/share/kueue/crds"
+      cp "$src"/config/components/crd/bases/*.yaml "$OUT/share/kueue/crds/"
+      cp "$src/config/components/webhook/manifests.yaml" "$OUT/share/kueue/webhooks.yaml"
+      chmod -R u+w "$OUT/share/kueue"
       ;;
     pulumi)
       local pv

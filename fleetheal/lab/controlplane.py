@@ -54,7 +54,7 @@ from fleetheal.wait import WaitTimeout, wait_until
 
 #: The daemons, in start order; kube-controller-manager and kube-scheduler only when asked.
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
-#: Controllers of kube-controller-manager that run. Not node-lifecycle (kwok sends no heartbeats here),
+#: Controllers of kube-controller-manager that always run. Not node-lifecycle (kwok sends no heartbeats here),
 #: nor taint-eviction (it needs node-lifecycle's pod index), nor the workload controllers (the lab creates
 #: the pods it needs itself, owned by real DaemonSet and StatefulSet objects).
 CONTROLLERS = (
@@ -64,6 +64,8 @@ CONTROLLERS = (
     "namespace-controller",
     "persistentvolume-binder-controller",
 )
+#: The workload controllers (`KubeControlPlane(workloads=True)`): Deployments, as inference is served, and Jobs.
+WORKLOAD_CONTROLLERS = ("deployment-controller", "replicaset-controller", "job-controller")
 #: The CRD folders under ../shared/schemas that the lab and the Pulumi stack need.
 CRD_DIRS = ("slinky/crds", "kueue", "prometheus-operator")
 KUBELET_LABELS = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
@@ -119,6 +121,7 @@ class KubeControlPlane(Supervisor):
         state_dir: every file lives here (created if missing; its etcd data is wiped on start).
         controller_manager: also run kube-controller-manager (PDB status, garbage collection, ...).
         scheduler: also run kube-scheduler (pods without a nodeName get one).
+        workloads: also run the Deployment, ReplicaSet and Job controllers (WORKLOAD_CONTROLLERS).
         bin_dir: where the binaries are (default: `tools_dir()`).
     """
 
@@ -128,11 +131,13 @@ class KubeControlPlane(Supervisor):
         *,
         controller_manager: bool = True,
         scheduler: bool = False,
+        workloads: bool = False,
         bin_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.controller_manager = controller_manager
         self.scheduler = scheduler
+        self.workloads = workloads
         self.bin_dir = Path(bin_dir) if bin_dir else tools_dir()
         self.pids: dict[str, int] = {}
         self.url = ""
@@ -294,7 +299,7 @@ class KubeControlPlane(Supervisor):
             "kube-controller-manager",
             [
                 *_component_args(kubeconfig),
-                f"--controllers={','.join(CONTROLLERS)}",
+                f"--controllers={','.join(CONTROLLERS + (WORKLOAD_CONTROLLERS if self.workloads else ()))}",
                 f"--root-ca-file={p / 'ca.crt'}",
                 f"--service-account-private-key-file={p / 'sa.key'}",
                 # Each controller acts as its own ServiceAccount (kube-system), with the RBAC roles the API server

@@ -2,9 +2,11 @@
 are also kwok Nodes of the same names (pool `h100`, active) on a real control plane, and the remediator's lending
 controller (fleetheal.remediator.lending) over both. Tests and `benchmarks/bench_lending.py` use it.
 
-The inference pods are made as Kueue leaves an admitted workload's pods: ungated, with its flavour's node selector
-(`fleetheal.io/pool: lent` and the GPU type) and tolerations, as fleetheal.infra.kueue renders the flavour. Kueue's
-admission comes before (its quota is what the pools may lend), so it is not on the path measured here.
+With `kueue` (the real controller, `fleetheal.lab.kueue`), the pool has the stack's queues
+(`fleetheal.infra.kueue.manifests`, its quota what the pool may lend) and its inference pods go through them: made
+with a LocalQueue's name only, gated by Kueue until it admits them, then given the flavour's node selector
+(`fleetheal.io/pool: lent` and the GPU type) and tolerations by Kueue. Without it, the pods are made as Kueue leaves
+an admitted workload's pods.
 """
 
 from __future__ import annotations
@@ -14,14 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from fleetheal import contracts, steps
+from fleetheal.infra import kueue as queues
+from fleetheal.infra.stack_model import GpuPool
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.kubeapi import KubeApiError
+from fleetheal.lab.kueue import KueueController, apply_queues
 from fleetheal.lab.slurm import SlurmCluster
 from fleetheal.remediator.config import LendingConfig, LendingPool
 from fleetheal.remediator.lending import LendingController
 from fleetheal.remediator.store import Store
+from fleetheal.wait import wait_until
 
 POOL = GPU_TYPE = "h100"
+#: The label that puts a pod in a Kueue LocalQueue.
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: Seconds Kueue gets to admit a pod within its quota.
+ADMIT_S = 30.0
 NAMESPACE = "ml"
 #: A long-running job's script.
 SLEEP = "#!/bin/sh\nsleep 3600\n"
@@ -31,7 +41,9 @@ _prefixes = (f"l{i}n" for i in itertools.count())
 
 class SharedPool:
     """`nodes` Slurm nodes of `gpus` GPUs that are also Nodes of GPU pool h100, and a lending controller over them.
-    `rules`: the pool's LendingPool fields; `interval_s`: the controller's round (LendingConfig's default)."""
+    `rules`: the pool's LendingPool fields; `interval_s`: the controller's round (LendingConfig's default); `kueue`:
+    Kueue's controller, running for NAMESPACE (module docstring); `quota_nodes`: the nodes whose GPUs are Kueue's
+    quota (default: the most the pool lends, as the stack renders it)."""
 
     def __init__(
         self,
@@ -42,11 +54,15 @@ class SharedPool:
         gpus: int = 2,
         interval_s: float = LendingConfig().interval_s,
         fast_timers: bool = True,
+        kueue: KueueController | None = None,
+        quota_nodes: int | None = None,
         **rules: Any,
     ) -> None:
         self.cp = cp
         self.gpus = gpus
+        self.kueue = kueue
         self.prefix = next(_prefixes)
+        self._queues: list[str] = []
         self.slurm = SlurmCluster(
             state_dir / "slurm", nodes=nodes, gpus_per_node=gpus, node_prefix=self.prefix, fast_timers=fast_timers
         )
@@ -92,6 +108,9 @@ class SharedPool:
             assert kube is not None
             self.store = Store(str(state_dir / "store.db"))
             pool = LendingPool(**{"max_nodes": nodes, "min_lent_s": 0.0, "reclaim_grace_s": 1.0, **rules})
+            if kueue is not None:
+                lendable = pool.max_nodes if quota_nodes is None else quota_nodes
+                self._queues = apply_queues(cp, self.prefix, self._spec(nodes, lendable), (NAMESPACE,))
             self.ctl = LendingController(
                 LendingConfig(True, interval_s, {POOL: pool}, (NAMESPACE,)), self.store, kube, steps.Slurm(settings)
             )
@@ -99,9 +118,16 @@ class SharedPool:
             self.close()
             raise
 
+    def _spec(self, nodes: int, lendable: int) -> GpuPool:
+        """This pool as the stack declares it, lending `lendable` of its `nodes` nodes at most."""
+        return GpuPool(POOL, GPU_TYPE, self.gpus, nodes, 0, lend_max_percent=-(-lendable * 100 // nodes))
+
     def close(self) -> None:
         self.slurm.stop()
         self.delete_pods()
+        for path in self._queues:  # local queues first, flavours last
+            if self.cp.exists(path):
+                self.cp.request("DELETE", path)
         path = f"/apis/apps/v1/namespaces/{NAMESPACE}/replicasets/{self.prefix}-infer"
         if self.cp.exists(path):
             self.cp.request("DELETE", path)
@@ -141,41 +167,52 @@ class SharedPool:
             return ""
         return str(pod["spec"].get("nodeName") or "")
 
-    def job_state(self, job: str) -> str:
-        """The job's state ("" once Slurm has forgotten it)."""
-        return self.slurm.run("squeue", "-j", job, "-h", "-o", "%T", check=False).stdout.strip()
-
     def job_reason(self, job: str) -> str:
         return self.slurm.run("squeue", "-j", job, "-h", "-o", "%r", check=False).stdout.strip()
 
     # --- acting ----------------------------------------------------------------------------------------------
 
-    def inference_pod(self, gpus: int | None = None, labels: dict[str, str] | None = None) -> str:
-        """A pod as Kueue leaves an admitted workload's: ungated, with the flavour's selector and tolerations."""
+    def inference_pod(
+        self, gpus: int | None = None, labels: dict[str, str] | None = None, *, admit: bool = True
+    ) -> str:
+        """A pod of the inference workload: in Kueue's small queue, or as Kueue leaves an admitted pod (module
+        docstring). `admit`: return once Kueue has admitted it (False: at once, as for a pod past the quota)."""
         name = f"{self.prefix}-infer-{next(self._pods)}"
         limits = {"nvidia.com/gpu": str(self.gpus if gpus is None else gpus)}
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": NAMESPACE,
-                "labels": {"workload": self.prefix, **(labels or {})},
-                "ownerReferences": [self.owner],
-            },
-            "spec": {
-                "nodeSelector": {contracts.LABEL_POOL: contracts.POOL_LENT, contracts.LABEL_GPU_TYPE: GPU_TYPE},
-                "tolerations": [
-                    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                    {"key": contracts.TAINT_LENT, "operator": "Exists", "effect": "NoSchedule"},
-                ],
-                "containers": [
-                    {"name": "serve", "image": "registry.k8s.io/pause:3.10", "resources": {"limits": limits}}
-                ],
-            },
+        spec: dict[str, Any] = {
+            "containers": [{"name": "serve", "image": "registry.k8s.io/pause:3.10", "resources": {"limits": limits}}]
         }
-        self.cp.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", body)
+        labels = {"workload": self.prefix, **(labels or {})}
+        if self.kueue is not None:
+            labels[QUEUE_LABEL] = "small"
+        else:
+            args: queues.KueueQueuesArgs = {"cluster_name": self.prefix, "pools": (self._spec(1, 1),), "namespaces": (),
+                                            "large_share_percent": 0, "borrowing_limit_percent": 0,
+                                            "lending_limit_percent": 0}  # fmt: skip
+            (flavour,) = queues.manifests(args)["flavors"]
+            spec |= {"nodeSelector": flavour["spec"]["nodeLabels"], "tolerations": flavour["spec"]["tolerations"]}
+        meta = {"name": name, "namespace": NAMESPACE, "labels": labels, "ownerReferences": [self.owner]}
+        self.cp.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {"apiVersion": "v1", "kind": "Pod",
+                                                                         "metadata": meta, "spec": spec})  # fmt: skip
+        if self.kueue is not None and admit:
+            wait_until(lambda: self.admitted(name), ADMIT_S, f"Kueue to admit {name}", interval=0.1)
         return name
+
+    def admitted(self, name: str) -> bool:
+        """Whether pod `name` is admitted: ungated, with the flavour's node selector."""
+        pod = self.pod(name)
+        spec = (pod or {}).get("spec") or {}
+        selector = spec.get("nodeSelector") or {}
+        return not spec.get("schedulingGates") and selector.get(contracts.LABEL_POOL) == contracts.POOL_LENT
+
+    def pods(self) -> list[dict[str, Any]]:
+        """This pool's inference pods."""
+        path = f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=workload%3D{self.prefix}"
+        return self.cp.request("GET", path)["items"]  # type: ignore[no-any-return]
+
+    def delete_pod(self, name: str) -> None:
+        """One inference pod, at once (a scale-in)."""
+        self.cp.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}?gracePeriodSeconds=0")
 
     def delete_pods(self) -> None:
         """This pool's inference pods, at once."""

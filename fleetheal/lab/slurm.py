@@ -539,6 +539,10 @@ while :; do wait; sleep 1; done
     def squeue(self, *args: str) -> str:
         return self.run("squeue", *args).stdout
 
+    def job_state(self, job: str) -> str:
+        """The job's state ("" once Slurm has forgotten it)."""
+        return self.run("squeue", "-j", job, "-h", "-o", "%T", check=False).stdout.strip()
+
     def sbatch(self, script: str, *args: str) -> str:
         """Submit a batch script (its text); returns the job id."""
         jobs_dir = self.state_dir / "jobs"

@@ -1,6 +1,7 @@
 """Lending idle Slurm nodes to Kubernetes workloads and taking them back (fleetheal.remediator.lending), on a real
-control plane (kube-apiserver, kube-controller-manager for the PodDisruptionBudgets, kube-scheduler, kwok nodes)
-and a real Slurm whose nodes have the same names (fleetheal.lab.sharedpool).
+control plane (kube-apiserver, kube-controller-manager for the PodDisruptionBudgets, kube-scheduler, kwok nodes),
+the real Kueue controller with the stack's queues, and a real Slurm whose nodes have the same names
+(fleetheal.lab.sharedpool).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from fleetheal import contracts, steps, taxonomy
 from fleetheal.lab.controlplane import KubeControlPlane, default_crds, tools_built
+from fleetheal.lab.kueue import KueueController, kueue_built
 from fleetheal.lab.sharedpool import POOL, SLEEP, SharedPool
 from fleetheal.remediator.alerts import validate_alert
 from fleetheal.remediator.config import LendingConfig, LendingPool
@@ -26,16 +28,22 @@ pytestmark = [pytest.mark.kube, pytest.mark.slurm]
 
 @pytest.fixture(scope="module")
 def cp(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Iterator[KubeControlPlane]:
-    if not tools_built():
-        pytest.fail("the control plane is not built: run `make tools`")
+    if not (tools_built() and kueue_built()):
+        pytest.fail("the control plane or Kueue is not built: run `make tools`")
     with KubeControlPlane(tmp_path_factory.mktemp("kube"), scheduler=True) as plane:
         plane.install_crds(default_crds(shared))
         yield plane
 
 
+@pytest.fixture(scope="module")
+def kueue(cp: KubeControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KueueController]:
+    with KueueController(cp, tmp_path_factory.mktemp("kueue"), ("ml",)) as controller:
+        yield controller
+
+
 @pytest.fixture
-def pool(cp: KubeControlPlane, tmp_path: Path) -> Iterator[SharedPool]:
-    with SharedPool(cp, tmp_path) as p:
+def pool(cp: KubeControlPlane, kueue: KueueController, tmp_path: Path) -> Iterator[SharedPool]:
+    with SharedPool(cp, tmp_path, kueue=kueue) as p:
         yield p
 
 
@@ -84,17 +92,33 @@ def test_an_idle_node_is_lent_to_a_waiting_pod_and_slurm_takes_it_back_when_a_jo
     assert r.slurm_short == 1
     assert pool.pool_of(lent) == "active" and contracts.TAINT_LENT not in str(pool.node(lent)["spec"].get("taints"))
     assert pool.pod(pod) is None
-    _wait("the job to run", lambda: pool.job_state(job) == "RUNNING")
+    _wait("the job to run", lambda: pool.slurm.job_state(job) == "RUNNING")
     assert [a["decision"] for a in pool.store.audit_log() if a["node"] == lent] == ["lend", "reclaim"]
-    # The workload comes back (Kueue would recreate its pod): nothing is lent while the job holds every node.
+    # The workload comes back, admitted again (its evicted pod left the quota): nothing is lent while the job holds
+    # every node.
     pool.inference_pod()
     r = pool.ctl.step()
     assert r.lent == [] and r.uses[(POOL, "training")] == [3, 6], r
 
 
-def test_lending_keeps_its_rules(cp: KubeControlPlane, tmp_path: Path) -> None:
-    """Never a busy, cordoned or non-active node; never more than max_nodes; nothing more while a job waits."""
-    with SharedPool(cp, tmp_path, nodes=4, max_nodes=2) as pool:
+def test_kueue_admits_within_what_the_pool_may_lend_and_a_pod_past_it_gets_no_node(pool: SharedPool) -> None:
+    """The stack's queues on the real Kueue: its quota is the GPUs the pool may lend (three nodes of two), so a
+    fourth pod stays gated, and only the admitted pods, with the flavour's selector and tolerations, are lent for."""
+    admitted = [pool.inference_pod() for _ in range(3)]
+    past = pool.inference_pod(admit=False)
+    r = pool.ctl.step()
+    assert r.waiting_gpus == {"h100": 6} and len(r.lent) == 3, r
+    _wait("the pods to run", lambda: all(pool.running_on(p) for p in admitted))
+    assert sorted(pool.running_on(p) for p in admitted) == sorted(r.lent)
+    pod = pool.pod(past)
+    assert pod is not None and "kueue.x-k8s.io/admission" in [g["name"] for g in pod["spec"]["schedulingGates"]]
+    assert pool.ctl.step().waiting_gpus == {}
+
+
+def test_lending_keeps_its_rules(cp: KubeControlPlane, kueue: KueueController, tmp_path: Path) -> None:
+    """Never a busy, cordoned or non-active node; never more than max_nodes, even when Kueue's quota is larger (a
+    stack the policy pack refuses); nothing more while a job waits."""
+    with SharedPool(cp, tmp_path, nodes=4, max_nodes=2, kueue=kueue, quota_nodes=4) as pool:
         a, b, c, d = pool.names
         pool.slurm.sbatch(SLEEP, "-w", a)  # a runs a job
         _wait("a's job", lambda: pool.slurm.node(a).state in ("ALLOCATED", "MIXED"))
@@ -102,7 +126,7 @@ def test_lending_keeps_its_rules(cp: KubeControlPlane, tmp_path: Path) -> None:
         pool.cp.request("PATCH", f"/api/v1/nodes/{b}", cordon, "application/merge-patch+json")
         pool.store.transition(c, "isolated", "a test's fault", None)  # c left the lifecycle's active state
         for _ in range(4):
-            pool.inference_pod()
+            pool.inference_pod()  # admitted: the quota is all four nodes
         r = pool.ctl.step()
         assert r.lent == [d], r  # the only idle, schedulable, active node
         assert r.uses[(POOL, "repair")] == [1, 2] and r.uses[(POOL, "training")] == [1, 2], r
@@ -195,7 +219,7 @@ def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     assert "reclaim" in json.loads(pool.node(lent)["metadata"]["annotations"][contracts.ANNOTATION_LENT])
     pool.cp.request("DELETE", f"{path}/guarded")
     _rounds(pool, "the node back in Slurm", lambda r: lent in r.reclaimed)
-    _wait("the job to run", lambda: pool.job_state(job) == "RUNNING")
+    _wait("the job to run", lambda: pool.slurm.job_state(job) == "RUNNING")
 
 
 def test_a_fault_on_a_lent_node_is_healed_like_any_other_and_the_node_leaves_the_lent_state(
