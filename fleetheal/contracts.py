@@ -48,6 +48,9 @@ POOL_LENT = "lent"
 POOLS = ("active", "standby", "quarantine", POOL_LENT)
 #: Taint on a lent node (effect NoSchedule): only pods that Kueue admitted, with its flavour's toleration, run there.
 TAINT_LENT = K8S_PREFIX + "lent"
+#: Taint on a lent node Slurm is taking back (effect NoSchedule, no pod tolerates it): the pods a reclaim evicts are
+#: made again by their controllers, and must not land on it again.
+TAINT_RECLAIMING = K8S_PREFIX + "reclaiming"
 #: What a node of a GPU pool does, in view order (the lending controller's rounds, the metric
 #: fleetheal_remediator_gpu_pool_nodes, `fleetheal fleet status`).
 POOL_USES = ("training", "inference", "lent", "idle", "standby", "repair", "unavailable")

@@ -2,8 +2,8 @@
 integration tests run).
 
 Six scenarios around one training job (2 nodes and a hot spare in its allocation, run by `fleetheal
-launch --nodes 2`), and a seventh on a Slurm federation, all on the Slurm configuration the stack deploys
-(its timers included; `fleetheal.lab.slurmconf` lists what the lab's differs in):
+launch --nodes 2`), a seventh on the pool it leaves, and an eighth on a Slurm federation, all on the Slurm
+configuration the stack deploys (its timers included; `fleetheal.lab.slurmconf` lists what the lab's differs in):
 
 1. Xid 79 (a GPU falls off the bus; hardware): the agent drains its node and taints its Node, the alert
    reaches the remediator, the isolate-and-relocate playbook gives the job its grace signal, shrinks the
@@ -21,7 +21,12 @@ launch --nodes 2`), and a seventh on a Slurm federation, all on the Slurm config
 5. A lemon: three GPU faults on one idle node within the window quarantine it, with an RMA report.
 6. CUDA out of memory printed by the job, at the same step in two runs: restarted in place once, then
    refused as the job's own (`cuda-oom-repeated`), the cause in its log; the job ends, its nodes untouched.
-7. A leaf switch lost: cluster a of a two-cluster federation (its own slurmdbd, MariaDB and controllers)
+7. One pool for training and inference (with the real control plane: kube-scheduler and Kueue): a training
+   job ends and an inference Deployment that Kueue admits scales into its nodes, which the remediator's lending
+   controller lends; a new training job takes them back (the pods evicted within their grace); once lent
+   again, a GPU falls off the bus on a lent node, which is isolated like any node while its inference moves
+   to another lent node.
+8. A leaf switch lost: cluster a of a two-cluster federation (its own slurmdbd, MariaDB and controllers)
    loses both nodes at once; its remediator, with no standby node and a budget of one node, isolates one,
    and moves the job to cluster b, which reads its checkpoint store; once Slurm says the nodes
    do not respond the remediator sets them DOWN (not waiting SlurmdTimeout) and lifts the requeue's
@@ -54,6 +59,7 @@ from fleetheal.lab.scenarios import (
     scenario_nccl,
     scenario_oom,
     scenario_repair,
+    scenario_sharing,
     scenario_xid31,
     scenario_xid79,
 )
@@ -142,7 +148,17 @@ def run_scenarios(lab: Lab, out: Callable[[str], None] = print) -> tuple[list[Ou
             value = ettr(read_events(run_dir), time.time())
             o.details["ettr"] = value
             out(f"  effective training time ratio of the run so far: {value:.2f}" if value is not None else "")
-    out("\n== 7. A leaf switch lost in cluster a of a federation -> the job moves to cluster b (3rd stage)")
+    title = "7. One pool for training and inference: lend idle nodes to Kueue, take them back, heal a lent node"
+    out(f"\n== {title}")
+    try:
+        o = scenario_sharing(lab, out)
+    except LabError as exc:
+        o = Outcome(title, "sharing", "?", None, "?", error=str(exc))
+        out(f"  FAILED: {exc}")
+    outcomes.append(o)
+    for inc in o.incidents:
+        print_incident(inc, out)
+    out("\n== 8. A leaf switch lost in cluster a of a federation -> the job moves to cluster b (3rd stage)")
     outcomes.append(scenario_leaf_switch(lab, out))
     return outcomes, w
 
@@ -151,7 +167,7 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
     out("\n== summary")
     out(f"  {'FAULT':17} {'NODE':5} {'ACTION':21} {'INCIDENT':11} {'RUNNING AGAIN':14} {'RESULT':7} NOTE")
     for o in outcomes:
-        again = o.milestones.get("running")
+        again = o.milestones.get("running", o.milestones.get("moved"))
         note = ""
         if o.fault == "xid-79":
             moved = ",".join(o.details.get("new_nodes", []))
@@ -172,11 +188,20 @@ def summary(outcomes: list[Outcome], w: Watcher, out: Callable[[str], None]) -> 
             )
         elif o.fault == "lemon":
             note = f"{o.details.get('state')}, RMA report written" if o.details.get("rma") else ""
+        elif o.fault == "sharing":
+            note = (
+                o.error
+                or o.details.get("skipped")
+                or (
+                    f"{', '.join(o.details.get('lent_first', []))} lent, taken back for training, lent again; "
+                    f"the fault on a lent node healed, its inference moved"
+                )
+            )
         elif o.fault == "leaf-switch":
             at = o.milestones.get("moved")
             note = f"moved to cluster b {at:.1f}s after the fault, resumed from its checkpoint" if at else ""
         again_text = f"{again:.1f}s" if again is not None else "-"
-        result = "ok" if o.ok else "FAILED"
+        result = "skipped" if o.details.get("skipped") else "ok" if o.ok else "FAILED"
         out(f"  {o.fault:17} {o.node:5} {o.action:21} {o.details.get('incident', '-'):11} "
             f"{again_text:14} {result:7} {note or o.error}")  # fmt: skip
     for c in continuity(w.run_dir):

@@ -4,9 +4,14 @@ With the binaries `make tools` builds, a real control plane (`fleetheal.lab.cont
 the agents authenticate with tokens of their own ServiceAccount, whose ClusterRole is the one the stack
 deploys, each token bound to its agent's Node, and the stack's admission policy keeps each agent to that Node
 (`install_agent_access`). Without them, the in-process test double (`python -m fleetheal.lab.kube`), whose
-single bearer token every agent shares. Either way: a Node per lab node, labelled with its pool and failure
-domain (standby nodes also carry the standby taint), a slurmd pod per node owned by a StatefulSet under a
-PodDisruptionBudget, and an agent pod per node owned by a DaemonSet.
+single bearer token every agent shares. Either way: a Node per lab node, labelled with its GPU pool (`h100`), its
+place in it (active or standby) and failure domain (standby nodes also carry the standby taint), a slurmd pod per
+node owned by a StatefulSet under a PodDisruptionBudget, and an agent pod per node owned by a DaemonSet.
+
+The real control plane also runs kube-scheduler, the Deployment and ReplicaSet controllers and Kueue
+(`fleetheal.lab.kueue`) with the stack's queues for the pool (`fleetheal.infra.kueue.manifests`): its quota is what
+the pool may lend (LEND_NODES nodes), to the inference workloads of namespace INFERENCE_NAMESPACE, which the
+remediator's lending controller serves (the demo's sharing scenario).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from fleetheal.contracts import (
     AGENT_NAME,
     AGENT_RBAC_RULES,
     LABEL_FAILURE_DOMAIN,
+    LABEL_GPU_POOL,
+    LABEL_GPU_TYPE,
     LABEL_POOL,
     OWN_NODE_POLICY,
     TAINT_STANDBY,
@@ -32,11 +39,16 @@ from fleetheal.contracts import (
 from fleetheal.lab import wait
 from fleetheal.lab.controlplane import KubeControlPlane, tools_built
 from fleetheal.lab.kubeapi import KubeApiError, api_request, token_client
+from fleetheal.lab.kueue import KueueController, apply_queues, kueue_built
 
 #: The lab's pods never run a container (kwok plays their kubelets); the image is never pulled.
 PLACEHOLDER_IMAGE = "fleetheal-lab/placeholder:0"
 #: Namespace of the agents' ServiceAccount `fleetheal-agent` on the real API server.
 AGENT_NAMESPACE = "kube-system"
+#: The lab's one GPU pool (and GPU type), the namespace of its inference workloads, and the most nodes it lends.
+GPU_POOL = "h100"
+INFERENCE_NAMESPACE = "inference"
+LEND_NODES = 2
 _MERGE = "application/merge-patch+json"
 
 
@@ -113,7 +125,7 @@ class LabKube:
         standby: list[str],
         gpus: int,
         *,
-        spawn: Callable[[str, list[str]], int],
+        spawn: Callable[..., int],
         record: Callable[[dict[str, Any]], None],
     ) -> None:
         self.lab_dir = lab_dir
@@ -125,6 +137,7 @@ class LabKube:
         self._record = record
         self._api: Any = None
         self.real = False
+        self.kueue: KueueController | None = None
 
     def up(self) -> str:
         """Start the API server (real or double) and create the lab's Nodes, pods, their owners and the
@@ -162,9 +175,10 @@ class LabKube:
                 self._create_pod(namespace, pod)
         pdb = {
             "metadata": {"name": "slurm-worker"},
-            # As many disruptions as the remediator's isolation budget (gate.budget.max_isolated): an isolated
-            # node's slurmd pod is not made again (no NodeSet controller runs here).
-            "spec": {"maxUnavailable": 2, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
+            # One disruption per node the demo isolates over the lab's life (an Xid 79, the lemon, a fault on a lent
+            # node): no NodeSet controller runs here, so an evicted slurmd pod is never made again, even once its
+            # node is back.
+            "spec": {"maxUnavailable": 3, "selector": {"matchLabels": {"app.kubernetes.io/name": "slurmd"}}},
         }
         self._request("POST", "/apis/policy/v1/namespaces/slurm/poddisruptionbudgets", pdb)
         return what
@@ -174,12 +188,15 @@ class LabKube:
         for i, name in enumerate(self.nodes):
             pool = "standby" if name in self.standby else "active"
             taints = [{"key": TAINT_STANDBY, "effect": "NoSchedule"}] if pool == "standby" else []
-            out.append((name, {LABEL_POOL: pool, LABEL_FAILURE_DOMAIN: f"rack-{'ab'[i % 2]}"}, taints))
+            labels = {LABEL_POOL: pool, LABEL_FAILURE_DOMAIN: f"rack-{'ab'[i % 2]}", LABEL_GPU_POOL: GPU_POOL,
+                      LABEL_GPU_TYPE: GPU_POOL}  # fmt: skip
+            out.append((name, labels, taints))
         return out
 
     def _up_control_plane(self) -> str:
-        """etcd + kube-apiserver + kube-controller-manager (`make tools`), with the agents' access."""
-        cp = KubeControlPlane(self.dir).start()
+        """etcd + kube-apiserver + kube-controller-manager + kube-scheduler (`make tools`), with the agents' access,
+        and Kueue with the pool's queues when it is built."""
+        cp = KubeControlPlane(self.dir, scheduler=True, workloads=True).start()
         self.real = True
         self._api = cp.client()
         self._record({"url": cp.url, "real": True, "ca_file": str(cp.pki / "ca.crt")})
@@ -189,7 +206,22 @@ class LabKube:
             path = agent_token_file(self.dir, name, real=True)
             path.parent.mkdir(mode=0o700, exist_ok=True)
             write_secret(path, token)
-        return f"kube-apiserver {cp.request('GET', '/version')['gitVersion']} + etcd, kubelets by kwok, at {cp.url}"
+        what = f"kube-apiserver {cp.request('GET', '/version')['gitVersion']} + etcd, kubelets by kwok, at {cp.url}"
+        if kueue_built():
+            self._up_kueue(cp)
+            what += f"; Kueue for namespace {INFERENCE_NAMESPACE}"
+        return what
+
+    def _up_kueue(self, cp: KubeControlPlane) -> None:
+        from fleetheal.infra.stack_model import GpuPool
+
+        self.kueue = KueueController(
+            cp, self.dir / "kueue", (INFERENCE_NAMESPACE,), spawn=self._spawn, log=self.lab_dir / "logs" / "kueue.log"
+        ).start()
+        active = len(self.nodes) - len(self.standby)
+        pool = GpuPool(GPU_POOL, GPU_POOL, self.gpus, active, len(self.standby),
+                       lend_max_percent=-(-LEND_NODES * 100 // active))  # fmt: skip
+        apply_queues(cp, "lab", pool, (INFERENCE_NAMESPACE,))
 
     def _up_double(self) -> str:
         self.dir.mkdir()

@@ -12,12 +12,21 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetheal.agent.joboutput import OOM_REPEATED
-from fleetheal.contracts import CHECKPOINT_WORD, LABEL_FAILURE_DOMAIN, LABEL_POOL, TAINT_UNHEALTHY, owns_reason
+from fleetheal.contracts import (
+    CHECKPOINT_WORD,
+    LABEL_FAILURE_DOMAIN,
+    LABEL_POOL,
+    LENT_REASON,
+    POOL_LENT,
+    TAINT_UNHEALTHY,
+    owns_reason,
+)
 from fleetheal.fleet import failover as failmod
 from fleetheal.lab import LabError
 from fleetheal.lab.federation import Federation, SlurmError
 from fleetheal.lab.fedremediator import ClusterRemediator
 from fleetheal.lab.lab import Lab
+from fleetheal.lab.labkube import INFERENCE_NAMESPACE, LEND_NODES, PLACEHOLDER_IMAGE
 from fleetheal.lab.train import MISBEHAVE, ettr, read_checkpoint, read_events
 from fleetheal.lab.watcher import (
     Outcome,
@@ -532,4 +541,171 @@ def scenario_leaf_switch(lab: Lab, out: Callable[[str], None]) -> Outcome:
     for c in o.details.get("continuity", []):
         out(f"  restart {c['restart']}: last step {c['last_step']}, resumed from {c['resumed_from']} "
             f"({c['lost']} steps lost)")  # fmt: skip
+    return o
+
+
+def scenario_sharing(lab: Lab, out: Callable[[str], None]) -> Outcome:
+    """One pool for training and inference: a training job ends and an inference Deployment, admitted by Kueue,
+    scales into its nodes (the remediator's lending controller lends them); a new training job takes them back;
+    once lent again, a GPU fault on a lent node is healed like any other, and the inference moves to another node."""
+    o = Outcome("one pool for training and inference", "sharing", "-", None, "LEND, RECLAIM, HEAL")
+    if not lab.meta.get("kube", {}).get("kueue"):
+        o.details["skipped"] = "needs the real control plane, kube-scheduler and Kueue (`make tools` builds them)"
+        o.details["lent_nodes"] = []
+        out(f"  skipped: {o.details['skipped']}")
+        o.ok = True
+        return o
+    slurm = lab.slurm()
+    states = lab.node_states()
+    k8s = lab.k8s_nodes()
+    idle = [
+        n
+        for n in lab.nodes
+        if states.get(n) == "active"
+        and (k8s[n]["metadata"].get("labels") or {}).get(LABEL_POOL) == "active"
+        and not (k8s[n].get("spec") or {}).get("unschedulable")
+        and (info := slurm.node(n)).state == "IDLE"
+        and not info.drained
+    ]
+    if len(idle) < 2:
+        raise LabError(f"the sharing scenario needs 2 idle active nodes; idle: {idle}")
+    gpus = int(lab.meta["gpus"])
+    ns = INFERENCE_NAMESPACE
+    deployment = f"/apis/apps/v1/namespaces/{ns}/deployments/serve"
+    lab.kube_request("POST", f"/apis/apps/v1/namespaces/{ns}/deployments", {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        # The queue's name on the Deployment: Kueue's webhook gives it to each pod, which waits gated until admitted.
+        "metadata": {"name": "serve", "labels": {"kueue.x-k8s.io/queue-name": "small"}},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": {"app": "serve"}},
+            "template": {
+                "metadata": {"labels": {"app": "serve"}},
+                "spec": {"containers": [{"name": "serve", "image": PLACEHOLDER_IMAGE,
+                                         "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]},
+            },
+        },
+    })  # fmt: skip
+    job = slurm.sbatch("#!/bin/sh\nsleep 3600\n", "-N", str(len(idle)), "-o", "/dev/null")
+    wait_until(lambda: slurm.job_state(job) == "RUNNING", 60, f"training job {job} to run")
+    out(f"  training job {job} runs on the {len(idle)} idle active nodes {','.join(idle)}")
+    lab.kube_request("PATCH", deployment, {"spec": {"replicas": LEND_NODES}}, "application/merge-patch+json")
+
+    def pods() -> list[dict[str, Any]]:
+        found = lab.kube_request("GET", f"/api/v1/namespaces/{ns}/pods?labelSelector=app%3Dserve")["items"]
+        return [p for p in found if not p["metadata"].get("deletionTimestamp")]
+
+    def admitted() -> list[dict[str, Any]]:
+        return [p for p in pods() if not p["spec"].get("schedulingGates")]
+
+    def lent() -> list[str]:
+        return sorted(n for n, k in lab.k8s_nodes().items()
+                      if (k["metadata"].get("labels") or {}).get(LABEL_POOL) == POOL_LENT)  # fmt: skip
+
+    def serving() -> list[str]:
+        on = sorted(p["spec"].get("nodeName") or "" for p in pods() if p.get("status", {}).get("phase") == "Running")
+        return on if len(on) == LEND_NODES else []
+
+    wait_until(lambda: len(admitted()) == LEND_NODES, 60, "Kueue to admit the inference pods")
+    out(f"  inference Deployment {ns}/serve scaled to {LEND_NODES} pods of {gpus} GPUs: admitted by Kueue, "
+        "waiting for GPUs (Slurm's job holds them)")  # fmt: skip
+
+    def phase(title: str, act: Callable[[], str], checks: list[tuple[str, str, Callable[[], str | None]]],
+              done: Callable[[], bool], timeout: float = 120) -> None:  # fmt: skip
+        t0 = time.time()
+        out(f"  {title}\n  +  0.0s  {act()}")
+        follow(o, t0, checks, done=done, timeout=timeout, out=out)
+
+    def show(what: Callable[[], list[str]], text: str) -> Callable[[], str | None]:
+        return lambda: text.format(", ".join(found)) if (found := what()) else None
+
+    # 1. The training job ends: its idle nodes are lent, and the waiting pods run there.
+    phase(
+        "a. the training job ends",
+        lambda: (slurm.run("scancel", job), f"job {job} cancelled")[1],
+        [("lent", "nodes lent to Kueue's flavour (pool=lent, drained in Slurm fleetheal:lent)", show(lent, "{}")),
+         ("serving", "inference pods Running", show(serving, "on {}"))],
+        lambda: {"lent", "serving"} <= o.milestones.keys(),
+    )  # fmt: skip
+    first = lent()
+
+    # 2. A new training job needs every node: the lent ones are taken back, their pods evicted within their grace.
+    state: dict[str, str] = {}
+
+    def back() -> str | None:
+        # As many as the job lacks: a standby node promoted meanwhile (the lifecycle refills the pool) may cover one.
+        nodes, now_lent = slurm.nodes(), lent()
+        ok = [n for n in first if not nodes[n].drained and n not in now_lent]
+        return ", ".join(ok) if ok else None
+
+    def training() -> str | None:
+        return f"job {state['job']} RUNNING" if slurm.job_state(state["job"]) == "RUNNING" else None
+
+    def submit() -> str:
+        state["job"] = slurm.sbatch("#!/bin/sh\nsleep 3600\n", "-N", str(len(idle)), "-o", "/dev/null")
+        return f"training job {state['job']} submitted for {len(idle)} nodes"
+
+    phase(
+        "b. a new training job needs the nodes back",
+        submit,
+        [("reclaimed", "lent nodes taken back (pods evicted, pool=active, resumed in Slurm)", back),
+         ("training", "training running", training)],
+        lambda: {"reclaimed", "training"} <= o.milestones.keys(),
+    )  # fmt: skip
+
+    # 3. That job ends; the Deployment's pods, made again and admitted, get nodes again.
+    phase(
+        "c. that job ends too",
+        lambda: (slurm.run("scancel", state["job"]), f"job {state['job']} cancelled")[1],
+        [("lent-again", "nodes lent again", show(lent, "{}")),
+         ("serving-again", "inference pods Running again", show(serving, "on {}"))],
+        lambda: {"lent-again", "serving-again"} <= o.milestones.keys(),
+    )  # fmt: skip
+
+    # 4. A GPU falls off the bus on a lent node: healing takes it over (never reclaimed meanwhile), as on any node.
+    # In the failure domain with the fewest nodes out of service (the isolation budget counts them per domain).
+    domain = {n: (k["metadata"].get("labels") or {}).get(LABEL_FAILURE_DOMAIN) for n, k in lab.k8s_nodes().items()}
+    out_of_service = [domain.get(n) for n, s in lab.node_states().items() if s not in ("active", "standby")]
+    node = min(lent(), key=lambda n: (out_of_service.count(domain.get(n)), n))
+    now_lent = lent()
+    o.node, o.gpu = node, 0
+    t_fault = time.time()
+
+    def incident() -> str | None:
+        inc = incident_for(lab, node, LOST_GPU, t_fault, acted=True)
+        if inc is None:
+            return None
+        o.details["incident"] = inc["id"]
+        return f"{inc['id']} opened by the alert, gate {inc.get('decision') or 'pending'}"
+
+    def isolated() -> str | None:
+        info = slurm.node(node)
+        labels = lab.k8s_nodes()[node]["metadata"].get("labels") or {}
+        on = [p for p in pods() if p["spec"].get("nodeName") == node]
+        if info.reason == LENT_REASON or labels.get(LABEL_POOL) == POOL_LENT or on:
+            return None
+        return f"Slurm reason '{info.reason}', Node pool={labels.get(LABEL_POOL)}, its pods evicted"
+
+    def moved() -> str | None:
+        on = serving()
+        return f"on {', '.join(on)}" if on and node not in on else None
+
+    def healed() -> bool:
+        inc = incident_for(lab, node, LOST_GPU, t_fault, acted=True)
+        return bool(inc and inc.get("state") in ("done", "failed")) and "moved" in o.milestones
+
+    phase(
+        f"d. a GPU of lent node {node} falls off the bus",
+        lambda: f"injected xid-79 on {node} GPU 0 ({lab.inject(node, 'xid-79', 0)})",
+        [("incident", "incident", incident), ("isolated", "isolated like any node", isolated),
+         ("moved", "inference Running on another lent node", moved)],
+        healed,
+        timeout=180,
+    )  # fmt: skip
+    o.incidents = [lab.incident(o.details["incident"])] if "incident" in o.details else []
+    o.details["lent_first"] = first
+    o.details["lent_nodes"] = sorted({*first, *now_lent, *lent()})
+    o.ok = bool(o.incidents) and o.incidents[0].get("state") == "done"
+    lab.kube_request("PATCH", deployment, {"spec": {"replicas": 0}}, "application/merge-patch+json")
     return o

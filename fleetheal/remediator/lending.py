@@ -10,10 +10,12 @@ The leader runs one round every `lending.interval_s`:
   with the time. The slurmd NodeSet selects `pool=active`, so it lets the node go; Kueue's flavour selects
   `pool=lent`, so the waiting pods get it. A pool lends at most `max_nodes` at once.
 - **Reclaim.** A Slurm job waits for resources and the idle nodes are not enough. Lent nodes lent at least
-  `min_lent_s` ago, longest-lent first, as many as the waiting jobs lack: their pods are evicted through the
+  `min_lent_s` ago, longest-lent first, as many as the waiting jobs lack: tainted `fleetheal.io/reclaiming`
+  (no new pod lands there, the evicted ones' replacements included), their pods evicted through the
   Eviction API with `reclaim_grace_s` to stop, so their PodDisruptionBudgets hold (an eviction a budget refuses
-  is asked again next round, never forced). Once no pod of theirs is left, the node is labelled active,
-  untainted, and resumed in Slurm.
+  is asked again next round, never forced). Evicted: what the loan brought, the pods of Kueue's namespaces and
+  any pod holding GPUs; other pods stay, as on an active node. Once none of those is left, the node is labelled
+  active, untainted, and resumed in Slurm.
 
 Never lent: a node with an unfinished incident or not `active` in the node lifecycle, a cordoned node, a standby
 node, a node Slurm does not show idle and undrained. A lent node with an incident is healing's (the isolation
@@ -141,8 +143,8 @@ class LendingController:
         return self.kube.items("GPU nodes", self.kube.core.list_node, label_selector=contracts.LABEL_GPU_POOL)
 
     def _waiting_gpus(self) -> dict[str, int]:
-        """GPU type -> GPUs that admitted pods wait for on lent nodes (Pending, unscheduled, ungated, in one of
-        `lending.namespaces`)."""
+        """GPU type -> GPUs that admitted pods wait for on lent nodes (Pending, unscheduled, ungated, not being deleted,
+        in one of `lending.namespaces`)."""
         out: dict[str, int] = {}
         pods = self.kube.items(
             "waiting pods",
@@ -150,8 +152,11 @@ class LendingController:
             field_selector="spec.nodeName=,status.phase=Pending",
         )
         for pod in pods:
-            if (pod.get("metadata") or {}).get("namespace") not in self.cfg.namespaces:
+            meta = pod.get("metadata") or {}
+            if meta.get("namespace") not in self.cfg.namespaces:
                 continue  # only Kueue's namespaces: anyone else's pod never makes a node lent
+            if meta.get("deletionTimestamp"):
+                continue  # going: Kueue holds a deleted pod by its finalizer a moment, and may admit it meanwhile
             spec = pod.get("spec") or {}
             selector = spec.get("nodeSelector") or {}
             if selector.get(contracts.LABEL_POOL) != contracts.POOL_LENT or spec.get("schedulingGates"):
@@ -162,8 +167,8 @@ class LendingController:
                 out[kind] = out.get(kind, 0) + gpus
         return out
 
-    def _slurm_short(self, idle: int) -> int:
-        """Nodes the Slurm jobs waiting for resources lack beyond the `idle` ones."""
+    def _slurm_wants(self) -> int:
+        """Nodes the Slurm jobs waiting for resources want."""
         doc = slurm_jobs.document(self.slurm.squeue())
         want = 0
         for job in doc.get("jobs") or []:
@@ -171,7 +176,7 @@ class LendingController:
                 continue
             if str(job.get("state_reason") or "").startswith(WAITING_REASONS):
                 want += max(1, number(job.get("node_count"), 1))
-        return max(0, want - idle)
+        return want
 
     # --- one round -----------------------------------------------------------------------------------------
 
@@ -222,7 +227,12 @@ class LendingController:
                 idle += 1
                 if pool in self.cfg.pools and not (doc.get("spec") or {}).get("unschedulable"):
                     candidates.setdefault(pool, []).append((name, gpus))
-        r.slurm_short = self._slurm_short(idle)
+        wants = self._slurm_wants()
+        r.slurm_short = max(0, wants - idle)
+        # Idle nodes a waiting job is about to start on are not spare: a job waiting for a node just taken back
+        # for it, until Slurm's next scheduling pass, would have it lent again (the demo's Deployment, its evicted
+        # pod made again at once, had one node lent and taken back every 3 s).
+        spare = max(0, idle - wants)
 
         # Reclaim first: training takes its nodes back; nodes already being reclaimed count toward the need. A
         # pool that no longer lends, or lends fewer nodes than it has lent, gets the rest back at once.
@@ -258,7 +268,7 @@ class LendingController:
             kind = types.get(pool, "")
             mine = sum(1 for n in lent if n.pool == pool)
             for name, gpus in sorted(candidates.get(pool, [])):
-                if missing.get(kind, 0) <= 0 or mine >= rules.max_nodes or gpus <= 0:
+                if missing.get(kind, 0) <= 0 or mine >= rules.max_nodes or gpus <= 0 or len(r.lent) >= spare:
                     break
                 if self._lend(name, pool):
                     r.lent.append(name)
@@ -310,17 +320,30 @@ class LendingController:
         if not node.reclaiming:
 
             def mark(doc: dict[str, Any]) -> dict[str, Any] | None:
+                # Marked, and closed to new pods: those evicted are made again, and Kueue admits them again.
                 note = _annotation(doc.get("metadata") or {})
                 note["reclaim"] = self.clock()
-                return {"metadata": {"annotations": {contracts.ANNOTATION_LENT: json.dumps(note, sort_keys=True)}}}
+                taints = [
+                    t for t in (doc.get("spec") or {}).get("taints") or [] if t.get("key") != contracts.TAINT_RECLAIMING
+                ]
+                taints.append({"key": contracts.TAINT_RECLAIMING, "effect": "NoSchedule"})
+                meta = {"annotations": {contracts.ANNOTATION_LENT: json.dumps(note, sort_keys=True)}}
+                return {"metadata": meta, "spec": {"taints": taints}}
 
             self.kube.update_node(node.name, mark)
             log.info("lending: reclaiming %s for Slurm", node.name, extra={"node": node.name})
         rules = self.cfg.pools.get(node.pool) or LendingPool()  # a pool that no longer lends: the default grace
-        # What a drain evicts; a pod no controller would recreate is never evicted (it would be lost): it holds
-        # the reclaim until someone moves it.
-        pods = self.kube.pods_on(node.name)
-        left, unmanaged = steps.pods_to_evict([p for p in pods if (p.get("status") or {}).get("phase") not in _DONE])
+        # What the loan brought: the pods of Kueue's namespaces, and any pod holding GPUs (Slurm needs them all
+        # back); another pod (a node service that is no DaemonSet's) stays, as it would on an active node. Of
+        # those, what a drain evicts; a pod no controller would recreate is never evicted (it would be lost): it
+        # holds the reclaim until someone moves it.
+        pods = [
+            p
+            for p in self.kube.pods_on(node.name)
+            if (p.get("status") or {}).get("phase") not in _DONE
+            and ((p.get("metadata") or {}).get("namespace") in self.cfg.namespaces or _gpus(p) > 0)
+        ]
+        left, unmanaged = steps.pods_to_evict(pods)
         refused = [
             f"{ns}/{name}: {why}" for ns, name in left if (why := self.kube.evict(ns, name, rules.reclaim_grace_s))
         ]
@@ -331,7 +354,8 @@ class LendingController:
             return why + (f"; eviction refused: {'; '.join(refused)}" if refused else "")
 
         def give_back(doc: dict[str, Any]) -> dict[str, Any] | None:
-            taints = [t for t in (doc.get("spec") or {}).get("taints") or [] if t.get("key") != contracts.TAINT_LENT]
+            loan = (contracts.TAINT_LENT, contracts.TAINT_RECLAIMING)
+            taints = [t for t in (doc.get("spec") or {}).get("taints") or [] if t.get("key") not in loan]
             back = {"labels": {contracts.LABEL_POOL: "active"}, "annotations": {contracts.ANNOTATION_LENT: None}}
             return {"metadata": back, "spec": {"taints": taints or None}}
 

@@ -121,8 +121,8 @@ class Kube:
         return None
 
 
-def _taints_without(doc: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
-    return [t for t in (doc.get("spec", {}).get("taints") or []) if t.get("key") != key]
+def _taints_without(doc: Mapping[str, Any], *keys: str) -> list[dict[str, Any]]:
+    return [t for t in (doc.get("spec", {}).get("taints") or []) if t.get("key") not in keys]
 
 
 def k8s_isolate(kube: Kube | None, node: str, fault_id: str, *, dry_run: bool = False) -> StepResult:
@@ -217,7 +217,8 @@ def k8s_drain(
         annotation), so that once healed it rejoins Slurm like any other node."""
         nonlocal was_lent
         meta = doc.get("metadata", {})
-        lent_taint = any(t.get("key") == contracts.TAINT_LENT for t in (doc.get("spec") or {}).get("taints") or [])
+        loan = (contracts.TAINT_LENT, contracts.TAINT_RECLAIMING)
+        lent_taint = any(t.get("key") in loan for t in (doc.get("spec") or {}).get("taints") or [])
         lent_note = contracts.ANNOTATION_LENT in (meta.get("annotations") or {})
         was_lent = lent_taint or lent_note
         if (meta.get("labels") or {}).get(contracts.LABEL_POOL) == "quarantine" and not was_lent:
@@ -226,7 +227,7 @@ def k8s_drain(
         if lent_note:
             patch["metadata"]["annotations"] = {contracts.ANNOTATION_LENT: None}
         if lent_taint:
-            patch["spec"] = {"taints": _taints_without(doc, contracts.TAINT_LENT) or None}
+            patch["spec"] = {"taints": _taints_without(doc, *loan) or None}
         return patch
 
     labelled = kube.update_node(node, quarantine)

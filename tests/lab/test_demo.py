@@ -17,7 +17,15 @@ import sys
 
 import pytest
 
-from fleetheal.contracts import LABEL_POOL, TAINT_STANDBY
+from fleetheal.contracts import (
+    ANNOTATION_LENT,
+    LABEL_POOL,
+    LENT_REASON,
+    POOL_LENT,
+    TAINT_LENT,
+    TAINT_STANDBY,
+    owns_reason,
+)
 from fleetheal.lab.controlplane import tools_built
 from fleetheal.lab.demo import run_demo, run_scenarios
 from fleetheal.lab.lab import Lab
@@ -64,7 +72,7 @@ def scenarios(lab):
     lines: list[str] = []
     outcomes, watcher = run_scenarios(lab, lines.append)
     by_fault = {o.fault: o for o in outcomes}
-    faults = ["xid-79", "repair", "xid-31", "nccl-timeout", "lemon", "cuda-oom-repeated", "leaf-switch"]
+    faults = ["xid-79", "repair", "xid-31", "nccl-timeout", "lemon", "cuda-oom-repeated", "sharing", "leaf-switch"]
     assert [o.fault for o in outcomes] == faults, "\n".join(lines)
     return by_fault, watcher, "\n".join(lines)
 
@@ -104,7 +112,8 @@ def test_xid79_isolates_relocates_and_replaces(lab, scenarios):
     # a warm-standby node was promoted in both Slurm and Kubernetes
     promoted = o.details["promoted"]
     assert promoted in lab.standby_nodes and "promoted" in o.milestones  # resumed and labelled active then
-    if by_fault["lemon"].node != promoted:  # (the lemon may have been that node since: then it is quarantined)
+    # (the lemon may have been that node since: then it is quarantined; or the sharing scenario lent it since)
+    if promoted != by_fault["lemon"].node and promoted not in by_fault["sharing"].details.get("lent_nodes", []):
         assert not lab.slurm().node(promoted).drained
         kp = lab.k8s_nodes()[promoted]
         assert kp["metadata"]["labels"][LABEL_POOL] == "active"
@@ -172,14 +181,14 @@ def test_xid31_is_refused_and_explained(lab, scenarios):
     assert o.ok, log
     assert o.details["node_drained"] is False
     assert o.details["restarts"] == 0
-    assert not lab.slurm().node(o.node).drained
     inc = o.incidents[0]
     assert (inc["state"], inc["action"], inc["class"]) == ("done", "REFUSE_AND_REPORT", "user")
     comment = o.details["comment"]  # as it was then: the NCCL scenario's requeue rewrites it
     assert f"not requeued: xid-31 (user) is attributed to the job, not to node {o.node}" in comment
     assert o.details["cause"] in (watcher.run_dir / "train.log").read_text()
-    k = lab.k8s_nodes()[o.node]
-    assert not k["spec"].get("unschedulable")
+    if o.node != by_fault["sharing"].node:  # (the sharing scenario may have lent that node since, and isolated it)
+        assert not lab.slurm().node(o.node).drained
+        assert not lab.k8s_nodes()[o.node]["spec"].get("unschedulable")
 
 
 def test_nccl_timeout_restarts_in_place(lab, scenarios):
@@ -212,13 +221,37 @@ def test_a_repeated_out_of_memory_is_restarted_once_then_refused(lab, scenarios)
     first, second = o.incidents
     assert (first["fault_id"], first["action"]) == ("cuda-oom", "RESTART_IN_PLACE")
     assert (second["fault_id"], second["action"], second["class"]) == ("cuda-oom-repeated", "REFUSE_AND_REPORT", "user")
-    assert o.details["node_drained"] is False and not lab.slurm().node(o.node).drained
+    assert o.details["node_drained"] is False
+    if o.node != by_fault["sharing"].node:  # (as above)
+        assert not lab.slurm().node(o.node).drained
     assert o.details["cause"] in (watcher.run_dir / "train.log").read_text()
     assert o.details["job_state"] in ("FAILED", "COMPLETED"), o.details
 
 
+def test_one_pool_serves_training_and_inference_and_a_fault_on_a_lent_node_is_healed(lab, scenarios):
+    """Scenario 7, on the real Kueue and kube-scheduler and the remediator's lending controller: the nodes a job
+    leaves are lent to the inference pods Kueue admitted, taken back for the next job, lent again; a GPU lost on a
+    lent node is isolated like any node (the fault's reason in Slurm, pods evicted, quarantined in Kubernetes, never
+    lent while it heals), and its inference runs on another lent node."""
+    by_fault, _, log = scenarios
+    o = by_fault["sharing"]
+    assert o.ok and not o.details.get("skipped"), log
+    m = o.milestones
+    assert {"lent", "serving", "reclaimed", "training", "lent-again", "serving-again", "incident", "isolated",
+            "moved"} <= set(m), m  # fmt: skip
+    inc = o.incidents[0]
+    assert (inc["state"], inc["action"], inc["class"]) == ("done", "ISOLATE_AND_RELOCATE", "hardware")
+    info = lab.slurm().node(o.node)
+    assert info.drained and owns_reason(info.reason) and info.reason != LENT_REASON, info.reason
+    k = lab.k8s_nodes()[o.node]
+    assert k["spec"]["unschedulable"] is True and k["metadata"]["labels"][LABEL_POOL] != POOL_LENT
+    assert TAINT_LENT not in [t["key"] for t in k["spec"].get("taints") or []]
+    assert ANNOTATION_LENT not in (k["metadata"].get("annotations") or {})
+    assert lab.node_states()[o.node] != "active"
+
+
 def test_a_lost_leaf_switch_moves_the_job_to_the_sibling_cluster(scenarios):
-    """Scenario 7: cluster a cannot heal the job (no standby, budget one node): its remediator moves it to b,
+    """Scenario 8: cluster a cannot heal the job (no standby, budget one node): its remediator moves it to b,
     where it resumes from its checkpoint, losing at most the steps since that checkpoint, in the same log."""
     by_fault, _, text = scenarios
     o = by_fault["leaf-switch"]

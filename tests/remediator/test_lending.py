@@ -115,6 +115,28 @@ def test_kueue_admits_within_what_the_pool_may_lend_and_a_pod_past_it_gets_no_no
     assert pool.ctl.step().waiting_gpus == {}
 
 
+def test_a_node_taken_back_is_not_lent_again_before_its_job_starts(
+    cp: KubeControlPlane, kueue: KueueController, tmp_path: Path
+) -> None:
+    """Once the lent node is back, the waiting job has the idle nodes it needs and starts at Slurm's next scheduling
+    pass (the deployed timers); the pod evicted meanwhile is made again and waits. A round in between lent the node
+    again: the demo's Deployment had a node lent and taken back every 3 s."""
+    with SharedPool(cp, tmp_path, kueue=kueue, fast_timers=False) as pool:
+        pod = pool.inference_pod()
+        (lent,) = pool.ctl.step().lent
+        _wait("the pod to run", lambda: pool.running_on(pod))
+        job = pool.slurm.sbatch(SLEEP, "-N", "3")
+        _waits_for_nodes(pool, job)
+        _rounds(pool, "the node back in Slurm", lambda r: lent in r.reclaimed)
+        pool.inference_pod()  # the evicted pod, made again by its ReplicaSet and admitted again
+        deadline = time.monotonic() + 60
+        while pool.slurm.job_state(job) != "RUNNING":
+            assert time.monotonic() < deadline, "the job did not start"
+            r = pool.ctl.step()
+            assert r.lent == [], r
+            time.sleep(0.3)
+
+
 def test_lending_keeps_its_rules(cp: KubeControlPlane, kueue: KueueController, tmp_path: Path) -> None:
     """Never a busy, cordoned or non-active node; never more than max_nodes, even when Kueue's quota is larger (a
     stack the policy pack refuses); nothing more while a job waits."""
@@ -158,6 +180,22 @@ def test_a_pod_outside_kueues_namespaces_never_gets_a_node_lent(pool: SharedPool
         pool.cp.request("DELETE", f"/api/v1/namespaces/default/pods/{pool.prefix}-intruder?gracePeriodSeconds=0")
 
 
+def test_a_pod_being_deleted_gets_no_node_lent(pool: SharedPool) -> None:
+    """A deleted pod waits for nothing. Kueue holds it a moment by its finalizer and may even admit it meanwhile: a
+    test's deleted pod past the quota was admitted as the quota freed, and the next test's round lent a node for it."""
+    pod = pool.inference_pod()
+    path = f"/api/v1/namespaces/ml/pods/{pod}"
+    hold = [{"op": "add", "path": "/metadata/finalizers/-", "value": "fleetheal.io/test-hold"}]
+    pool.cp.request("PATCH", path, hold, "application/json-patch+json")
+    pool.cp.request("DELETE", path)
+    try:
+        assert (pool.pod(pod) or {}).get("metadata", {}).get("deletionTimestamp")
+        r = pool.ctl.step()
+        assert r.waiting_gpus == {} and r.lent == [], r
+    finally:
+        pool.cp.request("PATCH", path, {"metadata": {"finalizers": None}}, "application/merge-patch+json")
+
+
 def test_a_node_drained_for_a_loan_it_is_not_on_goes_back_to_slurm(pool: SharedPool) -> None:
     """A lend stopped between Slurm and the Node (a crash, an API server that did not answer) leaves an active
     node drained with the loan's reason: the next round resumes it, and leaves every other drain alone."""
@@ -195,6 +233,25 @@ def test_a_reclaim_never_evicts_a_pod_nothing_would_recreate(pool: SharedPool) -
     assert pool.running_on(f"{pool.prefix}-bare") == lent and pool.pool_of(lent) == contracts.POOL_LENT
 
 
+def test_a_reclaim_evicts_what_the_loan_brought_and_leaves_other_pods(pool: SharedPool) -> None:
+    """Kueue's pods and any pod holding GPUs go; a pod of another namespace without GPUs (a node service that is no
+    DaemonSet's) stays, as on an active node. It once held the reclaim: the demo's lent node kept its slurmd pod,
+    whose disruption budget refused the eviction."""
+    pod = pool.inference_pod()
+    (lent,) = pool.ctl.step().lent
+    _wait("the pod to run", lambda: pool.running_on(pod))
+    other = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{pool.prefix}-svc", "namespace": "default"},
+             "spec": {"nodeName": lent, "containers": [{"name": "svc", "image": "registry.k8s.io/pause:3.10"}]}}  # fmt: skip
+    path = f"/api/v1/namespaces/default/pods/{pool.prefix}-svc"
+    pool.cp.request("POST", "/api/v1/namespaces/default/pods", other)
+    try:
+        _waits_for_nodes(pool, pool.slurm.sbatch(SLEEP, "-N", "3"))
+        _rounds(pool, "the node back in Slurm", lambda r: lent in r.reclaimed)
+        assert pool.pod(pod) is None and pool.cp.request("GET", path)["spec"]["nodeName"] == lent
+    finally:
+        pool.cp.request("DELETE", f"{path}?gracePeriodSeconds=0")
+
+
 def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     pod = pool.inference_pod(labels={"app": "guarded"})
     (lent,) = pool.ctl.step().lent
@@ -215,6 +272,11 @@ def test_a_reclaim_honours_the_pods_disruption_budget(pool: SharedPool) -> None:
     r = pool.ctl.step()
     assert "eviction refused" in r.reclaiming[lent] and "429" in r.reclaiming[lent], r
     assert pool.running_on(pod) == lent and pool.pool_of(lent) == contracts.POOL_LENT  # never forced
+    # Closed to new pods meanwhile: a pod made again (a ReplicaSet's, admitted again) never lands on it. Without the
+    # taint the demo's Deployment put its evicted pod straight back and the reclaim never ended.
+    newcomer = pool.inference_pod()
+    time.sleep(1.0)
+    assert not (pool.pod(newcomer) or {}).get("spec", {}).get("nodeName")
     # The reclaim is on the Node: the next round (or a new leader) goes on with it first.
     assert "reclaim" in json.loads(pool.node(lent)["metadata"]["annotations"][contracts.ANNOTATION_LENT])
     pool.cp.request("DELETE", f"{path}/guarded")
