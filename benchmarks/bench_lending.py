@@ -76,6 +76,8 @@ def run() -> list[dict[str, Any]]:
             )  # fmt: skip
             thread = threading.Thread(target=pool.ctl.run, args=(stop,), daemon=True)
             thread.start()
+            stack.callback(thread.join, 30)  # stopped and done before the pool goes (callbacks run last first)
+            stack.callback(stop.set)
             for _ in range(ROUNDS):
                 job = pool.slurm.sbatch(SLEEP, "-N", "2", "-o", "/dev/null")
                 wait_until(lambda j=job: pool.slurm.job_state(j) == "RUNNING", 60, "the training job to run")
