@@ -2,11 +2,10 @@
 are also kwok Nodes of the same names (pool `h100`, active) on a real control plane, and the remediator's lending
 controller (fleetheal.remediator.lending) over both. Tests and `benchmarks/bench_lending.py` use it.
 
-With `kueue` (the real controller, `fleetheal.lab.kueue`), the pool has the stack's queues
-(`fleetheal.infra.kueue.manifests`, its quota what the pool may lend) and its inference pods go through them: made
-with a LocalQueue's name only, gated by Kueue until it admits them, then given the flavour's node selector
-(`fleetheal.io/pool: lent` and the GPU type) and tolerations by Kueue. Without it, the pods are made as Kueue leaves
-an admitted workload's pods.
+The pool has the stack's queues (`fleetheal.infra.kueue.manifests`, its quota what the pool may lend) on Kueue's
+real controller (`fleetheal.lab.kueue`), and its inference pods go through them: made with a LocalQueue's name
+only, gated by Kueue until it admits them, then given the flavour's node selector (`fleetheal.io/pool: lent` and
+the GPU type) and tolerations by Kueue.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from fleetheal import contracts, steps
-from fleetheal.infra import kueue as queues
 from fleetheal.infra.stack_model import GpuPool
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.kubeapi import KubeApiError
@@ -49,18 +47,18 @@ class SharedPool:
         self,
         cp: KubeControlPlane,
         state_dir: Path,
+        kueue: KueueController,
         *,
         nodes: int = 3,
         gpus: int = 2,
         interval_s: float = LendingConfig().interval_s,
         fast_timers: bool = True,
-        kueue: KueueController | None = None,
         quota_nodes: int | None = None,
         **rules: Any,
     ) -> None:
         self.cp = cp
-        self.gpus = gpus
         self.kueue = kueue
+        self.gpus = gpus
         self.prefix = next(_prefixes)
         self._queues: list[str] = []
         self.slurm = SlurmCluster(
@@ -108,19 +106,15 @@ class SharedPool:
             assert kube is not None
             self.store = Store(str(state_dir / "store.db"))
             pool = LendingPool(**{"max_nodes": nodes, "min_lent_s": 0.0, "reclaim_grace_s": 1.0, **rules})
-            if kueue is not None:
-                lendable = pool.max_nodes if quota_nodes is None else quota_nodes
-                self._queues = apply_queues(cp, self.prefix, self._spec(nodes, lendable), (NAMESPACE,))
+            lendable = pool.max_nodes if quota_nodes is None else quota_nodes
+            spec = GpuPool(POOL, GPU_TYPE, gpus, nodes, 0, lend_max_percent=-(-lendable * 100 // nodes))
+            self._queues = apply_queues(cp, self.prefix, spec, (NAMESPACE,))
             self.ctl = LendingController(
                 LendingConfig(True, interval_s, {POOL: pool}, (NAMESPACE,)), self.store, kube, steps.Slurm(settings)
             )
         except BaseException:
             self.close()
             raise
-
-    def _spec(self, nodes: int, lendable: int) -> GpuPool:
-        """This pool as the stack declares it, lending `lendable` of its `nodes` nodes at most."""
-        return GpuPool(POOL, GPU_TYPE, self.gpus, nodes, 0, lend_max_percent=-(-lendable * 100 // nodes))
 
     def close(self) -> None:
         self.slurm.stop()
@@ -175,26 +169,18 @@ class SharedPool:
     def inference_pod(
         self, gpus: int | None = None, labels: dict[str, str] | None = None, *, admit: bool = True
     ) -> str:
-        """A pod of the inference workload: in Kueue's small queue, or as Kueue leaves an admitted pod (module
-        docstring). `admit`: return once Kueue has admitted it (False: at once, as for a pod past the quota)."""
+        """A pod of the inference workload, in Kueue's small queue. `admit`: return once Kueue has admitted it (False:
+        at once, as for a pod past the quota)."""
         name = f"{self.prefix}-infer-{next(self._pods)}"
         limits = {"nvidia.com/gpu": str(self.gpus if gpus is None else gpus)}
         spec: dict[str, Any] = {
             "containers": [{"name": "serve", "image": "registry.k8s.io/pause:3.10", "resources": {"limits": limits}}]
         }
-        labels = {"workload": self.prefix, **(labels or {})}
-        if self.kueue is not None:
-            labels[QUEUE_LABEL] = "small"
-        else:
-            args: queues.KueueQueuesArgs = {"cluster_name": self.prefix, "pools": (self._spec(1, 1),), "namespaces": (),
-                                            "large_share_percent": 0, "borrowing_limit_percent": 0,
-                                            "lending_limit_percent": 0}  # fmt: skip
-            (flavour,) = queues.manifests(args)["flavors"]
-            spec |= {"nodeSelector": flavour["spec"]["nodeLabels"], "tolerations": flavour["spec"]["tolerations"]}
+        labels = {"workload": self.prefix, QUEUE_LABEL: "small", **(labels or {})}
         meta = {"name": name, "namespace": NAMESPACE, "labels": labels, "ownerReferences": [self.owner]}
         self.cp.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {"apiVersion": "v1", "kind": "Pod",
                                                                          "metadata": meta, "spec": spec})  # fmt: skip
-        if self.kueue is not None and admit:
+        if admit:
             wait_until(lambda: self.admitted(name), ADMIT_S, f"Kueue to admit {name}", interval=0.1)
         return name
 
