@@ -47,7 +47,7 @@ import yaml
 from fleetheal.httpjson import request_json
 from fleetheal.lab.kubeapi import KubeApiError, api_request, token_client
 from fleetheal.lab.kubepki import SERVICE_CIDR, Pki, cert_kubeconfig
-from fleetheal.lab.supervisor import Supervisor, spawn
+from fleetheal.lab.supervisor import Supervisor, log_tail, spawn
 from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir
 from fleetheal.wait import WaitTimeout, wait_until
@@ -74,14 +74,6 @@ _META_FILE = "controlplane.json"
 
 class ControlPlaneError(RuntimeError):
     """A binary is missing, a daemon did not start, or the API did not answer in time."""
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    """The last `lines` lines of a daemon's log, for an error message."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 def tools_built() -> bool:

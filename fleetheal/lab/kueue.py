@@ -23,14 +23,12 @@ from typing import Any, Self
 
 import yaml
 
-from fleetheal.httpjson import request_json
 from fleetheal.infra.stack_model import GpuPool
-from fleetheal.lab.controlplane import KubeControlPlane, log_tail
+from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.kubepki import Pki
-from fleetheal.lab.supervisor import Supervisor, spawn
+from fleetheal.lab.supervisor import Supervisor, spawn, wait_ready
 from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir, tools_share
-from fleetheal.wait import WaitTimeout, wait_until
 
 BINARY = "kueue"
 #: Kueue's namespace (its events, and what its install calls kueue-system).
@@ -87,10 +85,22 @@ def webhook_configurations(url: str, ca: bytes, namespaces: Sequence[str]) -> li
     return out
 
 
-def apply_queues(cp: KubeControlPlane, cluster_name: str, pool: GpuPool, namespaces: Sequence[str]) -> list[str]:
-    """The stack's queues for one GPU pool (`fleetheal.infra.kueue.manifests`), its quota what the pool may lend, all
-    of it in the small queue (the lab has one workload size); the API paths made, last made first."""
+def apply_queues(
+    cp: KubeControlPlane,
+    cluster_name: str,
+    *,
+    gpu_type: str,
+    gpus: int,
+    nodes: int,
+    lendable: int,
+    namespaces: Sequence[str],
+) -> list[str]:
+    """The stack's queues (`fleetheal.infra.kueue.manifests`) for one GPU pool of `nodes` nodes of `gpus` GPUs that
+    lends `lendable` of them at most (its lendMaxPercent rounded up to that), all of its quota in the small queue
+    (the lab has one workload size); the API paths made, last made first."""
     from fleetheal.infra import kueue as queues
+
+    pool = GpuPool(gpu_type, gpu_type, gpus, nodes, 0, lend_max_percent=-(-lendable * 100 // nodes))
 
     rendered = queues.manifests(
         {"cluster_name": cluster_name, "pools": (pool,), "namespaces": tuple(namespaces), "large_share_percent": 0,
@@ -180,18 +190,8 @@ class KueueController(Supervisor):
             for doc in self._hooks:
                 kind = "mutating" if doc["kind"] == "MutatingWebhookConfiguration" else "validating"
                 self.cp.request("POST", f"/apis/admissionregistration.k8s.io/v1/{kind}webhookconfigurations", doc)
-
-            def ready() -> bool:
-                if not alive(pid):
-                    raise KueueLabError(f"kueue exited:\n{log_tail(self.log)}")
-                with contextlib.suppress(ValueError):  # its answer, "ok", is no JSON
-                    request_json("GET", f"http://127.0.0.1:{health}/readyz", timeout=2)
-                return True
-
-            wait_until(ready, timeout, "kueue to be ready", interval=0.2, ignore=(OSError,))
-        except WaitTimeout as e:
-            self.stop()
-            raise KueueLabError(f"kueue not ready in {timeout:.0f} s:\n{log_tail(self.log)}") from e
+            url = f"http://127.0.0.1:{health}/readyz"
+            wait_ready(BINARY, url, lambda: alive(pid), self.log, timeout=timeout, error=KueueLabError)
         except BaseException:
             self.stop()
             raise

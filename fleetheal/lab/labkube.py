@@ -213,15 +213,12 @@ class LabKube:
         return what
 
     def _up_kueue(self, cp: KubeControlPlane) -> None:
-        from fleetheal.infra.stack_model import GpuPool
-
         self.kueue = KueueController(
             cp, self.dir / "kueue", (INFERENCE_NAMESPACE,), spawn=self._spawn, log=self.lab_dir / "logs" / "kueue.log"
         ).start()
         active = len(self.nodes) - len(self.standby)
-        pool = GpuPool(GPU_POOL, GPU_POOL, self.gpus, active, len(self.standby),
-                       lend_max_percent=-(-LEND_NODES * 100 // active))  # fmt: skip
-        apply_queues(cp, "lab", pool, (INFERENCE_NAMESPACE,))
+        apply_queues(cp, "lab", gpu_type=GPU_POOL, gpus=self.gpus, nodes=active, lendable=LEND_NODES,
+                     namespaces=(INFERENCE_NAMESPACE,))  # fmt: skip
 
     def _up_double(self) -> str:
         self.dir.mkdir()

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from fleetheal import contracts, steps
-from fleetheal.infra.stack_model import GpuPool
 from fleetheal.lab.controlplane import KubeControlPlane
 from fleetheal.lab.kubeapi import KubeApiError
 from fleetheal.lab.kueue import KueueController, apply_queues
@@ -107,8 +106,9 @@ class SharedPool:
             self.store = Store(str(state_dir / "store.db"))
             pool = LendingPool(**{"max_nodes": nodes, "min_lent_s": 0.0, "reclaim_grace_s": 1.0, **rules})
             lendable = pool.max_nodes if quota_nodes is None else quota_nodes
-            spec = GpuPool(POOL, GPU_TYPE, gpus, nodes, 0, lend_max_percent=-(-lendable * 100 // nodes))
-            self._queues = apply_queues(cp, self.prefix, spec, (NAMESPACE,))
+            self._queues = apply_queues(
+                cp, self.prefix, gpu_type=GPU_TYPE, gpus=gpus, nodes=nodes, lendable=lendable, namespaces=(NAMESPACE,)
+            )
             self.ctl = LendingController(
                 LendingConfig(True, interval_s, {POOL: pool}, (NAMESPACE,)), self.store, kube, steps.Slurm(settings)
             )

@@ -15,7 +15,6 @@ session) waits for the first to stop, on a lock of the port (`_port_lock`).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import socket
@@ -25,13 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Self
 
-from fleetheal.httpjson import request_json
-from fleetheal.lab.controlplane import log_tail
 from fleetheal.lab.slurm import SlurmCluster, find_tool
-from fleetheal.lab.supervisor import Supervisor, spawn
+from fleetheal.lab.supervisor import Supervisor, log_tail, spawn, wait_ready
 from fleetheal.procs import alive, free_ports, stop_pid
 from fleetheal.tools import tools_dir, tools_share
-from fleetheal.wait import WaitTimeout, wait_until
+from fleetheal.wait import wait_until
 
 #: The operator's slurmrestd URL with DEBUG=1 (internal/controller/slurmclient: http://localhost:<SlurmrestdPort>).
 RESTAPI_PORT = 6820
@@ -190,19 +187,8 @@ class SlurmOperator(Supervisor):
         proc = spawn(argv, self.log, env=env)
         self.pid = proc.pid
         url = f"http://127.0.0.1:{self.health_port}/readyz"
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise SlinkyLabError(f"slurm-operator exited ({proc.returncode}):\n{log_tail(self.log)}")
-            with contextlib.suppress(ValueError):  # its answer, "ok", is no JSON
-                request_json("GET", url, timeout=2)
-            return True
-
         try:
-            wait_until(ready, timeout, "slurm-operator to be ready", interval=0.2, ignore=(OSError,))
-        except WaitTimeout as e:
-            self.stop()
-            raise SlinkyLabError(f"slurm-operator not ready in {timeout:.0f} s:\n{log_tail(self.log)}") from e
+            wait_ready(OPERATOR, url, lambda: proc.poll() is None, self.log, timeout=timeout, error=SlinkyLabError)
         except BaseException:
             self.stop()
             raise

@@ -18,10 +18,13 @@ import contextlib
 import os
 import subprocess
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from fleetheal.httpjson import request_json
+from fleetheal.wait import WaitTimeout, wait_until
 
 
 class Supervisor(ABC):
@@ -67,3 +70,30 @@ def spawn(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a daemon's log, for an error message."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def wait_ready(
+    what: str, url: str, running: Callable[[], bool], log: Path, *, timeout: float, error: type[Exception]
+) -> None:
+    """Until the controller's readiness endpoint `url` answers (a controller-runtime `/readyz`: "ok", no JSON);
+    `error` with the last lines of its `log` when it exits first (`running()` false) or is not ready in `timeout`."""
+
+    def ready() -> bool:
+        if not running():
+            raise error(f"{what} exited:\n{log_tail(log)}")
+        with contextlib.suppress(ValueError):  # its answer, "ok", is no JSON
+            request_json("GET", url, timeout=2)
+        return True
+
+    try:
+        wait_until(ready, timeout, f"{what} to be ready", interval=0.2, ignore=(OSError,))
+    except WaitTimeout as e:
+        raise error(f"{what} not ready in {timeout:.0f} s:\n{log_tail(log)}") from e
